@@ -1,0 +1,1 @@
+"""intellect_jax.diloco."""
