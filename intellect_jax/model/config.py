@@ -133,7 +133,7 @@ class ModelConfig(BaseModel):
             raise ConfigError(f"config.json model_type {hf.get('model_type')!r} is not 'llama'")
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        rs = hf.get("rope_scaling") or None
+        rs = hf.get("rope_scaling") or hf.get("rope_parameters") or None
         if rs is not None:
             kind = rs.get("rope_type", rs.get("type"))
             if kind == "default":
@@ -141,6 +141,7 @@ class ModelConfig(BaseModel):
             elif kind != "llama3":
                 raise ConfigError(f"config.json rope_scaling type {kind!r} is not supported")
             else:
+                rs = {"original_max_position_embeddings": hf.get("max_position_embeddings", 8192), **rs}
                 rs = {k: rs[k] for k in RopeScaling.model_fields if k in rs}
         theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 1e4)
         kw = dict(

@@ -1,0 +1,77 @@
+"""`python -m intellect_jax.plot runs/<name> [--out DIR]`: PNG plots from metrics.jsonl.
+
+Writes loss.png (train and validation loss), lr.png and throughput.png (tokens/s, and MFU when
+known) into the run directory (or --out)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from intellect_jax.cli import run_main
+
+PLOTS = {
+    "loss": ("loss", [("loss", "train"), ("val_loss", "validation")]),
+    "lr": ("learning rate", [("lr", "lr")]),
+    "throughput": ("tokens / s", [("tokens_per_s", "tokens/s")]),
+}
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found (is this a run directory?)")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}:{i}: not a JSON line") from None
+    return rows
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    ap = argparse.ArgumentParser(prog="python -m intellect_jax.plot", description=__doc__.split("\n\n")[1])
+    ap.add_argument("run_dir")
+    ap.add_argument("--out", default=None, help="where to write the PNGs (default: the run dir)")
+    args = ap.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = Path(args.run_dir)
+    rows = read_metrics(run / "metrics.jsonl")
+    out_dir = Path(args.out) if args.out else run
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, (ylabel, keys) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, label in keys:
+            x, y = series(rows, key)
+            if x:
+                ax.plot(x, y, marker="o" if key == "val_loss" else None, ms=3, label=label)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{run.name}: {ylabel}")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        path = out_dir / f"{name}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    print(" ".join(str(p) for p in written))
+    return written
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

@@ -1,0 +1,28 @@
+"""A node spanning several host processes: JAX's own runtime (`jax.distributed`)."""
+
+from __future__ import annotations
+
+import jax
+
+from intellect_jax.config import DistConfig, RunConfig
+
+
+def setup_runtime(run: RunConfig, dist: DistConfig) -> None:
+    """Process-wide JAX setup, before any computation: compilation cache, multi-host runtime."""
+    if run.compile_cache and not jax.config.jax_compilation_cache_dir:
+        import os
+
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(run.compile_cache))
+    maybe_initialize(dist)
+
+
+def maybe_initialize(cfg: DistConfig) -> None:
+    """Join the node's processes into one runtime (one global mesh over all their devices)."""
+    if cfg.num_processes == 1:
+        return
+    if not cfg.coordinator_address:
+        raise ValueError("dist.coordinator_address is required when dist.num_processes > 1")
+    if cfg.process_id >= cfg.num_processes:
+        raise ValueError(f"dist.process_id ({cfg.process_id}) must be < dist.num_processes ({cfg.num_processes})")
+    jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
+                               process_id=cfg.process_id)

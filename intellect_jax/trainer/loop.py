@@ -1,0 +1,194 @@
+"""The single-node trainer: builds mesh, data, state and the jitted steps from a `TrainConfig`,
+then runs inner steps with logging, evaluation and checkpoints. DiLoCo drives `train(until)`."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from intellect_jax.config import TrainConfig
+from intellect_jax.data import tokenizer as toklib
+from intellect_jax.data.pipeline import make_train_iter, make_val_batches
+from intellect_jax.model import sharding as S
+from intellect_jax.model.config import ConfigError
+from intellect_jax.trainer import step as T
+from intellect_jax.trainer.checkpoint import Checkpointer
+from intellect_jax.trainer.metrics import MetricsLogger, peak_flops
+from intellect_jax.trainer.optim import make_schedule, make_tx
+
+
+class RunDirError(RuntimeError):
+    pass
+
+
+def prepare_run_dir(cfg: TrainConfig) -> Path:
+    """Create runs/<name>/ and prove it is writable; refuse to train over an existing run's
+    checkpoints unless resuming (nothing is overwritten by accident)."""
+    d = cfg.run_dir
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".probe-{uuid.uuid4().hex}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise RunDirError(f"run.out_dir: cannot write run directory {d}: {e.strerror or e}") from None
+    ckpt = d / "ckpt"
+    has_ckpt = ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())
+    if has_ckpt and not cfg.ckpt.resume:
+        raise RunDirError(
+            f"{d} already holds checkpoints: pass --ckpt.resume to continue it, "
+            "or choose another --run.name"
+        )
+    return d
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class Trainer:
+    """One node's inner loop. `node_rank/node_count` pick this node's data shard (DiLoCo)."""
+
+    def __init__(self, cfg: TrainConfig, *, node_rank: int = 0, node_count: int = 1):
+        self.cfg = cfg
+        self.mcfg = cfg.model.build()
+        self.lead = jax.process_index() == 0
+        self.run_dir = prepare_run_dir(cfg)
+        self.mesh = S.make_mesh(cfg.mesh.fsdp, cfg.mesh.tp)
+        self.tok = toklib.load_tokenizer(cfg.data)
+        toklib.check_vocab(self.tok, self.mcfg.vocab_size)
+
+        B, L = cfg.data.batch_size, cfg.data.seq_len
+        if L > self.mcfg.max_seq_len:
+            raise ConfigError(f"data.seq_len ({L}) exceeds model max_seq_len ({self.mcfg.max_seq_len})")
+        micro = cfg.run.micro_batch_size or B
+        if B % micro:
+            raise ConfigError(f"data.batch_size ({B}) must be a multiple of run.micro_batch_size ({micro})")
+        nproc = jax.process_count()
+        if B % nproc:
+            raise ConfigError(f"data.batch_size ({B}) must divide over {nproc} host processes")
+        self.total_steps = cfg.run.steps
+        self.schedule = make_schedule(cfg.optim, self.total_steps)
+        tx = make_tx(cfg.optim, self.total_steps)
+        self.graphdef, abs_state, self.shardings = T.state_shardings(self.mcfg, tx, self.mesh)
+        self.abstract_state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, self.shardings
+        )
+        self.batch_sh = T.batch_sharding(self.mesh, (B, L + 1))
+        self.data = make_train_iter(
+            cfg.data, self.tok, node_rank=node_rank, node_count=node_count,
+            process_index=jax.process_index(), process_count=nproc,
+        )
+        self._val = None
+        self.node_rank, self.node_count = node_rank, node_count
+
+        self.ckpt = Checkpointer(self.run_dir / "ckpt", every=cfg.ckpt.every, keep=cfg.ckpt.keep,
+                                 async_save=cfg.ckpt.async_save)
+        latest = self.ckpt.latest_step() if cfg.ckpt.resume else None
+        if latest is not None:
+            self.state, data_state, _ = self.ckpt.restore(self.abstract_state, latest)
+            self.data.set_state(data_state)
+        else:
+            self.state = T.init_state(self.mcfg, tx, self.mesh, cfg.run.seed, self.shardings)
+        self.step = int(jax.device_get(self.state.step))
+
+        step_fn = T.make_train_step(self.graphdef, tx, self.schedule,
+                                    z_weight=cfg.optim.z_loss_weight, micro_steps=B // micro)
+        self._train, self._eval = T.compile_steps(
+            step_fn, T.make_eval_step(self.graphdef), self.shardings, self.batch_sh
+        )
+        self.tokens_per_step = B * L
+        n_dev = self.mesh.size
+        peak = peak_flops(jax.devices()[0].device_kind, cfg.run.peak_tflops)
+        self._peak_total = peak * n_dev if peak else None
+        self.logger = None
+        if self.lead:
+            write_atomic(self.run_dir / "config.json", cfg.model_dump_json(indent=2))
+            toklib.save_hf_tokenizer(self.tok, self.run_dir / "tokenizer", self.mcfg.max_seq_len)
+            self.logger = MetricsLogger(self.run_dir, total_steps=self.total_steps,
+                                        start_step=self.step, progress=cfg.run.progress)
+
+    # ------------------------------------------------------------------------------------
+    def _device_batch(self, local: np.ndarray) -> jax.Array:
+        return jax.make_array_from_process_local_data(self.batch_sh, np.asarray(local, np.int32))
+
+    def evaluate(self) -> float:
+        """Mean validation loss per token over `run.eval_batches` held-out batches."""
+        if self._val is None:
+            self._val = make_val_batches(
+                self.cfg.data, self.tok, max_batches=self.cfg.run.eval_batches,
+                node_rank=self.node_rank, node_count=self.node_count,
+                process_index=jax.process_index(), process_count=jax.process_count(),
+            )
+        tot, n = 0.0, 0
+        for b in self._val:
+            nll_B = jax.device_get(self._eval(self.state.params, self._device_batch(b["tokens"])))
+            tot, n = tot + float(np.sum(nll_B)), n + nll_B.size * self.cfg.data.seq_len
+        return tot / max(n, 1)
+
+    def save(self, *, force: bool = False) -> None:
+        if self.step in self.ckpt.all_steps():
+            return
+        meta = {"step": self.step, "config": self.cfg.model_dump(mode="json"),
+                "node_rank": self.node_rank, "node_count": self.node_count}
+        tok = {"json": self.tok.json, "bos_token": self.tok.bos_token, "eos_token": self.tok.eos_token}
+        self.ckpt.save(self.step, self.state, data=self.data.get_state(), meta=meta,
+                       tokenizer=tok, force=force)
+
+    def _log(self, step: int, metrics: Any, dt: float, extra: dict | None = None) -> dict:
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        m["step_time"] = dt
+        m["tokens_per_s"] = self.tokens_per_step / dt if dt > 0 else None
+        if self._peak_total and dt > 0:
+            m["mfu"] = self.mcfg.flops_per_token(self.cfg.data.seq_len) * m["tokens_per_s"] / self._peak_total
+        m.update(extra or {})
+        if self.logger is not None and (step % self.cfg.run.log_every == 0 or extra):
+            self.logger.log(step, m)
+        return m
+
+    def train(self, until: int | None = None) -> dict:
+        """Run inner steps up to step `until` (default: the job's end); returns the last metrics.
+
+        Step N is dispatched before step N-1's metrics are fetched, so the host never idles
+        the devices waiting on a log line."""
+        until = min(until or self.cfg.run.stop_at or self.total_steps, self.total_steps)
+        every, ev = self.cfg.ckpt.every, self.cfg.run.eval_every
+        pending, last = None, {}
+        t_prev = time.perf_counter()
+        while self.step < until:
+            batch = self._device_batch(next(self.data)["tokens"])
+            self.state, metrics = self._train(self.state, batch)
+            self.step += 1
+            if pending is not None:
+                now = time.perf_counter()
+                last = self._log(*pending, now - t_prev)
+                t_prev = now
+            pending = (self.step, metrics)
+            if every and self.step % every == 0:
+                self.save()
+            if ev and self.step % ev == 0 and self.step < until:
+                jax.block_until_ready(metrics)
+                now = time.perf_counter()
+                last = self._log(*pending, now - t_prev, {"val_loss": self.evaluate()})
+                pending, t_prev = None, time.perf_counter()
+        if pending is not None:
+            jax.block_until_ready(pending[1])
+            now = time.perf_counter()
+            extra = {"val_loss": self.evaluate()} if self.step == until else None
+            last = self._log(*pending, now - t_prev, extra)
+        return last
+
+    def close(self, *, save: bool = True) -> None:
+        if save:
+            self.save(force=True)
+        self.ckpt.close()
+        if self.logger is not None:
+            self.logger.close()

