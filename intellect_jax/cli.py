@@ -18,7 +18,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from intellect_jax.trainer.loop import RunDirError
 
     return (ConfigError, DataError, HFFormatError, CheckpointError, RunDirError, ValidationError,
-            FileNotFoundError, PermissionError)
+            FileNotFoundError, FileExistsError, PermissionError)
 
 
 def run_main(main: Callable[[], Any]) -> int:

@@ -43,6 +43,7 @@ class ModelSection(BaseModel):
     model_config = _FROZEN
 
     preset: str = "debug"
+    init_from: str | None = None  # a Hugging Face Llama dir: architecture + weights to start from
     vocab_size: PositiveInt | None = None
     hidden_size: PositiveInt | None = None
     num_layers: PositiveInt | None = None
@@ -58,7 +59,11 @@ class ModelSection(BaseModel):
     attention_impl: Literal["auto", "xla", "cudnn"] | None = None
 
     def build(self) -> ModelConfig:
-        over = {k: v for k, v in self.model_dump(exclude={"preset"}).items() if v is not None}
+        over = {k: v for k, v in self.model_dump(exclude={"preset", "init_from"}).items() if v is not None}
+        if self.init_from:
+            from intellect_jax.model.hf import read_hf_config
+
+            return read_hf_config(self.init_from, **over)
         return ModelConfig.preset(self.preset, **over)
 
 

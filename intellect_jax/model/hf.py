@@ -200,9 +200,6 @@ def read_hf_config(hf_dir: str | Path, **overrides: Any) -> ModelConfig:
         raise HFFormatError(f"{p}: missing")
     try:
         hf = json.loads(p.read_text())
-        rp = hf.get("rope_parameters") or {}
-        if not hf.get("rope_scaling") and rp.get("rope_type", "default") != "default":
-            hf["rope_scaling"] = rp  # transformers 5 keeps the scaling in rope_parameters
         return ModelConfig.from_hf(hf, **overrides)
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         what = f"missing key {err}" if isinstance(err, KeyError) else str(err)

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from intellect_jax.config import TrainConfig
 from intellect_jax.data import tokenizer as toklib
@@ -97,7 +98,12 @@ class Trainer:
             self.state, data_state, _ = self.ckpt.restore(self.abstract_state, latest)
             self.data.set_state(data_state)
         else:
-            self.state = T.init_state(self.mcfg, tx, self.mesh, cfg.run.seed, self.shardings)
+            params = None
+            if cfg.model.init_from:  # continue training a published checkpoint
+                from intellect_jax.model.hf import load_hf_state
+
+                params = nnx.to_pure_dict(load_hf_state(cfg.model.init_from, self.mcfg, mesh=self.mesh))
+            self.state = T.init_state(self.mcfg, tx, self.mesh, cfg.run.seed, self.shardings, params)
         self.step = int(jax.device_get(self.state.step))
 
         step_fn = T.make_train_step(self.graphdef, tx, self.schedule,
@@ -139,9 +145,8 @@ class Trainer:
             return
         meta = {"step": self.step, "config": self.cfg.model_dump(mode="json"),
                 "node_rank": self.node_rank, "node_count": self.node_count}
-        tok = {"json": self.tok.json, "bos_token": self.tok.bos_token, "eos_token": self.tok.eos_token}
         self.ckpt.save(self.step, self.state, data=self.data.get_state(), meta=meta,
-                       tokenizer=tok, force=force)
+                       tokenizer=self.tok.state(), force=force)
 
     def _log(self, step: int, metrics: Any, dt: float, extra: dict | None = None) -> dict:
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}

@@ -34,7 +34,7 @@ def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
 
 
 def apply_model(graphdef: nnx.GraphDef, params: Params, tokens_BxL: jax.Array) -> jax.Array:
-    return nnx.merge(graphdef, nnx.State(params))(tokens_BxL)
+    return nnx.merge(graphdef, params)(tokens_BxL)
 
 
 def _like_params(tree: Any, params_def: Any, params_sh: Any, replicated: NamedSharding) -> Any:
@@ -49,8 +49,8 @@ def _like_params(tree: Any, params_def: Any, params_sh: Any, replicated: NamedSh
 def state_shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh) -> tuple[nnx.GraphDef, Any, TrainState]:
     """(graphdef, abstract TrainState, TrainState of NamedShardings): nothing is allocated."""
     graphdef, abs_vars = abstract_model(cfg)
-    params_sh = S.state_shardings(abs_vars, mesh).to_pure_dict()
-    abs_params = abs_vars.to_pure_dict()
+    params_sh = nnx.to_pure_dict(S.state_shardings(abs_vars, mesh))
+    abs_params = nnx.to_pure_dict(abs_vars)
     abs_opt = jax.eval_shape(tx.init, abs_params)
     rep = NamedSharding(mesh, PartitionSpec())
     opt_sh = _like_params(abs_opt, jax.tree.structure(abs_params), params_sh, rep)
@@ -58,16 +58,21 @@ def state_shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Me
     return graphdef, abs_state, TrainState(rep, params_sh, opt_sh)
 
 
-def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int, shardings: TrainState) -> TrainState:
-    """Parameters and optimizer state born sharded on `mesh` (jitted init, out_shardings)."""
+def init_state(
+    cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, seed: int, shardings: TrainState,
+    params: Params | None = None,
+) -> TrainState:
+    """State born sharded on `mesh` (jitted init with out_shardings): fresh random parameters,
+    or the given (already placed) `params` with a fresh optimizer state."""
 
     @jax.jit(out_shardings=shardings)
-    def init() -> TrainState:
-        params = nnx.state(Llama(cfg, rngs=nnx.Rngs(params=seed))).to_pure_dict()
+    def init(params: Params | None) -> TrainState:
+        if params is None:
+            params = nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(params=seed))))
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
     with jax.set_mesh(mesh):
-        return init()
+        return init(params)
 
 
 def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
@@ -113,7 +118,7 @@ def make_train_step(
         metrics = {
             "loss": aux["ce"],
             "z_loss": aux["z"],
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "lr": schedule(state.step),
         }
         return TrainState(state.step + 1, params, opt_state), metrics

@@ -1,0 +1,103 @@
+"""Slow multi-process tests: a node spanning 2 host processes; SIGKILL during an async save."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_train import TINY_MODEL
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _args(out_dir, cache, name, steps, *extra):
+    m = TINY_MODEL
+    return [
+        sys.executable, "-m", "intellect_jax.train", "--run.name", name, "--run.out_dir", str(out_dir),
+        "--run.steps", str(steps), "--run.log_every", "1", "--run.no-progress", "--run.eval_batches", "1",
+        "--model.hidden_size", str(m["hidden_size"]), "--model.num_layers", str(m["num_layers"]),
+        "--model.num_heads", str(m["num_heads"]), "--model.num_kv_heads", str(m["num_kv_heads"]),
+        "--model.ffn_size", str(m["ffn_size"]), "--model.compute_dtype", "float32",
+        "--data.seq_len", "32", "--data.batch_size", "8", "--data.bpe_vocab_size", "1024",
+        "--data.cache_dir", str(cache), "--optim.lr", "3e-3", "--optim.warmup_steps", "2", *extra,
+    ]
+
+
+def _env(devices: int) -> dict:
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+                JAX_PLATFORMS="cpu")
+
+
+def _losses(run_dir):
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows]
+
+
+def test_two_hosts_times_four_devices_equal_one_host_times_eight(tmp_path):
+    cache = tmp_path / "cache"
+    one = subprocess.run(_args(tmp_path, cache, "one", 3), env=_env(8), capture_output=True,
+                         text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            _args(tmp_path, cache, "two", 3, "--dist.coordinator_address", f"127.0.0.1:{port}",
+                  "--dist.num_processes", "2", "--dist.process_id", str(i)),
+            env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    a, b = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert abs(x - y) < 1e-5 * abs(x), (a, b)
+
+
+def test_sigkill_during_async_save_keeps_last_checkpoint(tmp_path):
+    from intellect_jax.trainer.checkpoint import Checkpointer
+
+    cache = tmp_path / "cache"
+    argv = _args(tmp_path, cache, "k", 400, "--ckpt.every", "1", "--ckpt.keep", "50")
+    proc = subprocess.Popen(argv, env=_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ckdir = tmp_path / "k" / "ckpt"
+    killed_mid_save = False
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            names = os.listdir(ckdir) if ckdir.is_dir() else []
+            done = [n for n in names if n.isdigit()]
+            tmp = [n for n in names if "tmp" in n]
+            if len(done) >= 2 and tmp:
+                proc.send_signal(signal.SIGKILL)
+                killed_mid_save = True
+                break
+            time.sleep(0.005)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert killed_mid_save, "never caught a save in progress"
+    leftovers = [n for n in os.listdir(ckdir) if "tmp" in n]
+    assert leftovers, "the kill was meant to leave a partial checkpoint behind"
+    ck = Checkpointer(ckdir, every=1, keep=50)
+    latest = ck.latest_step()
+    ck.close()
+    assert latest is not None and latest >= 2
+    # resuming restores the last complete checkpoint and finishes the run
+    r = subprocess.run(argv[:argv.index("--run.steps") + 1] + [str(latest + 2)]
+                       + argv[argv.index("--run.steps") + 2:] + ["--ckpt.resume"],
+                       env=_env(1), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"step {latest + 2}" in r.stdout

@@ -1,0 +1,87 @@
+"""eval / export / plot tools on a real (tiny) run, and their bad-input errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+from intellect_jax import eval as eval_tool
+from intellect_jax import export as export_tool
+from intellect_jax import plot as plot_tool
+from intellect_jax.cli import run_main
+
+from test_train import tiny_cfg
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    from intellect_jax.trainer.loop import Trainer
+
+    cache = str(tmp_path_factory.mktemp("cache"))
+    t = Trainer(tiny_cfg(tmp_path_factory.mktemp("r"), cache, run={"steps": 4, "log_every": 1},
+                         ckpt={"every": 2}))
+    t.train()
+    t.close()
+    return t.run_dir
+
+
+def test_eval_prints_one_json_line(run_dir, tmp_path, capsys):
+    text = tmp_path / "held_out.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 40)
+    out = eval_tool.main(["--checkpoint", str(run_dir), "--data", str(text)])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(line) == out
+    assert out["step"] == 4 and out["tokens"] > 0
+    assert out["perplexity"] == pytest.approx(np.exp(out["loss"]))
+    early = eval_tool.main(["--checkpoint", str(run_dir), "--data", str(text), "--step", "2"])
+    assert early["step"] == 2 and early["loss"] != out["loss"]
+
+
+def test_export_loads_in_transformers(run_dir, tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from intellect_jax.trainer.load import load_run
+    from intellect_jax.trainer.step import apply_model
+
+    out = export_tool.main(["--checkpoint", str(run_dir), "--out", str(tmp_path / "hf")])
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    run = load_run(run_dir)
+    ids = run.tok.encode("Now is the winter of our discontent")
+    assert tok("Now is the winter of our discontent", add_special_tokens=False)["input_ids"] == ids
+    x = np.asarray([ids], np.int32)
+    ours = np.asarray(apply_model(run.graphdef, run.params, x))
+    with torch.no_grad():
+        theirs = model(torch.tensor(x, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+    # refuses to overwrite; nothing changes
+    assert run_main(lambda: export_tool.main(["--checkpoint", str(run_dir), "--out", str(out)])) == 2
+
+
+def test_plot_writes_pngs(run_dir, tmp_path):
+    paths = plot_tool.main([str(run_dir), "--out", str(tmp_path)])
+    assert {p.name for p in paths} == {"loss.png", "lr.png", "throughput.png"}
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "tool,argv,needle",
+    [
+        (eval_tool, ["--checkpoint", "/nonexistent/run", "--data", "x.txt"], "/nonexistent/run"),
+        (export_tool, ["--checkpoint", "/nonexistent/run", "--out", "/tmp/x"], "/nonexistent/run"),
+        (plot_tool, ["/nonexistent/run"], "metrics.jsonl"),
+    ],
+)
+def test_tools_bad_paths_one_line(tool, argv, needle, capsys):
+    assert run_main(lambda: tool.main(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
+
+
+def test_eval_bad_step_and_data(run_dir, tmp_path, capsys):
+    assert run_main(lambda: eval_tool.main(["--checkpoint", str(run_dir), "--data", "x", "--step", "3"])) == 2
+    assert "--step 3" in capsys.readouterr().err
+    assert run_main(lambda: eval_tool.main(["--checkpoint", str(run_dir), "--data", str(tmp_path / "nope.txt")])) == 2
+    assert "nope.txt" in capsys.readouterr().err
