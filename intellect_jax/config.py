@@ -151,9 +151,12 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> TrainCon
         base = load_toml(argv[i + 1])
         del argv[i : i + 2]
     try:
-        cfg = tyro.cli(TrainConfig, default=base, args=argv, description=description,
-                       use_underscores=True)
+        cfg, unknown = tyro.cli(TrainConfig, default=base, args=argv, description=description,
+                                use_underscores=True, return_unknown_args=True)
     except ValidationError as e:
         raise ConfigError(_one_line(e, "command line")) from None
+    if unknown:
+        bad = next((a for a in unknown if a.startswith("-")), unknown[0])
+        raise ConfigError(f"unknown option {bad} (see --help for the list)")
     cfg.model.build()
     return cfg

@@ -164,3 +164,47 @@ def test_cli_help_lists_options():
     assert r.returncode == 0
     for opt in ("--run.steps", "--optim.lr", "--data.seq_len", "--ckpt.resume", "--model.preset"):
         assert opt in r.stdout, opt
+
+
+def _main(argv, capsys):
+    from intellect_jax import train
+    from intellect_jax.cli import run_main
+
+    code = run_main(lambda: train.main(argv))
+    return code, capsys.readouterr().err.strip()
+
+
+def _base_argv(tmp_path, cache_dir):
+    return ["--run.out_dir", str(tmp_path / "runs"), "--run.name", "bad", "--run.steps", "2",
+            "--run.no-progress", "--data.cache_dir", cache_dir, "--data.seq_len", "32",
+            "--data.batch_size", "8", "--data.bpe_vocab_size", "1024"]
+
+
+@pytest.mark.parametrize(
+    "case", ["missing_path", "empty_corpus", "too_short", "vocab_too_big", "unwritable_run_dir"]
+)
+def test_bad_input_one_line_error_nothing_written(case, tmp_path, cache_dir, capsys):
+    argv = _base_argv(tmp_path, cache_dir)
+    if case == "missing_path":
+        argv += ["--data.sources.0.path", str(tmp_path / "no_such_dir")]
+        needle = "no_such_dir"
+    elif case == "empty_corpus":
+        (tmp_path / "empty.txt").write_text("")
+        argv += ["--data.sources.0.path", str(tmp_path / "empty.txt")]
+        needle = "empty.txt"
+    elif case == "too_short":
+        (tmp_path / "short.txt").write_text("Brevity is the soul of wit.")
+        argv += ["--data.sources.0.path", str(tmp_path / "short.txt")]
+        needle = "short.txt"
+    elif case == "vocab_too_big":
+        argv += ["--model.vocab_size", "512"]
+        needle = "vocab"
+    else:
+        (tmp_path / "afile").write_text("x")
+        argv[1] = str(tmp_path / "afile" / "runs")
+        needle = "afile"
+    code, err = _main(argv, capsys)
+    assert code == 2
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    assert not (tmp_path / "runs" / "bad" / "ckpt").exists()

@@ -62,7 +62,6 @@ class Trainer:
         self.cfg = cfg
         self.mcfg = cfg.model.build()
         self.lead = jax.process_index() == 0
-        self.run_dir = prepare_run_dir(cfg)
         self.mesh = S.make_mesh(cfg.mesh.fsdp, cfg.mesh.tp)
         self.tok = toklib.load_tokenizer(cfg.data)
         toklib.check_vocab(self.tok, self.mcfg.vocab_size)
@@ -90,6 +89,7 @@ class Trainer:
         )
         self._val = None
         self.node_rank, self.node_count = node_rank, node_count
+        self.run_dir = prepare_run_dir(cfg)  # after every input check: bad input writes nothing
 
         self.ckpt = Checkpointer(self.run_dir / "ckpt", every=cfg.ckpt.every, keep=cfg.ckpt.keep,
                                  async_save=cfg.ckpt.async_save)
@@ -116,6 +116,7 @@ class Trainer:
         peak = peak_flops(jax.devices()[0].device_kind, cfg.run.peak_tflops)
         self._peak_total = peak * n_dev if peak else None
         self.logger = None
+        self._span = (0.0, 0)  # (seconds, steps) since the last logged step
         if self.lead:
             write_atomic(self.run_dir / "config.json", cfg.model_dump_json(indent=2))
             toklib.save_hf_tokenizer(self.tok, self.run_dir / "tokenizer", self.mcfg.max_seq_len)
@@ -149,13 +150,18 @@ class Trainer:
                        tokenizer=self.tok.state(), force=force)
 
     def _log(self, step: int, metrics: Any, dt: float, extra: dict | None = None) -> dict:
+        """Metrics of `step`; step time and tokens/s are averaged since the last logged step."""
+        self._span = (self._span[0] + dt, self._span[1] + 1)
+        if not (step % self.cfg.run.log_every == 0 or step == 1 or extra):
+            return {}
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        m["step_time"] = dt
-        m["tokens_per_s"] = self.tokens_per_step / dt if dt > 0 else None
-        if self._peak_total and dt > 0:
+        m["step_time"] = self._span[0] / self._span[1]
+        m["tokens_per_s"] = self.tokens_per_step / m["step_time"] if m["step_time"] > 0 else None
+        self._span = (0.0, 0)
+        if self._peak_total and m["tokens_per_s"]:
             m["mfu"] = self.mcfg.flops_per_token(self.cfg.data.seq_len) * m["tokens_per_s"] / self._peak_total
         m.update(extra or {})
-        if self.logger is not None and (step % self.cfg.run.log_every == 0 or extra):
+        if self.logger is not None:
             self.logger.log(step, m)
         return m
 
@@ -174,7 +180,7 @@ class Trainer:
             self.step += 1
             if pending is not None:
                 now = time.perf_counter()
-                last = self._log(*pending, now - t_prev)
+                last = self._log(*pending, now - t_prev) or last
                 t_prev = now
             pending = (self.step, metrics)
             if every and self.step % every == 0:
@@ -187,8 +193,7 @@ class Trainer:
         if pending is not None:
             jax.block_until_ready(pending[1])
             now = time.perf_counter()
-            extra = {"val_loss": self.evaluate()} if self.step == until else None
-            last = self._log(*pending, now - t_prev, extra)
+            last = self._log(*pending, now - t_prev, {"val_loss": self.evaluate()}) or last
         return last
 
     def close(self, *, save: bool = True) -> None:
