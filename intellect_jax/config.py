@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
 
 from intellect_jax.data.config import DataConfig
+from intellect_jax.diloco.config import DilocoConfig
 from intellect_jax.model.config import ConfigError, DType, ModelConfig
 from intellect_jax.trainer.optim import OptimConfig
 
@@ -103,6 +104,7 @@ class TrainConfig(BaseModel):
     mesh: MeshConfig = MeshConfig()
     ckpt: CkptConfig = CkptConfig()
     dist: DistConfig = DistConfig()
+    diloco: DilocoConfig = DilocoConfig()
 
     @property
     def run_dir(self) -> Path:

@@ -1,4 +1,7 @@
-"""`python -m intellect_jax.train --config configs/debug.toml [--section.key value ...]`"""
+"""`python -m intellect_jax.train --config configs/debug.toml [--section.key value ...]`
+
+One node: all its local devices (and, with `[dist]`, all its hosts). With `--diloco.enabled`
+the node joins an elastic DiLoCo run through `--diloco.coordinator host:port`."""
 
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ def main(argv: list[str] | None = None) -> dict:
     from intellect_jax.trainer.distributed import setup_runtime
 
     setup_runtime(cfg.run, cfg.dist)
+    if cfg.diloco.enabled:
+        return _diloco(cfg)
     from intellect_jax.trainer.loop import Trainer
 
     trainer = Trainer(cfg)
@@ -24,6 +29,21 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"done: step {trainer.step}, loss {last.get('loss', float('nan')):.4f}, "
           f"val_loss {last.get('val_loss', float('nan')):.4f}, run dir {trainer.run_dir}")
     return last
+
+
+def _diloco(cfg) -> dict:
+    from intellect_jax.diloco.node import DilocoNode
+    from intellect_jax.diloco.outer import state_hash
+
+    node = DilocoNode(cfg)
+    try:
+        node.run()
+    finally:
+        node.close()
+    h = state_hash(node.outer)
+    print(f"done: node {node.node_id}, outer step {node.outer.step}, step {node.trainer.step}, hash {h}",
+          flush=True)
+    return {"outer_hash": h, "outer_step": node.outer.step}
 
 
 if __name__ == "__main__":

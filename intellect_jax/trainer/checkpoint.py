@@ -37,7 +37,8 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state: Any, *, data: dict, meta: dict, tokenizer: dict | None = None,
-             force: bool = False) -> bool:
+             extra: dict[str, Any] | None = None, force: bool = False) -> bool:
+        """`extra`: more array trees saved beside the train state (e.g. DiLoCo's outer state)."""
         items = dict(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(data),
@@ -45,7 +46,14 @@ class Checkpointer:
         )
         if tokenizer is not None:
             items["tokenizer"] = ocp.args.JsonSave(tokenizer)
+        for name, tree in (extra or {}).items():
+            items[name] = ocp.args.StandardSave(tree)
         return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+    def restore_extra(self, name: str, abstract: Any, step: int) -> Any:
+        """An `extra` tree saved with `save`."""
+        out = self.manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.StandardRestore(abstract)}))
+        return out[name]
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict, dict]:
         """(state placed per `abstract_state`'s shardings, data-iterator state, meta)."""

@@ -58,8 +58,10 @@ def write_atomic(path: Path, text: str) -> None:
 class Trainer:
     """One node's inner loop. `node_rank/node_count` pick this node's data shard (DiLoCo)."""
 
-    def __init__(self, cfg: TrainConfig, *, node_rank: int = 0, node_count: int = 1):
+    def __init__(self, cfg: TrainConfig, *, node_rank: int = 0, node_count: int = 1,
+                 periodic_save: bool = True):
         self.cfg = cfg
+        self.periodic_save = periodic_save  # DiLoCo saves at outer-step boundaries instead
         self.mcfg = cfg.model.build()
         self.lead = jax.process_index() == 0
         self.mesh = S.make_mesh(cfg.mesh.fsdp, cfg.mesh.tp)
@@ -141,18 +143,29 @@ class Trainer:
             tot, n = tot + float(np.sum(nll_B)), n + nll_B.size * self.cfg.data.seq_len
         return tot / max(n, 1)
 
-    def save(self, *, force: bool = False) -> None:
+    def save(self, *, force: bool = False, extra: dict[str, Any] | None = None) -> None:
         if self.step in self.ckpt.all_steps():
             return
         meta = {"step": self.step, "config": self.cfg.model_dump(mode="json"),
                 "node_rank": self.node_rank, "node_count": self.node_count}
         self.ckpt.save(self.step, self.state, data=self.data.get_state(), meta=meta,
-                       tokenizer=self.tok.state(), force=force)
+                       tokenizer=self.tok.state(), extra=extra, force=force)
 
-    def _log(self, step: int, metrics: Any, dt: float, extra: dict | None = None) -> dict:
+    def set_params(self, params: Any) -> None:
+        """Replace the parameters (e.g. DiLoCo's outer params), placed with their shardings."""
+        self.state = self.state.replace(params=jax.device_put(params, self.shardings.params))
+
+    def set_state(self, step: int, params: Any, opt_state: Any) -> None:
+        """Adopt a whole train state received from a peer (live recovery)."""
+        placed = jax.device_put((params, opt_state), (self.shardings.params, self.shardings.opt_state))
+        self.state = T.TrainState(jax.device_put(np.int32(step), self.shardings.step), *placed)
+        self.step = step
+
+    def _log(self, step: int, metrics: Any, dt: float, extra: dict | None = None,
+             force: bool = False) -> dict:
         """Metrics of `step`; step time and tokens/s are averaged since the last logged step."""
         self._span = (self._span[0] + dt, self._span[1] + 1)
-        if not (step % self.cfg.run.log_every == 0 or step == 1 or extra):
+        if not (step % self.cfg.run.log_every == 0 or step == 1 or extra or force):
             return {}
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         m["step_time"] = self._span[0] / self._span[1]
@@ -183,17 +196,16 @@ class Trainer:
                 last = self._log(*pending, now - t_prev) or last
                 t_prev = now
             pending = (self.step, metrics)
-            if every and self.step % every == 0:
+            if self.periodic_save and every and self.step % every == 0:
                 self.save()
-            if ev and self.step % ev == 0 and self.step < until:
+            if (ev and self.step % ev == 0) or self.step == self.total_steps:
                 jax.block_until_ready(metrics)
                 now = time.perf_counter()
                 last = self._log(*pending, now - t_prev, {"val_loss": self.evaluate()})
                 pending, t_prev = None, time.perf_counter()
         if pending is not None:
             jax.block_until_ready(pending[1])
-            now = time.perf_counter()
-            last = self._log(*pending, now - t_prev, {"val_loss": self.evaluate()}) or last
+            last = self._log(*pending, time.perf_counter() - t_prev, force=True) or last
         return last
 
     def close(self, *, save: bool = True) -> None:

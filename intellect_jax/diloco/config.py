@@ -1,0 +1,40 @@
+"""`[diloco]` section: outer loop, ring all-reduce and membership settings of one node."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+
+
+class DilocoConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    inner_steps: PositiveInt = 100  # H: inner steps between outer steps
+    outer_lr: PositiveFloat = 0.7
+    outer_momentum: float = 0.9  # Nesterov
+    mode: Literal["int8", "bf16", "fp32"] = "int8"  # all-reduce wire format
+    block_size: PositiveInt = 64  # int8: elements per fp32 scale
+    streams: PositiveInt = 1  # parallel TCP streams per ring link
+    coordinator: str | None = None  # host:port; None with enabled=true hosts one in-process
+    run_id: str = "intellect-jax"
+    node_id: str | None = None  # default: <hostname>-<pid>
+    listen: str = "127.0.0.1:0"  # ring / state-transfer listener (host:port)
+    advertise: str | None = None  # address peers use to reach `listen` (default: its bound address)
+    secret_file: str | None = None  # else $INTELLECT_NET_SECRET / $INTELLECT_NET_SECRET_FILE
+    data_rank: NonNegativeInt = 0  # this node's data shard ...
+    data_ranks: PositiveInt = 1  # ... out of this many
+    allreduce_deadline: PositiveFloat = 120.0  # seconds for one all-reduce before it is aborted
+    max_retries: NonNegativeInt = 5  # new epochs tried for one outer step before giving up
+    heartbeat_interval: PositiveFloat = 1.0
+    reconnect_timeout: PositiveFloat = 120.0  # how long to wait for a restarted coordinator
+    transfer_timeout: PositiveFloat = 600.0  # a joiner's wait for its state
+
+    @model_validator(mode="after")
+    def _check(self) -> DilocoConfig:
+        if self.data_rank >= self.data_ranks:
+            raise ValueError(f"data_rank ({self.data_rank}) must be < data_ranks ({self.data_ranks})")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        return self
