@@ -3,7 +3,8 @@
 Runs a whole elastic DiLoCo run on this machine: a coordinator and N node processes, each with
 its own slice of fake CPU devices, their logs prefixed by node, a live table, and scripted
 failures: `--kill NODE@K` (SIGKILL inside the all-reduce of outer step K), `--join NODE@K`
-(start NODE once the run has done K outer steps), `--kill-coordinator K` (SIGKILL the
+(NODE starts with the others, then registers only once the run has done K outer steps, so it
+joins mid-run and gets the state from a live peer), `--kill-coordinator K` (SIGKILL the
 coordinator after outer step K and restart it on the same port). Extra `--section.key value`
 options go to every node.
 """
@@ -93,7 +94,14 @@ class Launcher:
         self.lock = threading.Lock()
         self.progress = 0  # most outer steps any node has completed
         self.coord_killed = False
-        self.run_name = _run_name(args.config, self.extra)  # removes --run.name from extra
+        from intellect_jax.config import parse_args
+
+        cfg = parse_args(["--config", args.config, *extra])  # the nodes' config, validated up front
+        self.fingerprint = cfg.model.build().fingerprint()
+        self.run_name = cfg.run.name
+        if "--run.name" in self.extra:
+            i = self.extra.index("--run.name")
+            del self.extra[i : i + 2]
 
     def say(self, who: str, line: str) -> None:
         tag = f"[{who}]"
@@ -115,7 +123,8 @@ class Launcher:
 
     def start_coordinator(self) -> None:
         cmd = [sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1",
-               "--port", str(self.port), "--min-nodes", str(self.args.nodes), "--heartbeat-timeout", "10"]
+               "--port", str(self.port), "--min-nodes", str(self.args.nodes), "--heartbeat-timeout", "10",
+               "--model-fingerprint", self.fingerprint]
         self.coord = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True)
         threading.Thread(target=self._pump, args=("coord", self.coord, None), daemon=True).start()
@@ -128,6 +137,8 @@ class Launcher:
                "--diloco.data_ranks", str(len(self.names)), "--run.no-progress",
                "--run.out_dir", self.args.out_dir, *self.extra]
         cmd += ["--run.name", f"{self.run_name}/{name}"]
+        if name in self.joins:  # starts now, registers once the run has done that many outer steps
+            cmd += ["--diloco.join_after", str(self.joins[name])]
         env = dict(self.env)
         if name in self.kills:
             env[CHAOS_ENV] = str(self.kills[name])
@@ -145,7 +156,7 @@ class Launcher:
 
     def run(self) -> int:
         self.start_coordinator()
-        for n in self.names[: self.args.nodes]:
+        for n in self.names:
             self.start_node(n)
         t_end = time.monotonic() + self.args.timeout
         t_table = time.monotonic() + self.args.table_every
@@ -179,9 +190,6 @@ class Launcher:
     def _events(self) -> None:
         with self.lock:
             k = self.progress
-        for name, at in self.joins.items():
-            if self.nodes[name].status == "pending" and k >= at:
-                self.start_node(name)
         kc = self.args.kill_coordinator
         if kc is not None and not self.coord_killed and k >= kc:
             self.coord_killed = True
@@ -190,17 +198,6 @@ class Launcher:
             self.coord.wait()
             time.sleep(2)
             self.start_coordinator()
-
-
-def _run_name(config: str, extra: list[str]) -> str:
-    if "--run.name" in extra:
-        i = extra.index("--run.name")
-        name = extra[i + 1]
-        del extra[i : i + 2]
-        return name
-    from intellect_jax.config import load_toml
-
-    return load_toml(config).run.name
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """`python -m intellect_jax.plot runs/<name> [--out DIR]`: PNG plots from metrics.jsonl.
 
-Writes loss.png (train and validation loss), lr.png and throughput.png (tokens/s, and MFU when
-known) into the run directory (or --out)."""
+Writes loss.png (train and validation loss), lr.png and throughput.png into the run directory
+(or --out); for a DiLoCo node also utilization.png and nodes.png (active nodes over steps)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ PLOTS = {
     "loss": ("loss", [("loss", "train"), ("val_loss", "validation")]),
     "lr": ("learning rate", [("lr", "lr")]),
     "throughput": ("tokens / s", [("tokens_per_s", "tokens/s")]),
+    # DiLoCo runs (one point per outer step)
+    "utilization": ("compute utilization", [("utilization", "compute / (compute + sync)")]),
+    "nodes": ("active nodes", [("nodes", "nodes in the epoch")]),
 }
 
 
@@ -53,11 +56,17 @@ def main(argv: list[str] | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, (ylabel, keys) in PLOTS.items():
+        if not any(series(rows, key)[0] for key, _ in keys):
+            continue  # e.g. no DiLoCo metrics in a single-node run
         fig, ax = plt.subplots(figsize=(7, 4))
         for key, label in keys:
             x, y = series(rows, key)
             if x:
-                ax.plot(x, y, marker="o" if key == "val_loss" else None, ms=3, label=label)
+                step_plot = key == "nodes"
+                if step_plot:
+                    ax.step(x, y, where="post", label=label)
+                else:
+                    ax.plot(x, y, marker="o" if key in ("val_loss", "utilization") else None, ms=3, label=label)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.set_title(f"{run.name}: {ylabel}")

@@ -30,6 +30,8 @@ class DilocoConfig(BaseModel):
     heartbeat_interval: PositiveFloat = 1.0
     reconnect_timeout: PositiveFloat = 120.0  # how long to wait for a restarted coordinator
     transfer_timeout: PositiveFloat = 600.0  # a joiner's wait for its state
+    admission_timeout: PositiveFloat = 3600.0  # a joiner's wait for the next boundary
+    join_after: NonNegativeInt = 0  # register only once the run has done this many outer steps
 
     @model_validator(mode="after")
     def _check(self) -> DilocoConfig:

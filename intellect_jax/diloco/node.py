@@ -59,13 +59,13 @@ class DilocoNode:
         host, port = parse_address(d.listen)
         self.net = NetNode(self.tcfg, host, port)
         addr = d.advertise or f"{self.net.address[0]}:{self.net.address[1]}"
-        self.trainer = Trainer(cfg, node_rank=d.data_rank, node_count=d.data_ranks, periodic_save=False)
+        self.trainer: Trainer | None = None  # built after registering: a refused node fails fast
         self.ring_cfg = RingConfig(mode=d.mode, block_size=d.block_size, streams=d.streams,
                                    deadline=d.allreduce_deadline)
         self.tx = O.nesterov_sgd(d.outer_lr, d.outer_momentum)
         self.client = CoordinatorClient(
             d.coordinator, self.tcfg, self.node_id, addr, devices=jax.device_count(),
-            fingerprint=self.trainer.mcfg.fingerprint(), heartbeat_interval=d.heartbeat_interval,
+            fingerprint=cfg.model.build().fingerprint(), heartbeat_interval=d.heartbeat_interval,
             reconnect_timeout=d.reconnect_timeout,
         )
         self.outer: O.OuterState | None = None
@@ -78,7 +78,11 @@ class DilocoNode:
 
     def start(self) -> int:
         """Register and obtain the state; returns the number of completed outer steps."""
-        resumed = self.trainer.step > 0
+        if self.cfg.diloco.join_after:
+            self._wait_for_run(self.cfg.diloco.join_after)
+        if self.cfg.ckpt.resume:
+            self._build_trainer()
+        resumed = self.trainer is not None and self.trainer.step > 0
         if resumed:  # whole-run restart from our own checkpoint (saved at a boundary)
             k = self.trainer.step // self.H
             tree = self.trainer.ckpt.restore_extra("outer", self._outer_abstract()._asdict(), self.trainer.step)
@@ -88,16 +92,36 @@ class DilocoNode:
             reply = self.client.register()
         self._log(f"registered with {self.cfg.diloco.coordinator} as "
                   f"{'member' if reply.member else 'joiner'} at outer step {reply.outer_step}")
+        if self.trainer is None:
+            self._build_trainer()
         if reply.member:
             if self.outer is None:
                 self.outer = O.init_outer(self.trainer.state.params, self.tx)
             return self.outer.step
         return self._join()
 
+    def _build_trainer(self) -> None:
+        d = self.cfg.diloco
+        self.trainer = Trainer(self.cfg, node_rank=d.data_rank, node_count=d.data_ranks, periodic_save=False,
+                               evaluate=False)  # checkpoints and evals happen at outer boundaries
+
+    def _wait_for_run(self, k: int) -> None:
+        """Ready (compiled, data loaded) but register only once the run has done k outer steps."""
+        self._log(f"waiting for the run to complete {k} outer steps before registering")
+        deadline = time.monotonic() + self.cfg.diloco.admission_timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.client.status()["outer_step"] >= k:
+                    return
+            except Exception:  # coordinator not up yet, or restarting
+                pass
+            time.sleep(0.5)
+        raise DilocoError(f"the run did not reach outer step {k} within {self.cfg.diloco.admission_timeout:.0f}s")
+
     def _join(self) -> int:
         requeue = False
         while True:
-            adm = self.client.wait_admission(requeue=requeue)
+            adm = self.client.wait_admission(requeue=requeue, timeout=self.cfg.diloco.admission_timeout)
             self._log(f"admitted at boundary {adm.admitted_at}; receiving state of outer step "
                       f"{adm.outer_step} from {adm.donor_id}")
             t0 = time.time()
@@ -145,7 +169,12 @@ class DilocoNode:
             self._serve(ep)
             if self.cfg.ckpt.every and (self.trainer.step % self.cfg.ckpt.every == 0 or k == n_outer):
                 self.trainer.save(extra={"outer": self.outer._asdict()})
-            m = {"outer_step": k, "epoch": ep.epoch_id, "nodes": ep.world_size, "sync_s": sync_s,
+            ev = self.cfg.run.eval_every
+            if (ev and self.trainer.step % ev == 0) or k == n_outer:  # the outer params' val loss
+                m_val = {"val_loss": self.trainer.evaluate()}
+            else:
+                m_val = {}
+            m = {**m_val, "outer_step": k, "epoch": ep.epoch_id, "nodes": ep.world_size, "sync_s": sync_s,
                  "compute_s": compute_s, "utilization": compute_s / (compute_s + sync_s),
                  "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
                  "allreduce_tries": tries, "outer_hash": h, "wall_time": time.time()}
@@ -220,4 +249,5 @@ class DilocoNode:
             pass
         self.client.close()
         self.net.close()
-        self.trainer.close(save=False)
+        if self.trainer is not None:
+            self.trainer.close(save=False)

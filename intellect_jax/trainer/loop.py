@@ -59,9 +59,10 @@ class Trainer:
     """One node's inner loop. `node_rank/node_count` pick this node's data shard (DiLoCo)."""
 
     def __init__(self, cfg: TrainConfig, *, node_rank: int = 0, node_count: int = 1,
-                 periodic_save: bool = True):
+                 periodic_save: bool = True, evaluate: bool = True):
         self.cfg = cfg
-        self.periodic_save = periodic_save  # DiLoCo saves at outer-step boundaries instead
+        # DiLoCo checkpoints and evaluates the outer params at outer-step boundaries instead
+        self.periodic_save, self.periodic_eval = periodic_save, evaluate
         self.mcfg = cfg.model.build()
         self.lead = jax.process_index() == 0
         self.mesh = S.make_mesh(cfg.mesh.fsdp, cfg.mesh.tp)
@@ -198,7 +199,7 @@ class Trainer:
             pending = (self.step, metrics)
             if self.periodic_save and every and self.step % every == 0:
                 self.save()
-            if (ev and self.step % ev == 0) or self.step == self.total_steps:
+            if self.periodic_eval and ((ev and self.step % ev == 0) or self.step == self.total_steps):
                 jax.block_until_ready(metrics)
                 now = time.perf_counter()
                 last = self._log(*pending, now - t_prev, {"val_loss": self.evaluate()})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +35,11 @@ class MetricsLogger:
                          unit="step", dynamic_ncols=True, mininterval=0.5)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        row = {"step": step}
+        row = {"step": step, "time": round(time.time(), 3)}  # wall clock, for cross-node timelines
         row.update({k: _plain(v) for k, v in metrics.items()})
         self._file.write(json.dumps(row) + "\n")
         for k, v in row.items():
-            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+            if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v):
                 self._tb.add_scalar(k, v, step)
         if "loss" in row:
             post = {"loss": f"{row['loss']:.4f}"}
