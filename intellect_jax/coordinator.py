@@ -1,0 +1,69 @@
+"""``python -m intellect_jax.coordinator``: run the elastic-DiLoCo coordinator (or query one).
+
+The run secret comes from ``--secret-file``, ``$INTELLECT_NET_SECRET_FILE`` or
+``$INTELLECT_NET_SECRET`` (never the command line). Prints ``coordinator listening on
+HOST:PORT`` on stdout once bound; logs one line per membership event on stderr; stops on
+SIGTERM/SIGINT. ``--status HOST:PORT`` prints a running coordinator's status as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from intellect_jax.diloco.client import coordinator_status
+from intellect_jax.diloco.coordinator import Coordinator
+from intellect_jax.diloco.membership import CoordinatorConfig
+from intellect_jax.net.auth import load_secret
+from intellect_jax.net.transport import TransportConfig
+
+DEFAULT_RUN_ID = "intellect-jax"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    d = CoordinatorConfig()
+    p = argparse.ArgumentParser(prog="python -m intellect_jax.coordinator", description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="0.0.0.0", help="interface to bind (default: all)")
+    p.add_argument("--port", type=int, default=29400, help="port to bind (0: any free port)")
+    p.add_argument("--secret-file", default=None, help="file holding the run secret (chmod 600)")
+    p.add_argument("--run-id", default=DEFAULT_RUN_ID, help="run id; nodes must use the same")
+    p.add_argument("--model-fingerprint", default=None, help="the run's model config fingerprint "
+                   "(default: the first registrant's)")
+    p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout)
+    p.add_argument("--boundary-timeout", type=float, default=d.boundary_timeout)
+    p.add_argument("--join-window", type=float, default=d.join_window,
+                   help="the first barrier closes no earlier than this after the first registration")
+    p.add_argument("--min-nodes", type=int, default=d.min_nodes, help="founding members a fresh run waits for")
+    p.add_argument("--status", metavar="HOST:PORT", default=None, help="print a running coordinator's status")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = TransportConfig(run_id=args.run_id, secret=load_secret(args.secret_file))
+    if args.status:
+        print(json.dumps(coordinator_status(args.status, cfg), indent=2))
+        return 0
+    config = CoordinatorConfig(heartbeat_timeout=args.heartbeat_timeout, boundary_timeout=args.boundary_timeout,
+                               join_window=args.join_window, min_nodes=args.min_nodes,
+                               fingerprint=args.model_fingerprint)
+    coord = Coordinator(cfg, args.host, args.port, config).start()
+    print(f"coordinator listening on {coord.address_str}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(1.0):
+        pass
+    coord.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

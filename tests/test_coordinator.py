@@ -1,0 +1,553 @@
+"""Coordinator: the membership state machine (deterministic, no sockets), then the server and client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from intellect_jax.diloco.client import CoordinatorClient, coordinator_status
+from intellect_jax.diloco.coordinator import Coordinator
+from intellect_jax.diloco.membership import (
+    PROTOCOL,
+    CoordinatorConfig,
+    Epoch,
+    Evicted,
+    Membership,
+    ProtocolError,
+    RegistrationRefused,
+    Resume,
+    StaleSession,
+)
+from intellect_jax.net.transport import TransportConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = b"coordinator-test-secret-0123456789"
+FP = "fp-llama-debug"
+
+
+# ---------------------------------------------------------------------------------------------
+# state machine
+# ---------------------------------------------------------------------------------------------
+class Run:
+    """A Membership plus the sessions of its nodes, with a manual clock."""
+
+    def __init__(self, **kw: Any) -> None:
+        kw.setdefault("join_window", 0.0)
+        kw.setdefault("heartbeat_timeout", 5.0)
+        kw.setdefault("boundary_timeout", 30.0)
+        self.m = Membership(CoordinatorConfig(**kw), instance="i1")
+        self.now = 0.0
+        self.s: dict[str, str] = {}
+        self.silent: set[str] = set()  # nodes whose heartbeats stop
+
+    def reg(self, node: str, fp: str = FP, resume: Resume | None = None, protocol: int = PROTOCOL,
+            founder: bool = True) -> Any:
+        r = self.m.register(node, f"10.0.0.{len(self.s) + 1}:700{len(self.s)}", 8, protocol, fp, self.now,
+                            resume, founder)
+        self.s[node] = r.session
+        return r
+
+    def arrive(self, node: str, k: int, h: str | None = None, retry_of: int | None = None) -> Epoch | None:
+        return self.m.arrive(node, self.s[node], k, self.now, h, retry_of)
+
+    def result(self, node: str) -> Epoch | None:
+        return self.m.epoch_for(node, self.s[node])
+
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        for n, sess in self.s.items():  # everyone alive heartbeats, unless told otherwise
+            if n not in self.silent and n in self.m._nodes and self.m._nodes[n].session == sess:
+                self.m.heartbeat(n, sess, self.now)
+        self.m.tick(self.now)
+
+    def barrier(self, k: int, nodes: list[str], h: str | None = None) -> dict[str, Epoch]:
+        for n in nodes:
+            self.arrive(n, k, h)
+        out = {n: self.result(n) for n in nodes}
+        assert all(e is not None for e in out.values()), out
+        return out  # type: ignore[return-value]
+
+
+def test_founding_members_form_epoch_1_at_boundary_0() -> None:
+    r = Run(min_nodes=3)
+    for n in ("c", "a", "b"):
+        assert r.reg(n).member
+    assert r.arrive("a", 0) is None and r.arrive("c", 0) is None
+    ep = r.arrive("b", 0)
+    assert ep is not None and ep.epoch_id == 1 and ep.outer_step == 0
+    assert ep.node_ids == ["a", "b", "c"] and ep.rank == 1  # deterministic ring order
+    assert [r.result(n).rank for n in "abc"] == [0, 1, 2]  # type: ignore[union-attr]
+    # same membership next boundary -> same epoch id
+    eps = r.barrier(1, ["a", "b", "c"])
+    assert {e.epoch_id for e in eps.values()} == {1} and not eps["a"].changed
+    assert "registered a" in " ".join(r.m.drain_events())
+
+
+def test_first_barrier_waits_for_min_nodes_and_join_window() -> None:
+    r = Run(min_nodes=2, join_window=2.0)
+    r.reg("a")
+    assert r.arrive("a", 0) is None
+    r.tick(3.0)
+    assert r.result("a") is None  # only 1 of min 2
+    r.reg("b")
+    assert r.arrive("b", 0) is not None  # join window long passed, 2 nodes
+    r2 = Run(join_window=2.0)
+    r2.reg("a")
+    assert r2.arrive("a", 0) is None
+    r2.tick(1.0)
+    assert r2.result("a") is None
+    r2.tick(1.5)
+    assert r2.result("a") is not None and r2.result("a").members == (("a", "10.0.0.1:7000"),)  # type: ignore[union-attr]
+
+
+def test_joiner_admitted_at_boundary_with_donor_then_member_next() -> None:
+    r = Run(min_nodes=2)
+    r.reg("a"), r.reg("b")
+    r.barrier(0, ["a", "b"])
+    j = r.reg("j")
+    assert not j.member and j.outer_step == 1
+    with pytest.raises(ProtocolError, match="waiting for admission"):
+        r.arrive("j", 1)
+    assert r.m.request_admission("j", r.s["j"], r.now) is None  # not admitted mid-step
+    r.tick(1.0)
+    assert r.m.admission_for("j", r.s["j"]) is None
+    eps = r.barrier(1, ["a", "b"])  # boundary 1 admits j; ring of step 2 is still [a, b]
+    assert eps["a"].node_ids == ["a", "b"] and eps["a"].epoch_id == 1
+    adm = r.m.admission_for("j", r.s["j"])
+    assert adm is not None and adm.donor_id == "a" and adm.admitted_at == 1 and adm.outer_step == 2
+    assert eps["a"].serve == (("j", r.m._nodes["j"].addr),) and eps["b"].serve == ()
+    assert r.m.state_received("j", r.s["j"], 2, r.now)
+    assert r.arrive("j", 2) is None  # j is expected at boundary 2...
+    r.arrive("a", 2)
+    ep = r.arrive("b", 2)
+    assert ep is not None and ep.node_ids == ["a", "b", "j"] and ep.epoch_id == 2 and ep.changed  # ...and in it
+    assert r.m.status(r.now)["joiners"] == []
+
+
+def test_donor_death_requeues_joiner_with_new_donor() -> None:
+    r = Run(min_nodes=2)
+    r.reg("a"), r.reg("b"), r.barrier(0, ["a", "b"]), r.reg("j")
+    r.barrier(1, ["a", "b"])
+    assert r.m.admission_for("j", r.s["j"]).donor_id == "a"  # type: ignore[union-attr]
+    r.m.disconnect("a", r.s["a"], r.now)  # donor dies before j has the state
+    assert r.m.admission_for("j", r.s["j"]) is None
+    # the transfer had in fact finished before the donor died: j keeps its place at boundary 2
+    assert r.m.state_received("j", r.s["j"], 2, r.now)
+    assert r.arrive("j", 2) is None and r.arrive("b", 2).node_ids == ["b", "j"]  # type: ignore[union-attr]
+    r2 = Run(min_nodes=2)
+    r2.reg("a"), r2.reg("b"), r2.barrier(0, ["a", "b"]), r2.reg("j")
+    r2.barrier(1, ["a", "b"])
+    r2.m.disconnect("a", r2.s["a"], r2.now)
+    assert r2.m.request_admission("j", r2.s["j"], r2.now, requeue=True) is None
+    ep = r2.arrive("b", 1, retry_of=1)  # b's all-reduce failed too: the retry barrier re-admits j
+    assert ep is not None and ep.node_ids == ["b"] and ep.epoch_id == 2 and ep.serve == (("j", r2.m._nodes["j"].addr),)
+    assert r2.m.admission_for("j", r2.s["j"]).donor_id == "b"  # type: ignore[union-attr]
+
+
+def test_eviction_by_disconnect_heartbeat_and_boundary_deadline() -> None:
+    r = Run(min_nodes=4, heartbeat_timeout=5.0, boundary_timeout=30.0)
+    for n in "abcd":
+        r.reg(n)
+    r.barrier(0, list("abcd"))
+    r.arrive("a", 1)
+    r.m.disconnect("b", r.s["b"], r.now)  # connection lost: evicted at once
+    r.silent = {"c"}
+    r.tick(6.0)  # c: no heartbeat for 6 s
+    assert set(r.m._nodes) == {"a", "d"} and r.result("a") is None
+    r.tick(20.0)
+    assert r.result("a") is None  # d alive but not at the barrier; deadline is 30 s after a's arrival
+    r.tick(10.0)
+    ep = r.result("a")
+    assert ep is not None and ep.node_ids == ["a"] and ep.epoch_id == 2
+    reasons = {e["node_id"]: e["reason"] for e in r.m.status(r.now)["evictions"]}
+    assert reasons["b"] == "connection lost" and "no heartbeat" in reasons["c"] and "missed boundary 1" in reasons["d"]
+    with pytest.raises(Evicted, match="missed boundary"):
+        r.arrive("d", 1)
+    events = " ".join(r.m.drain_events())
+    assert "epoch 2: members [a] at boundary 1 (evicted b: connection lost; evicted c" in events
+
+
+def test_retry_after_failed_all_reduce_gives_new_epoch_without_dead_node() -> None:
+    r = Run(min_nodes=3)
+    for n in "abc":
+        r.reg(n)
+    e1 = r.barrier(0, list("abc"))["a"]
+    assert r.arrive("a", 0, retry_of=e1.epoch_id) is None  # a's ring failed (c died mid-reduction)
+    assert r.arrive("b", 0, retry_of=e1.epoch_id) is None  # c still looks alive: wait for it
+    r.m.disconnect("c", r.s["c"], r.now)
+    ep = r.result("a")
+    assert ep is not None and ep.epoch_id == 2 and ep.node_ids == ["a", "b"] and ep.outer_step == 0
+    # a re-issued retry of the old epoch returns the new one (idempotent)
+    assert r.arrive("b", 0, retry_of=1) == r.result("b")
+    # retry with unchanged membership (transient failure) still gets a fresh epoch id
+    r.arrive("a", 0, retry_of=2)
+    assert r.arrive("b", 0, retry_of=2).epoch_id == 3  # type: ignore[union-attr]
+
+
+def test_partial_success_evicts_the_node_that_failed() -> None:
+    r = Run(min_nodes=3)
+    for n in "abc":
+        r.reg(n)
+    r.barrier(0, list("abc"))
+    r.arrive("a", 0, retry_of=1)  # a's all-reduce failed...
+    assert r.arrive("b", 1) is None  # ...but b's completed: a is behind
+    with pytest.raises(Evicted, match="behind"):
+        r.m.epoch_for("a", r.s["a"])
+    assert r.arrive("c", 1).node_ids == ["b", "c"]  # type: ignore[union-attr]
+
+
+def test_graceful_leave() -> None:
+    r = Run(min_nodes=2)
+    r.reg("a"), r.reg("b")
+    r.barrier(0, ["a", "b"])
+    r.arrive("a", 1)
+    r.m.leave("b", r.s["b"], r.now)
+    ep = r.result("a")
+    assert ep is not None and ep.node_ids == ["a"] and ep.epoch_id == 2
+    assert r.m.status(r.now)["evictions"][-1] | {"time": 0} == {
+        "node_id": "b", "reason": "left", "outer_step": 1, "time": 0, "graceful": True}
+
+
+def test_refusals_fingerprint_protocol_duplicate() -> None:
+    r = Run(min_nodes=2)
+    r.reg("a")
+    with pytest.raises(RegistrationRefused, match="model config fingerprint abc != run's " + FP):
+        r.reg("x", fp="abc")
+    with pytest.raises(RegistrationRefused, match=f"protocol version {PROTOCOL + 1} != coordinator's {PROTOCOL}"):
+        r.reg("y", protocol=PROTOCOL + 1)
+    with pytest.raises(RegistrationRefused, match="node id 'a' is already registered") as ei:
+        r.reg("a")
+    assert ei.value.reason == "duplicate"
+    r.reg("b")
+    assert r.barrier(0, ["a", "b"])["a"].node_ids == ["a", "b"]  # the run is unaffected
+    preset = Membership(CoordinatorConfig(fingerprint="def"))
+    with pytest.raises(RegistrationRefused, match="fingerprint abc != run's def"):
+        preset.register("a", "h:1", 1, PROTOCOL, "abc", 0.0)
+
+
+def test_hash_disagreement_flagged() -> None:
+    r = Run(min_nodes=3)
+    for n in "abc":
+        r.reg(n)
+    r.arrive("a", 0, "h1"), r.arrive("b", 0, "h1")
+    ep = r.arrive("c", 0, "h2")
+    assert ep is not None and ep.hash_mismatch == (("a", "h1"), ("b", "h1"), ("c", "h2"))
+    assert "state hash mismatch at outer step 0: a=h1, b=h1, c=h2" in " ".join(r.m.drain_events())
+    rec = r.m.status(r.now)["hashes"]["0"]
+    assert rec["hashes"] == {"a": "h1", "b": "h1", "c": "h2"} and rec["mismatch"]
+    assert r.barrier(1, list("abc"), "h3")["a"].hash_mismatch == ()
+
+
+def test_rebuild_after_restart_keeps_epochs_monotonic_and_outer_step() -> None:
+    old = Run(min_nodes=3)
+    for n in "abc":
+        old.reg(n)
+    for k in range(3):
+        old.barrier(k, list("abc"))
+    old.arrive("a", 0 + 3)
+    old.m.leave("c", old.s["c"], old.now)
+    assert old.m.epoch_id == 1
+    old.arrive("b", 3)  # epoch 2 = [a, b] at boundary 3
+    assert old.m.epoch_id == 2
+    # the coordinator dies; a new one (another instance) hears from the nodes again
+    r = Run(min_nodes=3, join_window=1.0)
+    r.m.instance = "i2"
+    with pytest.raises(StaleSession):
+        r.m.arrive("a", old.s["a"], 4, 0.0)
+    assert r.reg("b", resume=Resume(3, 2, 1)).member  # b is mid-step 4 (last synced at 3)
+    assert r.reg("a", resume=Resume(4, 2, 0)).outer_step == 4  # a already waits at boundary 4
+    assert r.reg("n").member is False  # a brand-new node joins; it does not found a new run
+    r.arrive("a", 4)
+    assert r.result("a") is None  # b not arrived yet, join window open
+    r.arrive("b", 4)
+    r.tick(1.1)
+    ep = r.result("a")
+    assert ep is not None and ep.epoch_id == 3 and ep.outer_step == 4 and ep.node_ids == ["a", "b"]
+    assert r.m.admission_for("n", r.s["n"]).outer_step == 5  # type: ignore[union-attr]
+    with pytest.raises(Evicted, match="already at outer step 5"):  # late resume after the run continued
+        r.reg("c", resume=Resume(3, 2))
+
+
+def test_rebuild_evicts_nodes_behind_and_demotes_fresh_founders() -> None:
+    r = Run(min_nodes=3, join_window=1.0)
+    r.reg("fresh"), r.reg("fresh2")  # registered first, as if the run were new
+    r.arrive("fresh", 0), r.arrive("fresh2", 0)
+    r.tick(1.5)  # join window over, but only 2 of 3 founders
+    r.reg("a", resume=Resume(6, 5))
+    for n in ("fresh", "fresh2"):
+        with pytest.raises(Evicted, match="nodes without state join"):
+            r.m.heartbeat(n, r.s[n], r.now)
+    assert not r.m.started  # demoting the fresh founders completed no barrier
+    r.reg("b", resume=Resume(6, 5, 1))
+    with pytest.raises(Evicted, match="behind: at outer step 5, the run resumes at 6"):
+        r.reg("c", resume=Resume(5, 5, 2)) and r.arrive("c", 5)
+    r.arrive("b", 6)  # b's all-reduce of step 7 failed...
+    ep = r.arrive("a", 7)  # ...but a's completed: b is behind
+    with pytest.raises(Evicted, match="behind: at outer step 6, the run resumes at 7"):
+        r.m.epoch_for("b", r.s["b"])
+    assert ep is not None and ep.epoch_id == 6 and ep.outer_step == 7 and ep.node_ids == ["a"]
+
+
+# ---------------------------------------------------------------------------------------------
+# server + client over real sockets (127.0.0.1, port 0)
+# ---------------------------------------------------------------------------------------------
+def _tcfg(secret: bytes = SECRET) -> TransportConfig:
+    return TransportConfig(run_id="coord-test", secret=secret, io_timeout=5.0, connect_timeout=5.0,
+                           handshake_timeout=5.0)
+
+
+def _conf(**kw: Any) -> CoordinatorConfig:
+    base: dict[str, Any] = {"heartbeat_timeout": 3.0, "boundary_timeout": 30.0, "join_window": 0.0, "min_nodes": 3,
+                            "keepalive_interval": 0.3, "tick_interval": 0.05}
+    return CoordinatorConfig(**(base | kw))
+
+
+def _client(addr: Any, node: str, port: int, fp: str = FP, secret: bytes = SECRET, **kw: Any) -> CoordinatorClient:
+    kw.setdefault("heartbeat_interval", 0.2)
+    kw.setdefault("reconnect_timeout", 15.0)
+    return CoordinatorClient(addr, _tcfg(secret), node, f"127.0.0.1:{port}", devices=2, fingerprint=fp, **kw)
+
+
+def _wait_for(pred: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _waiting(status: dict[str, Any], k: int) -> set[str]:
+    return {n["node_id"] for n in status["nodes"] if n["waiting_at"] == k}
+
+
+def test_three_clients_barrier_together_and_status() -> None:
+    with Coordinator(_tcfg(), config=_conf()) as coord:
+        clients = [_client(coord.address, n, 9000 + i) for i, n in enumerate("abc")]
+        try:
+            assert all(c.register().member for c in clients)
+            with ThreadPoolExecutor(3) as ex:
+                eps = list(ex.map(lambda c: c.sync(0, state_hash="h0"), clients))
+                assert [e.epoch_id for e in eps] == [1, 1, 1] and [e.rank for e in eps] == [0, 1, 2]
+                assert eps[0].addresses == ["127.0.0.1:9000", "127.0.0.1:9001", "127.0.0.1:9002"]
+                eps = list(ex.map(lambda c: c.sync(1, state_hash="h1"), clients))
+            assert [e.epoch_id for e in eps] == [1, 1, 1] and not eps[0].changed
+            st = coordinator_status(coord.address, _tcfg())
+            assert st["epoch"]["members"] == [["a", "127.0.0.1:9000"], ["b", "127.0.0.1:9001"],
+                                              ["c", "127.0.0.1:9002"]]
+            assert st["outer_step"] == 2 and st["hashes"]["1"]["hashes"] == {"a": "h1", "b": "h1", "c": "h1"}
+            assert clients[0].status()["nodes"][0]["devices"] == 2
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_wrong_secret_rejected_before_registration() -> None:
+    with Coordinator(_tcfg(), config=_conf()) as coord:
+        bad = _client(coord.address, "mallory", 9100, secret=b"not-the-run-secret-0123456789")
+        with pytest.raises(RegistrationRefused, match="refused node mallory's handshake") as ei:
+            bad.register()
+        assert ei.value.reason == "auth"
+        bad.close()
+        assert coord.status()["nodes"] == []
+        assert coordinator_status(coord.address, _tcfg())["nodes"] == []
+
+
+def test_fingerprint_mismatch_refused_run_unaffected() -> None:
+    with Coordinator(_tcfg(), config=_conf(min_nodes=2)) as coord:
+        a, b = _client(coord.address, "a", 9000), _client(coord.address, "b", 9001)
+        bad = _client(coord.address, "x", 9002, fp="fp-other")
+        try:
+            a.register(), b.register()
+            with ThreadPoolExecutor(2) as ex:
+                fa = ex.submit(a.sync, 0)
+                _wait_for(lambda: _waiting(coord.status(), 0) == {"a"}, what="a at the barrier")
+                with pytest.raises(RegistrationRefused, match=f"model config fingerprint fp-other != run's {FP}"):
+                    bad.register()
+                fb = ex.submit(b.sync, 0)
+                assert fa.result(10).node_ids == ["a", "b"] == fb.result(10).node_ids
+            assert [n["node_id"] for n in coord.status()["nodes"]] == ["a", "b"]
+        finally:
+            for c in (a, b, bad):
+                c.close()
+
+
+def test_joiner_admission_serve_and_leave_over_sockets() -> None:
+    with Coordinator(_tcfg(), config=_conf(min_nodes=2)) as coord:
+        a, b, j = (_client(coord.address, n, 9000 + i) for i, n in enumerate("abj"))
+        try:
+            a.register(), b.register()
+            with ThreadPoolExecutor(3) as ex:
+                fa, fb = ex.submit(a.sync, 0), ex.submit(b.sync, 0)
+                assert fa.result(10).epoch_id == fb.result(10).epoch_id == 1
+                reply = j.register(outer_step=7)  # its own (old) checkpoint: the running run makes it join
+                assert not reply.member and reply.outer_step == 1 and reply.epoch_id == 1
+                fj = ex.submit(j.wait_admission)
+                time.sleep(0.3)
+                assert not fj.done()  # admitted only at a boundary
+                fa, fb = ex.submit(a.sync, 1), ex.submit(b.sync, 1)
+                ea, eb, adm = fa.result(10), fb.result(10), fj.result(10)
+                assert ea.node_ids == ["a", "b"] and ea.serve == (("j", "127.0.0.1:9002"),) and eb.serve == ()
+                assert (adm.donor_id, adm.donor_addr, adm.admitted_at, adm.outer_step) == ("a", "127.0.0.1:9000", 1, 2)
+                assert j.state_received(2)
+                eps = [f.result(10) for f in [ex.submit(c.sync, 2) for c in (a, b, j)]]
+                assert {e.epoch_id for e in eps} == {2} and eps[2].node_ids == ["a", "b", "j"] and eps[2].rank == 2
+                b.leave()
+                eps = [f.result(10) for f in [ex.submit(c.sync, 3) for c in (a, j)]]
+                assert eps[0].epoch_id == 3 and eps[0].node_ids == ["a", "j"]
+            assert coord.status()["evictions"][-1]["reason"] == "left"
+        finally:
+            for c in (a, b, j):
+                c.close()
+
+
+def test_stalled_node_evicted_then_rejoins_as_joiner() -> None:
+    with Coordinator(_tcfg(), config=_conf(min_nodes=1, heartbeat_timeout=0.6)) as coord:
+        a = _client(coord.address, "a", 9000, heartbeat_interval=60.0)  # its heartbeats stall
+        try:
+            assert a.register().member and a.sync(0).epoch_id == 1
+            _wait_for(lambda: not coord.status()["nodes"], what="eviction by heartbeat timeout")
+            with pytest.raises(Evicted, match="node a was evicted \\(no heartbeat for"):
+                a.sync(1)
+            assert not a.member
+            reply = a.register()  # re-registers as a joiner
+            assert not reply.member
+        finally:
+            a.close()
+
+
+def test_quiet_session_judged_by_heartbeat_timeout_not_io_timeout() -> None:
+    cfg = TransportConfig(run_id="coord-test", secret=SECRET, io_timeout=0.2)  # shorter than the heartbeat gap
+    with Coordinator(cfg, config=_conf(min_nodes=1, heartbeat_timeout=2.0)) as coord:
+        a = _client(coord.address, "a", 9000, heartbeat_interval=0.7)
+        try:
+            a.register()
+            time.sleep(1.5)
+            assert [n["node_id"] for n in coord.status()["nodes"]] == ["a"] and coord.status()["evictions"] == []
+        finally:
+            a.close()
+
+
+def _restart_mid_barrier(start: Any, kill: Any) -> None:
+    """3 members, 2 of them waiting at boundary 1 and a joiner waiting for admission when the
+    coordinator dies; a new one on the same port takes over from what the nodes report."""
+    addr = start(0)
+    clients = [_client(addr, n, 9000 + i) for i, n in enumerate("abc")]
+    joiner = _client(addr, "j", 9003)
+    try:
+        for c in clients:
+            c.register()
+        with ThreadPoolExecutor(4) as ex:
+            assert {f.result(10).epoch_id for f in [ex.submit(c.sync, 0, "h0") for c in clients]} == {1}
+            assert not joiner.register().member
+            fj = ex.submit(joiner.wait_admission)
+            fa, fb = ex.submit(clients[0].sync, 1, "h1"), ex.submit(clients[1].sync, 1, "h1")
+            _wait_for(lambda: _waiting(coordinator_status(addr, _tcfg()), 1) == {"a", "b"}, what="a, b waiting")
+            kill()
+            start(addr[1])  # same port; state is rebuilt from the nodes
+            ec = clients[2].sync(1, "h1")
+            ea, eb, adm = fa.result(20), fb.result(20), fj.result(20)
+        assert ea.epoch_id == eb.epoch_id == ec.epoch_id == 2  # > 1: epoch ids stay monotonic
+        assert ea.outer_step == 1 and ea.node_ids == ["a", "b", "c"] and ec.rank == 2
+        assert (adm.donor_id, adm.admitted_at, adm.outer_step) == ("a", 1, 2) and ea.serve == (("j", "127.0.0.1:9003"),)
+        st = coordinator_status(addr, _tcfg())
+        assert st["epoch"]["epoch_id"] == 2 and st["hashes"]["1"]["hashes"] == {"a": "h1", "b": "h1", "c": "h1"}
+        assert st["evictions"] == []
+    finally:
+        for c in (*clients, joiner):
+            c.close()
+
+
+def test_coordinator_stopped_and_restarted_mid_barrier() -> None:
+    coords: list[Coordinator] = []
+
+    def start(port: int) -> Any:
+        conf = _conf() if not coords else _conf(join_window=1.5)
+        coords.append(Coordinator(_tcfg(), "127.0.0.1", port, conf).start())
+        return coords[-1].address
+
+    try:
+        _restart_mid_barrier(start, lambda: coords[0].stop())
+    finally:
+        for c in coords:
+            c.stop()
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "INTELLECT_NET_SECRET": SECRET.decode(), "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.slow
+def test_coordinator_process_sigkilled_and_restarted_mid_barrier() -> None:
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(port: int) -> Any:
+        extra = ["--join-window", "1.5"] if procs else ["--join-window", "0", "--min-nodes", "3"]
+        p = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1",
+                              "--port", str(port), "--run-id", "coord-test", "--heartbeat-timeout", "3", *extra],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(), cwd=ROOT)
+        procs.append(p)
+        line = p.stdout.readline()  # type: ignore[union-attr]
+        assert line.startswith("coordinator listening on"), line
+        host, _, port_s = line.split()[-1].rpartition(":")
+        return host, int(port_s)
+
+    def kill() -> None:
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait(10)
+
+    try:
+        _restart_mid_barrier(start, kill)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+
+
+VICTIM = """
+import sys, time
+from intellect_jax.diloco.client import CoordinatorClient
+from intellect_jax.net import TransportConfig, load_secret
+cfg = TransportConfig(run_id="coord-test", secret=load_secret(), io_timeout=5.0)
+c = CoordinatorClient(sys.argv[1], cfg, "victim", "127.0.0.1:9009", fingerprint=sys.argv[2], heartbeat_interval=0.2)
+c.register()
+print(c.sync(0).epoch_id, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_sigkilled_client_evicted_at_once_survivors_get_new_epoch() -> None:
+    # heartbeat and boundary timeouts far above the test's duration: only the lost connection can evict
+    with Coordinator(_tcfg(), config=_conf(heartbeat_timeout=30.0, boundary_timeout=60.0)) as coord:
+        host, port = coord.address
+        victim = subprocess.Popen([sys.executable, "-c", VICTIM, f"{host}:{port}", FP], stdout=subprocess.PIPE,
+                                  text=True, env=_env(), cwd=ROOT)
+        a, b = _client(coord.address, "a", 9000), _client(coord.address, "b", 9001)
+        try:
+            a.register(), b.register()
+            with ThreadPoolExecutor(2) as ex:
+                fa, fb = ex.submit(a.sync, 0), ex.submit(b.sync, 0)
+                assert victim.stdout.readline().strip() == "1"  # type: ignore[union-attr]
+                assert fa.result(20).node_ids == ["a", "b", "victim"]
+                fb.result(1)
+                fa, fb = ex.submit(a.sync, 1), ex.submit(b.sync, 1)
+                _wait_for(lambda: _waiting(coord.status(), 1) == {"a", "b"}, what="a, b waiting")
+                t0 = time.monotonic()
+                victim.send_signal(signal.SIGKILL)
+                ea, eb = fa.result(10), fb.result(10)
+                elapsed = time.monotonic() - t0
+            assert ea.epoch_id == eb.epoch_id == 2 and ea.node_ids == ["a", "b"] and elapsed < 5.0
+            ev = coord.status()["evictions"]
+            assert [(e["node_id"], e["reason"]) for e in ev] == [("victim", "connection lost")]
+        finally:
+            victim.kill()
+            victim.wait(10)
+            a.close(), b.close()
