@@ -167,3 +167,21 @@ def test_join_coordinator_restart_and_refused_nodes(tmp_path):
     _, inner = _outer_rows(tmp_path, donor)
     during = [r["step"] for r in inner if t0 <= r["time"] <= t1]
     assert during, (t0, t1, [(r["step"], r["time"]) for r in inner])
+
+
+@pytest.mark.slow
+def test_whole_run_restart_resumes_from_checkpoints(tmp_path):
+    first = _launch(tmp_path, "--nodes", "2", "--run.stop_at", "10")
+    out1 = first.communicate(timeout=600)[0]
+    assert first.returncode == 0, out1[-3000:]
+    before = {n: _outer_rows(tmp_path, n)[0] for n in ("node0", "node1")}
+    assert [r["outer_step"] for r in before["node0"]] == [1, 2]
+    second = _launch(tmp_path, "--nodes", "2", "--ckpt.resume")
+    out2 = second.communicate(timeout=600)[0]
+    assert second.returncode == 0, out2[-3000:]
+    assert out2.count("as resumed member") == 2
+    assert "registered with" in out2 and "as member at outer step 2" in out2
+    steps = _check_hashes(tmp_path, ["node0", "node1"])
+    assert sorted(steps) == [1, 2, 3, 4]
+    _, inner = _outer_rows(tmp_path, "node0")
+    assert [r["step"] for r in inner if r["step"] > 10][:1] == [11]  # the inner steps carried on

@@ -25,7 +25,7 @@ from intellect_jax.config import TrainConfig
 from intellect_jax.diloco import outer as O
 from intellect_jax.diloco import transfer
 from intellect_jax.diloco.client import CoordinatorClient
-from intellect_jax.diloco.membership import Epoch
+from intellect_jax.diloco.membership import Epoch, Evicted
 from intellect_jax.net.auth import load_secret
 from intellect_jax.net.comm import NetNode, RingConfig, parse_address
 from intellect_jax.net.errors import NetError
@@ -48,8 +48,9 @@ def transport_config(cfg: TrainConfig) -> TransportConfig:
 class DilocoNode:
     def __init__(self, cfg: TrainConfig, *, log=None):
         d = cfg.diloco
-        if cfg.run.steps % d.inner_steps:
-            raise DilocoError(f"run.steps ({cfg.run.steps}) must be a multiple of diloco.inner_steps ({d.inner_steps})")
+        for name, v in (("run.steps", cfg.run.steps), ("run.stop_at", cfg.run.stop_at or 0)):
+            if v % d.inner_steps:
+                raise DilocoError(f"{name} ({v}) must be a multiple of diloco.inner_steps ({d.inner_steps})")
         if not d.coordinator:
             raise DilocoError("diloco.coordinator (host:port) is required")
         self.cfg, self.H = cfg, d.inner_steps
@@ -86,7 +87,9 @@ class DilocoNode:
         if resumed:  # whole-run restart from our own checkpoint (saved at a boundary)
             k = self.trainer.step // self.H
             tree = self.trainer.ckpt.restore_extra("outer", self._outer_abstract()._asdict(), self.trainer.step)
-            self.outer = O.OuterState(tree["params"], O.MomentumState(**tree["opt_state"]), int(tree["step"]))
+            opt = tree["opt_state"]
+            momentum = opt.momentum if hasattr(opt, "momentum") else opt["momentum"]
+            self.outer = O.OuterState(tree["params"], O.MomentumState(momentum), int(tree["step"]))
             reply = self.client.register(outer_step=k)
         else:
             reply = self.client.register()
@@ -153,21 +156,28 @@ class DilocoNode:
     # ---- the outer loop ------------------------------------------------------------------------
     def run(self) -> None:
         k = self.start()
-        n_outer = self.cfg.run.steps // self.H
+        n_outer = (self.cfg.run.stop_at or self.cfg.run.steps) // self.H  # stop_at: end this job early
         while k < n_outer:
             t0 = time.perf_counter()
             last = self.trainer.train(until=(k + 1) * self.H)
             compute_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             pg = O.pseudo_gradient(self.outer, self.trainer.state.params)
-            avg, ep, stats, tries = self._all_reduce(k, pg)
+            try:
+                avg, ep, stats, tries = self._all_reduce(k, pg)
+            except Evicted as e:  # we stalled or fell behind: rejoin and take a live peer's state
+                self._log(f"evicted ({e}); registering again as a joiner")
+                self.client.register()
+                k = self._join()
+                continue
             self.outer = O.outer_step(self.outer, avg, self.tx)
             self.trainer.set_params(self.outer.params)
             h = O.state_hash(self.outer)
             sync_s = time.perf_counter() - t1
             k = self.outer.step
             self._serve(ep)
-            if self.cfg.ckpt.every and (self.trainer.step % self.cfg.ckpt.every == 0 or k == n_outer):
+            every = self.cfg.ckpt.every
+            if (every and self.trainer.step % every == 0) or k == n_outer:
                 self.trainer.save(extra={"outer": self.outer._asdict()})
             ev = self.cfg.run.eval_every
             if (ev and self.trainer.step % ev == 0) or k == n_outer:  # the outer params' val loss
