@@ -1,0 +1,315 @@
+"""The one interface the DiLoCo layer uses: ``Communicator.all_reduce_mean(tree) -> tree``.
+
+* :class:`NetNode`: a process's long-lived endpoint (transport config + listener).
+* :class:`SocketCommunicator`: the ring over one ordered peer list for one epoch; its
+  connections open on the first call and are reused until :meth:`close` or a failure
+  (then build a new one, typically for a new epoch: it costs only new connections).
+* :class:`~intellect_jax.net.local.LocalCommunicator`: the in-process fake, bit-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+
+import numpy as np
+
+from intellect_jax.net import quant, tree as treelib
+from intellect_jax.net.errors import ConfigMismatch, RingClosed
+from intellect_jax.net.frames import MsgType
+from intellect_jax.net.ring import Links, Workspace, ring_all_reduce
+from intellect_jax.net.listener import Listener
+from intellect_jax.net.transport import Address, Connection, TransportConfig, connect
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """How the ring all-reduce runs. Every rank of a ring must use the same values."""
+
+    mode: str = "int8"  # "fp32" | "bf16" | "int8"
+    block_size: int = 64  # int8: elements per float32 scale
+    streams: int = 1  # parallel TCP connections per ring link
+    piece_numel: int = 1 << 18  # pipeline piece (elements)
+    bucket_numel: int = 1 << 26  # pytree leaves are reduced in buckets of this many elements
+    deadline: float = 300.0  # seconds for one all_reduce_mean call, connecting included
+    stochastic_rounding: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        quant.check_mode(self.mode, self.block_size)
+        if self.streams < 1 or self.piece_numel < 1 or self.bucket_numel < 1 or self.deadline <= 0:
+            raise ValueError(f"invalid ring config {self}")
+
+    def rng_seed(self, epoch: int) -> int | None:
+        """Seed for stochastic rounding (None: round to nearest)."""
+        return (self.seed << 20) + epoch if self.stochastic_rounding else None
+
+
+@dataclass(frozen=True)
+class CommStats:
+    """What the last ``all_reduce_mean`` cost on this rank."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+    numel: int = 0
+    world_size: int = 1
+    mode: str = ""
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """Averages pytrees of float32 numpy arrays across the ranks of a ring."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce_mean(self, tree: T, *, out: T | None = None) -> T:
+        """Elementwise mean over ranks, bit-identical on every rank; the input is never modified.
+
+        Returns new arrays, or writes into ``out`` (same structure) and returns it.
+        Raises a :class:`~intellect_jax.net.errors.NetError` subclass if the collective fails.
+        """
+        ...
+
+    @property
+    def last_stats(self) -> CommStats: ...
+
+    def close(self) -> None: ...
+
+
+def bucket_call(call: int, bucket: int) -> int:
+    """Per-bucket call id (seeds stochastic rounding identically in the fake and the ring)."""
+    return call * 4096 + bucket
+
+
+def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Callable[[np.ndarray, int, np.ndarray | None], np.ndarray],
+                before: Callable[[dict[str, Any]], None] | None = None, out: T | None = None) -> tuple[T, int]:
+    """Flatten, bucket, reduce every bucket with ``reduce_flat(flat, bucket, out_flat)``, rebuild.
+
+    With ``out`` (same structure, C-contiguous float32 leaves) results are written there.
+    """
+    leaves, rebuild, sig = treelib.flatten(tree)
+    outs = None
+    if out is not None:
+        outs, _, osig = treelib.flatten(out)
+        if osig != sig or not all(o.flags.c_contiguous and o.flags.writeable for o in outs):
+            raise ValueError("out must match the input's structure and shapes, with writable C-contiguous leaves")
+    sizes = [leaf.size for leaf in leaves]
+    buckets = treelib.make_buckets(sizes, cfg.bucket_numel)
+    if before is not None:
+        before({"sig": sig, "buckets": [sum(sizes[i] for i in b) for b in buckets]})
+    result: list[np.ndarray] = []
+    for bi, idx in enumerate(buckets):
+        flat = treelib.gather(leaves, idx)
+        direct = outs[idx[0]].reshape(-1) if outs is not None and len(idx) == 1 else None
+        res = reduce_flat(flat, bi, direct) if flat.size else np.empty(0, np.float32)
+        if outs is None:
+            result.extend(treelib.scatter(res, leaves, idx))
+            continue
+        if direct is None:
+            for o, r in zip((outs[i] for i in idx), treelib.scatter(res, leaves, idx)):
+                np.copyto(o, r)
+        result.extend(outs[i] for i in idx)
+    return rebuild(result), sum(sizes)
+
+
+def _copy_into(flat: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    if out is None:
+        return np.array(flat, np.float32, copy=True)
+    np.copyto(out, flat)
+    return out
+
+
+def parse_address(addr: Address | str) -> Address:
+    """``"host:port"`` or ``(host, port)`` -> ``(host, port)``."""
+    if isinstance(addr, str):
+        host, _, port = addr.rpartition(":")
+        return host.strip("[]"), int(port)
+    return str(addr[0]), int(addr[1])
+
+
+class NetNode:
+    """A node's endpoint: a listener that stays up, plus outgoing connections on demand."""
+
+    def __init__(self, cfg: TransportConfig, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.cfg = cfg
+        self.listener = Listener(cfg, host, port)
+
+    @property
+    def address(self) -> Address:
+        """Where peers reach this node."""
+        return self.listener.address
+
+    def connect(self, address: Address | str, channel: str, *, timeout: float | None = None,
+                name: str | None = None) -> Connection:
+        """Authenticated connection to a peer's listener on ``channel``."""
+        return connect(self.cfg, parse_address(address), channel, timeout=timeout, name=name)
+
+    def accept(self, channel: str, *, timeout: float, name: str | None = None) -> Connection:
+        """Next authenticated incoming connection on ``channel``."""
+        return self.listener.accept(channel, timeout=timeout, name=name)
+
+    def ring(self, peers: Sequence[Address | str], rank: int, *, epoch: int = 0,
+             config: RingConfig | None = None) -> SocketCommunicator:
+        """A communicator over ``peers`` (ordered; ``peers[rank]`` is this node)."""
+        return SocketCommunicator(self, peers, rank, epoch=epoch, config=config)
+
+    def close(self) -> None:
+        """Stop listening."""
+        self.listener.close()
+
+    def __enter__(self) -> NetNode:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SocketCommunicator:
+    """Ring all-reduce over TCP for one ordered peer list and one epoch.
+
+    One call at a time per communicator; every rank must make the same sequence of calls
+    with the same tree structure (checked on every call).
+    """
+
+    def __init__(self, node: NetNode, peers: Sequence[Address | str], rank: int, *, epoch: int = 0,
+                 config: RingConfig | None = None, owns_node: bool = False) -> None:
+        self.node, self.rank, self.epoch = node, rank, epoch
+        self.peers = [parse_address(p) for p in peers]
+        self.world_size = len(self.peers)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a ring of {self.world_size}")
+        self.config = config or RingConfig()
+        piece_bytes = quant.encoded_nbytes(self.config.piece_numel, self.config.mode, self.config.block_size)
+        if piece_bytes > node.cfg.max_frame_bytes:
+            raise ValueError(f"a ring piece of {self.config.piece_numel} values is {piece_bytes} bytes, above "
+                             f"max_frame_bytes={node.cfg.max_frame_bytes}; lower piece_numel")
+        self._owns_node = owns_node
+        self._links: Links | None = None
+        self._workspace = Workspace()
+        self._closed = False
+        self._calls = 0
+        self._stats = CommStats(world_size=self.world_size, mode=self.config.mode)
+        self._peers_hash = hashlib.sha256(json.dumps(self.peers).encode()).hexdigest()[:16]
+
+    @property
+    def last_stats(self) -> CommStats:
+        """Traffic and time of the last call."""
+        return self._stats
+
+    def _name(self, r: int) -> str:
+        return f"rank {r} ({self.peers[r][0]}:{self.peers[r][1]})"
+
+    def _channel(self, src: int, dst: int, k: int) -> str:
+        return f"ring/{self.epoch}/{src}>{dst}/{k}"
+
+    def _open(self, deadline: float) -> Links:
+        if self._links is not None:
+            return self._links
+        nxt, prv, k_streams = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size, self.config.streams
+        links = Links([], [])
+        try:
+            for k in range(k_streams):
+                links.out.append(self.node.connect(self.peers[nxt], self._channel(self.rank, nxt, k),
+                                                   timeout=deadline - time.monotonic(), name=self._name(nxt)))
+            for k in range(k_streams):
+                links.inn.append(self.node.accept(self._channel(prv, self.rank, k),
+                                                  timeout=max(0.0, deadline - time.monotonic()), name=self._name(prv)))
+        except BaseException:
+            links.close()
+            raise
+        self._links = links
+        return links
+
+    def _check_meta(self, links: Links, meta: dict[str, Any], deadline: float) -> None:
+        """Send our parameters downstream, compare with the upstream rank's."""
+        mine = json.dumps(meta, sort_keys=True).encode()
+        links.out[0].send(MsgType.META, mine, deadline=deadline)
+        _, theirs_raw = links.inn[0].recv(MsgType.META, deadline=deadline, max_len=1 << 16)
+        theirs = json.loads(theirs_raw)
+        diff = sorted(k for k in set(meta) | set(theirs) if meta.get(k) != theirs.get(k))
+        if diff:
+            prv = (self.rank - 1) % self.world_size
+            detail = ", ".join(f"{k}: theirs={theirs.get(k)!r} ours={meta.get(k)!r}" for k in diff)
+            raise ConfigMismatch(f"{self._name(prv)} disagrees on this all-reduce: {detail}")
+
+    def all_reduce_mean(self, tree: T, *, out: T | None = None) -> T:
+        """Mean over the ring, bit-identical on every rank, as new arrays (or written to ``out``).
+
+        On failure every rank raises within ``config.deadline``, the connections are closed
+        (this communicator is then unusable: build a new ring) and ``tree`` is untouched.
+        """
+        if self._closed:
+            raise RingClosed(f"ring epoch {self.epoch} is closed (after a failure or close()); build a new one")
+        cfg, t0 = self.config, time.monotonic()
+        deadline = t0 + cfg.deadline
+        call, seed = self._calls, cfg.rng_seed(self.epoch)
+        if self.world_size == 1:
+            result, numel = reduce_tree(tree, cfg, lambda flat, _, o: _copy_into(flat, o), out=out)
+            self._stats = CommStats(0, 0, time.monotonic() - t0, numel, 1, cfg.mode)
+            self._calls += 1
+            return result
+        try:
+            links = self._open(deadline)
+            sent0, recv0 = links.traffic()
+
+            def before(info: dict[str, Any]) -> None:
+                meta = {"v": 1, "call": call, "epoch": self.epoch, "world": self.world_size,
+                        "peers": self._peers_hash, **asdict(cfg), **info}
+                meta.pop("deadline")
+                self._check_meta(links, meta, deadline)
+
+            def flat_reduce(flat: np.ndarray, bi: int, o: np.ndarray | None) -> np.ndarray:
+                return ring_all_reduce(links, flat, self.rank, self.world_size, mode=cfg.mode,
+                                       block=cfg.block_size, piece_numel=cfg.piece_numel, seed=seed,
+                                       call=bucket_call(call, bi), deadline=deadline, out=o,
+                                       workspace=self._workspace)
+
+            result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out)
+        except BaseException:
+            self._teardown()  # neighbours see the connections close and fail fast too
+            raise
+        sent, recv = links.traffic()
+        self._stats = CommStats(sent - sent0, recv - recv0, time.monotonic() - t0, numel, self.world_size, cfg.mode)
+        self._calls += 1
+        return result
+
+    def _teardown(self) -> None:
+        self._closed = True
+        if self._links is not None:
+            self._links.close()
+            self._links = None
+        self.node.listener.discard(f"ring/{self.epoch}/")
+
+    def close(self) -> None:
+        """Close the ring's connections (and the node, if this communicator created it)."""
+        self._teardown()
+        if self._owns_node:
+            self.node.close()
+
+    def __enter__(self) -> SocketCommunicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_ring(rank: int, peers: Sequence[Address | str], *, secret: bytes, run_id: str, mode: str = "int8",
+              block_size: int = 64, deadline: float = 300.0, streams: int = 1, epoch: int = 0,
+              node: NetNode | None = None, **ring_kwargs: Any) -> SocketCommunicator:
+    """Build a :class:`SocketCommunicator` from plain parameters.
+
+    Without ``node`` a listener is bound at ``peers[rank]`` and closed with the ring.
+    """
+    cfg = RingConfig(mode=mode, block_size=block_size, deadline=deadline, streams=streams, **ring_kwargs)
+    owns = node is None
+    if node is None:
+        host, port = parse_address(peers[rank])
+        node = NetNode(TransportConfig(run_id=run_id, secret=secret), host, port)
+    return SocketCommunicator(node, peers, rank, epoch=epoch, config=cfg, owns_node=owns)

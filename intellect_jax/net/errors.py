@@ -1,0 +1,31 @@
+"""Exceptions of the inter-node collective layer. Messages name the culprit peer."""
+
+from __future__ import annotations
+
+
+class NetError(Exception):
+    """Base class: any failure of a connection, a frame, or a collective."""
+
+
+class AuthError(NetError):
+    """A peer failed the HMAC handshake (wrong secret or run id) or TLS verification."""
+
+
+class FrameError(NetError):
+    """A malformed, oversized, unexpected, replayed or corrupted frame."""
+
+
+class PeerTimeout(NetError, TimeoutError):
+    """A peer made no progress within the I/O timeout, or a deadline expired."""
+
+
+class PeerClosed(NetError, ConnectionError):
+    """A peer closed or reset the connection."""
+
+
+class ConfigMismatch(NetError):
+    """Peers disagree on the collective's parameters (shapes, mode, block size, ring)."""
+
+
+class RingClosed(NetError):
+    """The ring was torn down after a failure (or closed); build a new one."""

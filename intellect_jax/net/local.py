@@ -1,0 +1,152 @@
+"""In-process fake of the socket ring, for tests of the layers above.
+
+``LocalGroup(world, config)`` hands out one :class:`LocalCommunicator` per rank. Each
+rank calls ``all_reduce_mean`` from its own thread (calls block until every rank has
+arrived, like the real ring); or one thread calls :meth:`LocalGroup.all_reduce_mean_all`
+with every rank's tree. Results are computed by :func:`~intellect_jax.net.plan.simulate`,
+the same per-piece arithmetic as the socket ring, so they are bit-identical to it for the
+same config and epoch. :meth:`LocalGroup.fail_next` makes the next collective raise on
+every rank (inputs unchanged), to test recovery paths.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, TypeVar
+
+import numpy as np
+
+from intellect_jax.net import plan, tree as treelib
+from intellect_jax.net.comm import CommStats, RingConfig, bucket_call
+from intellect_jax.net.errors import PeerClosed, PeerTimeout
+from intellect_jax.net.frames import HEADER_LEN
+from intellect_jax.net.quant import encoded_nbytes
+
+T = TypeVar("T")
+
+
+def ring_bytes(numel: int, world: int, rank: int, cfg: RingConfig) -> int:
+    """Data-frame bytes (headers included) one rank sends in a socket ring all-reduce."""
+    if world == 1 or numel == 0:
+        return 0
+    p = plan.make_plan(numel, world, cfg.block_size, cfg.piece_numel)
+    total = 0
+    for m in range(p.messages):
+        s, j = divmod(m, p.pieces)
+        a, b = p.piece(p.send_segment(rank, s), j)
+        total += HEADER_LEN + encoded_nbytes(b - a, cfg.mode, cfg.block_size)
+    return total
+
+
+class LocalGroup:
+    """``world`` ranks in one process sharing the ring's arithmetic."""
+
+    def __init__(self, world: int, config: RingConfig | None = None, *, epoch: int = 0) -> None:
+        if world < 1:
+            raise ValueError("world must be >= 1")
+        self.world, self.config, self.epoch = world, config or RingConfig(), epoch
+        self._cond = threading.Condition()
+        self._inputs: dict[int, Any] = {}
+        self._results: list[Any] | None = None
+        self._error: Exception | None = None
+        self._generation = 0
+        self._calls = 0
+        self._fail: str | None = None
+        self.comms = [LocalCommunicator(self, r) for r in range(world)]
+
+    def communicator(self, rank: int) -> LocalCommunicator:
+        """The communicator of ``rank``."""
+        return self.comms[rank]
+
+    def fail_next(self, reason: str = "injected failure") -> None:
+        """Make the next collective raise :class:`PeerClosed` on every rank."""
+        self._fail = reason
+
+    def all_reduce_mean_all(self, trees: list[T]) -> list[T]:
+        """Every rank's result for every rank's input, computed in the calling thread."""
+        if len(trees) != self.world:
+            raise ValueError(f"expected {self.world} trees, got {len(trees)}")
+        call = self._calls
+        self._calls += 1
+        if self._fail is not None:
+            reason, self._fail = self._fail, None
+            raise PeerClosed(f"local ring: {reason}")
+        cfg, seed = self.config, self.config.rng_seed(self.epoch)
+        flat = [treelib.flatten(t) for t in trees]
+        if len({sig for _, _, sig in flat}) != 1:
+            raise ValueError("ranks passed pytrees of different structure or shapes")
+        leaves0 = flat[0][0]
+        out: list[np.ndarray] = []
+        for bi, idx in enumerate(treelib.make_buckets([x.size for x in leaves0], cfg.bucket_numel)):
+            inputs = [treelib.gather(leaves, idx) for leaves, _, _ in flat]
+            res = (plan.simulate(inputs, cfg.mode, cfg.block_size, cfg.piece_numel, seed=seed,
+                                 call=bucket_call(call, bi)) if inputs[0].size else np.empty(0, np.float32))
+            out.extend(treelib.scatter(res, leaves0, idx))
+        result = flat[0][1](out)
+        return [result] + [_copy_tree(result) for _ in range(self.world - 1)]
+
+    def _submit(self, rank: int, tree: Any, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            gen = self._generation
+            self._inputs[rank] = tree
+            if len(self._inputs) == self.world:
+                inputs, self._inputs = [self._inputs[r] for r in range(self.world)], {}
+                try:
+                    self._results, self._error = self.all_reduce_mean_all(inputs), None
+                except Exception as e:  # noqa: BLE001 - re-raised on every rank
+                    self._results, self._error = None, e
+                self._generation += 1
+                self._cond.notify_all()
+            while self._generation == gen:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._inputs.pop(rank, None)
+                    missing = self.world - len(self._inputs) - 1
+                    raise PeerTimeout(f"local ring: {missing} rank(s) did not join within {timeout:.1f}s")
+                self._cond.wait(left)
+            if self._error is not None:
+                raise type(self._error)(str(self._error))
+            assert self._results is not None
+            return self._results[rank]
+
+
+class LocalCommunicator:
+    """One rank of a :class:`LocalGroup`; same interface as the socket communicator."""
+
+    def __init__(self, group: LocalGroup, rank: int) -> None:
+        self.group, self.rank, self.world_size = group, rank, group.world
+        self._stats = CommStats(world_size=group.world, mode=group.config.mode)
+
+    @property
+    def last_stats(self) -> CommStats:
+        """Traffic the socket ring would have sent (data frames) and the time spent here."""
+        return self._stats
+
+    def all_reduce_mean(self, tree: T, *, out: T | None = None) -> T:
+        """Blocks until every rank of the group has called, then returns the mean."""
+        t0 = time.monotonic()
+        cfg = self.group.config
+        result = self.group._submit(self.rank, tree, cfg.deadline)
+        if out is not None:
+            for o, r in zip(treelib.flatten(out)[0], treelib.flatten(result)[0]):
+                np.copyto(o, r)
+            result = out
+        sizes = [leaf.size for leaf in treelib.flatten(tree)[0]]
+        numel = sum(sizes)
+        sent = sum(ring_bytes(sum(sizes[i] for i in idx), self.world_size, self.rank, cfg)
+                   for idx in treelib.make_buckets(sizes, cfg.bucket_numel))
+        self._stats = CommStats(sent, sent, time.monotonic() - t0, numel, self.world_size, cfg.mode)
+        return result
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def _copy_tree(tree: Any) -> Any:
+    if isinstance(tree, np.ndarray):
+        return tree.copy()
+    from jax import tree_util
+
+    return tree_util.tree_map(lambda a: np.array(a, copy=True), tree)

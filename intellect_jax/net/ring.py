@@ -1,0 +1,267 @@
+"""Pipelined ring all-reduce (mean) over authenticated connections.
+
+Each rank holds ``streams`` connections to its successor and as many from its
+predecessor. The ``(2*world - 2) * pieces`` messages of one all-reduce are dealt round
+robin over the streams; per stream one sender thread and one receiver thread run, plus
+one encoder thread for step 0. Receivers decode, accumulate in fp32 and re-encode (the
+reduce-scatter), or decode into the output and hand the very same bytes on (the
+all-gather); senders ship whatever is ready. numpy and hashlib release the GIL, so
+encoding, hashing, sending and receiving overlap.
+
+On any error (peer gone, stalled, garbage) the first exception is kept, every socket of
+the ring is shut down so all threads stop (and neighbours notice at once), and the
+exception is raised. The caller's input is only ever read.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from intellect_jax.net import quant
+from intellect_jax.net.errors import NetError, PeerTimeout
+from intellect_jax.net.frames import MsgType
+from intellect_jax.net.plan import RingPlan, finish, make_plan, piece_rng, rs_hop
+from intellect_jax.net.transport import Connection
+
+
+@dataclass
+class Links:
+    """A rank's connections in one ring: ``out`` to the successor, ``inn`` from the predecessor."""
+
+    out: list[Connection]
+    inn: list[Connection]
+
+    def all(self) -> list[Connection]:
+        """Every connection."""
+        return [*self.out, *self.inn]
+
+    def abort(self) -> None:
+        """Shut every socket down (wakes blocked threads, tells the neighbours)."""
+        for c in self.all():
+            c.abort()
+
+    def close(self) -> None:
+        """Close every socket."""
+        for c in self.all():
+            c.close()
+
+    def traffic(self) -> tuple[int, int]:
+        """Bytes sent and received so far over all connections."""
+        return sum(c.bytes_sent for c in self.all()), sum(c.bytes_received for c in self.all())
+
+
+class Workspace:
+    """Buffers reused across pieces and calls: fresh pages cost page faults, which are slow."""
+
+    def __init__(self, keep: int = 256) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._scratch: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+        self._keep = keep
+
+    def get(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of exactly ``nbytes`` (recycled when possible)."""
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+        return np.empty(nbytes, np.uint8)
+
+    def release(self, buf: np.ndarray) -> None:
+        """Return a buffer from :meth:`get`."""
+        with self._lock:
+            free = self._free.setdefault(buf.nbytes, [])
+            if len(free) < self._keep:
+                free.append(buf)
+
+    def scratch(self, name: str, n: int, dtype: type = np.float32) -> np.ndarray:
+        """A per-name array of at least ``n`` elements (one user at a time)."""
+        with self._lock:
+            a = self._scratch.get(name)
+            if a is None or a.shape[0] < n or a.dtype != dtype:
+                a = self._scratch[name] = np.empty(n, dtype)
+            return a
+
+
+class _RingRun:
+    """State of one all-reduce of one flat vector."""
+
+    def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str,
+                 block: int, piece_numel: int, seed: int | None, call: int, deadline: float,
+                 ws: Workspace) -> None:
+        self.links, self.x, self.out, self.rank, self.world = links, x, out, rank, world
+        self.mode, self.block, self.seed, self.call, self.deadline = mode, block, seed, call, deadline
+        self.plan: RingPlan = make_plan(x.shape[0], world, block, piece_numel)
+        self.ws = ws
+        self.maxp = self.plan.max_piece()
+        self.cap = quant.encoded_nbytes(self.maxp, mode, block)  # pooled buffer size
+        self.slots: dict[int, tuple[np.ndarray, bytes | None, np.ndarray | None]] = {}
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.streams = len(links.out)
+        self.step0_done = threading.Event()
+
+    # -- bookkeeping -------------------------------------------------------------------
+    def fail(self, exc: BaseException) -> None:
+        with self.cond:
+            first = self.error is None
+            if first:
+                self.error = exc
+            self.cond.notify_all()
+        if first:
+            self.links.abort()
+
+    def put(self, m: int, wire: np.ndarray, ptag: bytes | None, pooled: np.ndarray | None) -> None:
+        with self.cond:
+            self.slots[m] = (wire, ptag, pooled)
+            self.cond.notify_all()
+
+    def take(self, m: int) -> tuple[np.ndarray, bytes | None, np.ndarray | None] | None:
+        with self.cond:
+            while m not in self.slots:
+                if self.error is not None:
+                    return None
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerTimeout(f"ring all-reduce: message {m} not ready before the deadline")
+                self.cond.wait(min(left, 1.0))
+            return self.slots.pop(m)
+
+    def guarded(self, fn: Callable[..., None], *args: object) -> Callable[[], None]:
+        def body() -> None:
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 - propagated to the caller by run()
+                self.fail(e)
+        return body
+
+    # -- threads -----------------------------------------------------------------------
+    def encoder(self) -> None:
+        seg = self.plan.send_segment(self.rank, 0)
+        scratch = self.ws.scratch("enc", self.maxp)
+        for j in range(self.plan.pieces):
+            if self.error is not None:
+                return
+            a, b = self.plan.piece(seg, j)
+            if self.mode == "fp32":  # zero copy: send straight from the caller's array
+                self.put(j, self.x[a:b].view(np.uint8), None, None)
+                continue
+            buf = self.ws.get(self.cap)
+            rng = piece_rng(self.seed, self.call, seg, j, 0)
+            wire = quant.encode(self.x[a:b], self.mode, self.block,
+                                buf[: quant.encoded_nbytes(b - a, self.mode, self.block)], rng=rng, scratch=scratch)
+            self.put(j, wire, None, buf)
+        self.step0_done.set()
+
+    def wait_step0(self) -> None:
+        """Step 0 (our own segment) goes out first, so its encoding has priority: receivers
+        start computing only once it is done (meanwhile the kernel buffers their input)."""
+        while not self.step0_done.wait(0.5):
+            if self.error is not None or time.monotonic() > self.deadline:
+                return
+
+    def sender(self, k: int) -> None:
+        conn = self.links.out[k]
+        for m in range(k, self.plan.messages, self.streams):
+            item = self.take(m)
+            if item is None:
+                return
+            conn.send(MsgType.DATA, item[0], deadline=self.deadline, ptag=item[1])
+            if item[2] is not None:
+                self.ws.release(item[2])
+
+    def receiver(self, k: int) -> None:
+        plan, mode, block, world, ws = self.plan, self.mode, self.block, self.world, self.ws
+        conn = self.links.inn[k]
+        acc_buf = ws.scratch(f"acc{k}", self.maxp)
+        enc_buf = ws.scratch(f"enc{k}", self.maxp)
+        rbuf = ws.scratch(f"rx{k}", self.cap, np.uint8)
+        for m in range(k, plan.messages, self.streams):
+            if self.error is not None:
+                return
+            s, j = divmod(m, plan.pieces)
+            seg = plan.send_segment(self.rank, s + 1)  # what the predecessor sent at step s
+            a, b = plan.piece(seg, j)
+            n = b - a
+            nbytes = quant.encoded_nbytes(n, mode, block)
+            hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=nbytes)
+            nxt = m + plan.pieces if s < 2 * world - 3 else None
+            if m < self.streams:
+                self.wait_step0()
+            if s < world - 1:  # reduce-scatter: accumulate in fp32, re-encode
+                pooled = ws.get(self.cap)
+                if mode == "fp32":  # receive straight into the accumulator that is sent on
+                    acc = pooled[:nbytes].view(np.float32)
+                    conn.recv_payload_into(hdr, acc, deadline=self.deadline)
+                    np.add(acc, self.x[a:b], out=acc)
+                else:
+                    conn.recv_payload_into(hdr, rbuf[:nbytes], deadline=self.deadline)
+                    acc = rs_hop(rbuf[:nbytes], self.x[a:b], mode, block, acc_buf)
+                if s < world - 2:
+                    rng = piece_rng(self.seed, self.call, seg, j, s + 1)
+                    wire = acc.view(np.uint8) if mode == "fp32" else quant.encode(
+                        acc, mode, block, pooled[:nbytes], rng=rng, scratch=enc_buf)
+                else:
+                    rng = piece_rng(self.seed, self.call, seg, j, world - 1)
+                    wire = finish(acc, world, mode, block, self.out[a:b], rng=rng,
+                                  wire_out=pooled[:nbytes], scratch=enc_buf)
+                    if mode == "fp32":  # the mean went to self.out; forward from there
+                        ws.release(pooled)
+                        pooled = None
+                self.put(m + plan.pieces, wire, None, pooled)
+            else:  # all-gather: adopt and forward the owner's bytes verbatim
+                pooled = None
+                if mode == "fp32":
+                    wire = self.out[a:b].view(np.uint8)
+                    conn.recv_payload_into(hdr, wire, deadline=self.deadline)
+                else:
+                    pooled = ws.get(self.cap)
+                    wire = pooled[:nbytes]
+                    conn.recv_payload_into(hdr, wire, deadline=self.deadline)
+                    quant.decode(wire, n, mode, block, out=self.out[a:b])
+                if nxt is not None:
+                    self.put(nxt, wire, hdr.ptag, pooled)
+                elif pooled is not None:
+                    ws.release(pooled)
+
+    def run(self) -> np.ndarray:
+        threads = [threading.Thread(target=self.guarded(self.encoder), name="ring-enc", daemon=True)]
+        for k in range(self.streams):
+            threads.append(threading.Thread(target=self.guarded(self.sender, k), name=f"ring-tx{k}", daemon=True))
+            threads.append(threading.Thread(target=self.guarded(self.receiver, k), name=f"ring-rx{k}", daemon=True))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, self.deadline - time.monotonic()))
+            if t.is_alive():
+                self.fail(PeerTimeout("ring all-reduce did not finish before its deadline"))
+                t.join(5.0)
+        if self.error is not None:
+            raise self.error
+        if any(t.is_alive() for t in threads):  # pragma: no cover - sockets are shut down
+            raise NetError("ring threads did not stop after a failure")
+        return self.out
+
+
+def ring_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, mode: str, block: int,
+                    piece_numel: int, seed: int | None, call: int, deadline: float,
+                    out: np.ndarray | None = None, workspace: Workspace | None = None) -> np.ndarray:
+    """Mean of ``x`` (flat float32) over the ring, bit-identical on every rank.
+
+    Written to ``out`` (flat float32, must not overlap ``x``) or a new array.
+    """
+    out = np.empty(x.shape[0], np.float32) if out is None else out
+    if out.shape != x.shape or out.dtype != np.float32:
+        raise ValueError(f"out must be float32 of shape {x.shape}, got {out.dtype} {out.shape}")
+    if np.may_share_memory(out, x):
+        raise ValueError("out must not overlap the input (the input must survive a failure)")
+    if world == 1:
+        np.copyto(out, x)
+        return out
+    ws = workspace or Workspace()
+    return _RingRun(links, x, out, rank, world, mode, block, piece_numel, seed, call, deadline, ws).run()

@@ -1,0 +1,304 @@
+"""Authenticated TCP transport: connections, a listener that routes by channel, timeouts.
+
+* :class:`Connection` sends and receives frames (see :mod:`.frames`); payloads go out as
+  memoryviews of the caller's buffers (``sendmsg`` scatter-gather, no copies) and come in
+  with ``recv_into`` into preallocated buffers. Every blocking call waits at most
+  ``io_timeout`` without progress and never past the caller's deadline.
+* :func:`connect` dials a peer (retrying until a timeout) and runs the client handshake;
+  :class:`~intellect_jax.net.listener.Listener` is the accepting side.
+
+A connection supports one sending and one receiving thread at a time.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from intellect_jax.net import auth
+from intellect_jax.net.errors import AuthError, FrameError, PeerClosed, PeerTimeout
+from intellect_jax.net.frames import (
+    HEADER_LEN,
+    INTEGRITY,
+    Header,
+    MsgType,
+    check_payload,
+    pack_header,
+    parse_header,
+    payload_tag,
+    run_hash,
+)
+
+Address = tuple[str, int]
+Buffer = bytes | bytearray | memoryview | np.ndarray
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Everything a node needs to talk to its peers. The secret never appears in repr."""
+
+    run_id: str
+    secret: bytes = field(repr=False)
+    io_timeout: float = 30.0
+    connect_timeout: float = 30.0
+    handshake_timeout: float = 10.0
+    max_frame_bytes: int = 64 << 20
+    integrity: str = "sha256"
+    keepalive: tuple[int, int, int] = (10, 5, 3)  # idle s, interval s, probes
+    sock_buf_bytes: int | None = None
+    tls: auth.TLSConfig | None = None
+    pending_ttl: float = 300.0
+
+    def __post_init__(self) -> None:
+        if len(self.secret) < auth.MIN_SECRET_BYTES:
+            raise AuthError(f"run secret is {len(self.secret)} bytes; need at least {auth.MIN_SECRET_BYTES}")
+        if self.integrity not in INTEGRITY:
+            raise ValueError(f"unknown integrity {self.integrity!r}; expected one of {list(INTEGRITY)}")
+        if min(self.io_timeout, self.connect_timeout, self.handshake_timeout) <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.max_frame_bytes < 1 << 16:
+            raise ValueError("max_frame_bytes must be at least 64 KiB")
+
+    @property
+    def run(self) -> bytes:
+        """16-byte run hash carried by every frame."""
+        return run_hash(self.run_id)
+
+
+def _tune(sock: socket.socket, cfg: TransportConfig) -> None:
+    """TCP_NODELAY, keepalive, user timeout and optional buffer sizes."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, intvl, cnt = cfg.keepalive
+    for opt, val in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", intvl), ("TCP_KEEPCNT", cnt)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):  # unacknowledged data -> error (dead peer, no FIN)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(cfg.io_timeout * 1000))
+    if cfg.sock_buf_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg.sock_buf_bytes)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, cfg.sock_buf_bytes)
+
+
+def _bytes_view(buf: Buffer) -> memoryview:
+    mv = memoryview(buf)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+class Connection:
+    """One authenticated, framed TCP (or TLS) connection to a peer."""
+
+    def __init__(self, sock: socket.socket, cfg: TransportConfig, peer: str, channel: str = "") -> None:
+        self.cfg = cfg
+        self.peer = peer
+        self.channel = channel
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._sock = sock
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._waitall = 0 if self._tls else socket.MSG_WAITALL
+        self._run = cfg.run
+        self._send_key: bytes | None = None
+        self._recv_key: bytes | None = None
+        self._send_seq = 0
+        self._recv_seq = 0
+        self._timeouts: dict[int, float] = {}
+        if not self._tls:  # plain TCP: blocking socket, timeouts enforced by the kernel
+            sock.settimeout(None)
+
+    def _arm(self, opt: int, t: float) -> None:
+        """Set the kernel timeout of one direction (a syscall, so only when it changes).
+
+        Plain sockets block in the kernel with ``SO_RCVTIMEO``/``SO_SNDTIMEO``: one
+        ``recv(MSG_WAITALL)`` or ``sendmsg`` moves a whole payload, instead of a Python loop
+        of poll + partial reads. TLS sockets use Python's own timeout mode.
+        """
+        old = self._timeouts.get(opt)
+        if old is not None and abs(old - t) <= 0.05 * t:
+            return
+        self._timeouts[opt] = t
+        if self._tls:
+            self._sock.settimeout(t)
+        else:
+            t = max(t, 0.001)  # 0 would mean "forever"
+            self._sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(t), int(t % 1 * 1e6)))
+
+    def set_keys(self, send_key: bytes, recv_key: bytes) -> None:
+        """Install the session keys after the handshake; frame counters restart at 0."""
+        self._send_key, self._recv_key = send_key, recv_key
+        self._send_seq = self._recv_seq = 0
+
+    def _timeout(self, deadline: float | None, what: str) -> float:
+        t = self.cfg.io_timeout
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerTimeout(f"{self.peer}: deadline expired while {what}")
+            t = min(t, left)
+        return t
+
+    def _send_views(self, views: list[memoryview], deadline: float | None, what: str) -> None:
+        views = [v for v in views if v.nbytes]
+        while views:
+            t = self._timeout(deadline, what)
+            self._arm(socket.SO_SNDTIMEO, t)
+            try:
+                if self._tls:
+                    k = self._sock.send(views[0])
+                else:
+                    k = self._sock.sendmsg(views)
+            except (TimeoutError, BlockingIOError):
+                raise PeerTimeout(f"{self.peer}: no progress for {t:.1f}s while {what}") from None
+            except OSError as e:
+                raise PeerClosed(f"{self.peer}: connection lost while {what} ({e})") from None
+            while k:
+                if k >= views[0].nbytes:
+                    k -= views[0].nbytes
+                    views.pop(0)
+                else:
+                    views[0] = views[0][k:]
+                    k = 0
+
+    def _recv_into(self, mv: memoryview, deadline: float | None, what: str) -> None:
+        got, n = 0, mv.nbytes
+        while got < n:
+            t = self._timeout(deadline, "receiving")
+            self._arm(socket.SO_RCVTIMEO, t)
+            try:
+                k = self._sock.recv_into(mv[got:], n - got, self._waitall)
+            except (TimeoutError, BlockingIOError):
+                raise PeerTimeout(f"{self.peer}: no data for {t:.1f}s while receiving {what}") from None
+            except ssl.SSLError as e:
+                raise FrameError(f"{self.peer}: TLS error while receiving {what} ({e})") from None
+            except OSError as e:
+                raise PeerClosed(f"{self.peer}: connection lost while receiving {what} ({e})") from None
+            if k == 0:
+                raise PeerClosed(f"{self.peer} closed the connection while we were receiving {what} ({got}/{n} bytes)")
+            got += k
+        self.bytes_received += n
+
+    def send(
+        self, mtype: MsgType, payload: Buffer = b"", *, deadline: float | None = None, ptag: bytes | None = None
+    ) -> bytes:
+        """Send one frame; returns the payload tag (pass ``ptag`` to forward a verified payload)."""
+        mv = _bytes_view(payload)
+        n = mv.nbytes
+        if n > self.cfg.max_frame_bytes:
+            raise FrameError(f"refusing to send a {n}-byte frame to {self.peer} (limit {self.cfg.max_frame_bytes})")
+        if ptag is None:
+            ptag = payload_tag(mv, self.cfg.integrity)
+        hdr = pack_header(mtype, self._run, self._send_seq, n, ptag, self._send_key, self.cfg.integrity)
+        self._send_seq += 1
+        self._send_views([memoryview(hdr), mv], deadline, "sending a frame")
+        self.bytes_sent += HEADER_LEN + n
+        return ptag
+
+    def recv_header(
+        self,
+        expect: MsgType,
+        *,
+        deadline: float | None = None,
+        length: int | None = None,
+        max_len: int | None = None,
+    ) -> Header:
+        """Receive and validate the next header; the caller then reads its payload."""
+        raw = bytearray(HEADER_LEN)
+        self._recv_into(memoryview(raw), deadline, "a frame header")
+        limit = self.cfg.max_frame_bytes if max_len is None else min(max_len, self.cfg.max_frame_bytes)
+        run = self._run if self._recv_key is not None else None  # handshake checks the run itself
+        hdr = parse_header(raw, self._recv_key, peer=self.peer, run=run, max_len=self.cfg.max_frame_bytes,
+                           integrity=self.cfg.integrity)
+        if hdr.seq != self._recv_seq:
+            raise FrameError(f"{self.peer}: frame seq {hdr.seq}, expected {self._recv_seq} (replayed or lost frame)")
+        self._recv_seq += 1
+        if hdr.mtype != expect:
+            if hdr.mtype == MsgType.REJECT and hdr.length <= 4096:
+                reason = self._read(hdr, deadline).decode(errors="replace")
+                raise AuthError(f"{self.peer} rejected us: {reason}")
+            raise FrameError(f"{self.peer}: expected a {expect.name} frame, got {hdr.mtype.name}")
+        if hdr.length > limit:
+            raise FrameError(f"{self.peer}: {hdr.mtype.name} frame announces {hdr.length} bytes, above {limit}")
+        if length is not None and hdr.length != length:
+            raise FrameError(f"{self.peer}: {hdr.mtype.name} frame of {hdr.length} bytes, expected {length}")
+        return hdr
+
+    def recv_payload_into(self, hdr: Header, out: Buffer, *, deadline: float | None = None) -> None:
+        """Read the payload announced by ``hdr`` into ``out`` (exactly its size) and verify it."""
+        mv = _bytes_view(out)
+        if mv.nbytes != hdr.length:
+            raise ValueError(f"buffer of {mv.nbytes} bytes for a {hdr.length}-byte payload")
+        self._recv_into(mv, deadline, "a frame payload")
+        check_payload(mv, hdr, self.cfg.integrity, self.peer)
+
+    def _read(self, hdr: Header, deadline: float | None) -> bytes:
+        buf = bytearray(hdr.length)
+        self.recv_payload_into(hdr, buf, deadline=deadline)
+        return bytes(buf)
+
+    def recv(
+        self, expect: MsgType, *, deadline: float | None = None, max_len: int | None = None
+    ) -> tuple[Header, bytes]:
+        """Receive a whole (small) frame of type ``expect``."""
+        hdr = self.recv_header(expect, deadline=deadline, max_len=max_len)
+        return hdr, self._read(hdr, deadline)
+
+    def abort(self) -> None:
+        """Shut the socket down so that blocked threads wake up with an error."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Abort and release the socket."""
+        self.abort()
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(cfg: TransportConfig, address: Address, channel: str, *, timeout: float | None = None,
+            name: str | None = None) -> Connection:
+    """Dial ``address`` (retrying refused connections until ``timeout``) and authenticate."""
+    timeout = cfg.connect_timeout if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    peer = name or f"{address[0]}:{address[1]}"
+    delay, last = 0.02, None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PeerTimeout(f"could not connect to {peer} within {timeout:.1f}s ({last})")
+        try:
+            sock = socket.create_connection(address, timeout=min(left, cfg.handshake_timeout))
+            break
+        except OSError as e:
+            last = e
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(2 * delay, 0.5)
+    try:
+        _tune(sock, cfg)
+        if cfg.tls is not None:
+            sock = cfg.tls.client_context().wrap_socket(sock)
+        conn = Connection(sock, cfg, peer, channel)
+        hs_deadline = min(deadline + cfg.handshake_timeout, time.monotonic() + cfg.handshake_timeout)
+        send_key, recv_key = auth.client_handshake(conn, cfg.secret, cfg.run, channel, hs_deadline)
+    except ssl.SSLError as e:
+        sock.close()
+        raise AuthError(f"TLS handshake with {peer} failed ({e})") from None
+    except BaseException:
+        sock.close()
+        raise
+    conn.set_keys(send_key, recv_key)
+    return conn

@@ -1,0 +1,243 @@
+"""Ring all-reduce over real sockets (ranks as threads in one process) and the local fake."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from intellect_jax.net import (
+    AuthError,
+    ConfigMismatch,
+    LocalGroup,
+    NetError,
+    NetNode,
+    PeerTimeout,
+    RingClosed,
+    RingConfig,
+    TransportConfig,
+)
+from intellect_jax.net.frames import HEADER_LEN
+from intellect_jax.net.local import ring_bytes
+from intellect_jax.net.plan import simulate
+
+SECRET = b"ring-test-secret-0123456789abcdef"
+
+
+def _nodes(n: int, secret: bytes = SECRET, **kw: Any) -> list[NetNode]:
+    cfg = TransportConfig(run_id="ring-test", secret=secret, io_timeout=kw.pop("io_timeout", 5.0), **kw)
+    return [NetNode(cfg) for _ in range(n)]
+
+
+def _run(comms: list[Any], inputs: list[Any], **call_kw: Any) -> tuple[list[Any], list[BaseException | None]]:
+    outs: list[Any] = [None] * len(comms)
+    errs: list[BaseException | None] = [None] * len(comms)
+
+    def go(r: int) -> None:
+        try:
+            outs[r] = comms[r].all_reduce_mean(inputs[r], **call_kw)
+        except BaseException as e:  # noqa: BLE001 - inspected by the test
+            errs[r] = e
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(len(comms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outs, errs
+
+
+def _ring(nodes: list[NetNode], cfg: RingConfig, epoch: int = 0) -> list[Any]:
+    peers = [n.address for n in nodes]
+    return [n.ring(peers, r, epoch=epoch, config=cfg) for r, n in enumerate(nodes)]
+
+
+def _inputs(world: int, n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    for x in xs:
+        x[rng.integers(0, n, max(1, n // 500))] *= 25
+    return xs
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "int8"])
+def test_ring_bit_identical_and_equal_to_fake(world: int, mode: str) -> None:
+    n = 10_007  # divisible neither by the world size nor by the block
+    cfg = RingConfig(mode=mode, block_size=64, piece_numel=700, deadline=30)
+    xs = _inputs(world, n)
+    copies = [x.copy() for x in xs]
+    nodes = _nodes(world)
+    try:
+        outs, errs = _run(_ring(nodes, cfg), xs)
+    finally:
+        for node in nodes:
+            node.close()
+    assert errs == [None] * world
+    ref = simulate(xs, mode, 64, 700)
+    fake = LocalGroup(world, cfg).all_reduce_mean_all(xs)
+    for r in range(world):
+        assert _same_bits(outs[r], outs[0]), f"rank {r} differs from rank 0"
+        assert _same_bits(outs[r], ref) and _same_bits(fake[r], ref)
+        assert np.array_equal(xs[r], copies[r]), "input modified"
+    true = np.mean(np.stack(xs).astype(np.float64), axis=0)
+    tol = {"fp32": 1e-6, "bf16": 1e-2, "int8": 3e-2}[mode] if world > 1 else 0.0
+    assert np.linalg.norm(outs[0] - true) / np.linalg.norm(true) <= tol
+
+
+def test_fp32_sums_in_ring_order() -> None:
+    xs = _inputs(3, 999)
+    nodes = _nodes(3)
+    try:
+        outs, errs = _run(_ring(nodes, RingConfig(mode="fp32", piece_numel=100)), xs)
+    finally:
+        for node in nodes:
+            node.close()
+    assert errs == [None] * 3
+    plan_bounds = [0, 320, 640, 999]  # block-aligned segments of 64-element blocks
+    expect = np.empty(999, np.float32)
+    for c in range(3):
+        a, b = plan_bounds[c], plan_bounds[c + 1]
+        acc = xs[c][a:b].copy()
+        for k in (1, 2):
+            acc = acc + xs[(c + k) % 3][a:b]
+        expect[a:b] = acc / np.float32(3)
+    assert _same_bits(outs[1], expect)
+
+
+def test_int8_over_sockets_within_one_percent() -> None:
+    world, n = 4, 1 << 19
+    rng = np.random.default_rng(1)
+    shared = rng.standard_normal(n)
+    xs = [(0.7 * shared + 0.7 * rng.standard_normal(n)).astype(np.float32) for _ in range(world)]
+    for x in xs:
+        x[rng.integers(0, n, n // 10_000)] *= 20
+    nodes = _nodes(world)
+    try:
+        outs, errs = _run(_ring(nodes, RingConfig(mode="int8", streams=2)), xs)
+    finally:
+        for node in nodes:
+            node.close()
+    assert errs == [None] * world
+    true = np.mean(np.stack(xs).astype(np.float64), axis=0)
+    assert np.linalg.norm(outs[2] - true) / np.linalg.norm(true) < 0.01
+
+
+def test_streams_pytrees_buckets_out_and_reuse() -> None:
+    world = 3
+    rng = np.random.default_rng(2)
+    trees = [{"w": rng.standard_normal((37, 11)).astype(np.float32),
+              "b": [rng.standard_normal(5).astype(np.float32), np.float32(rng.standard_normal()) * np.ones((), np.float32)],
+              "e": np.zeros((0, 3), np.float32)} for _ in range(world)]
+    cfg = RingConfig(mode="int8", block_size=16, streams=3, piece_numel=64, bucket_numel=200, deadline=30)
+    nodes = _nodes(world)
+    try:
+        comms = _ring(nodes, cfg)
+        outs, errs = _run(comms, trees)
+        assert errs == [None] * world
+        again, errs = _run(comms, trees)  # connections are reused
+        assert errs == [None] * world
+        outs_buf = [{"w": np.empty((37, 11), np.float32), "b": [np.empty(5, np.float32), np.empty((), np.float32)],
+                     "e": np.empty((0, 3), np.float32)} for _ in range(world)]
+        res = [None] * world
+
+        def go(r: int) -> None:
+            res[r] = comms[r].all_reduce_mean(trees[r], out=outs_buf[r])
+
+        threads = [threading.Thread(target=go, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        stats = comms[1].last_stats
+    finally:
+        for node in nodes:
+            node.close()
+    fake = LocalGroup(world, cfg).all_reduce_mean_all(trees)
+    for r in range(world):
+        for key in ("w", "e"):
+            assert _same_bits(outs[r][key], fake[0][key]) and _same_bits(again[r][key], fake[0][key])
+        assert _same_bits(outs[r]["b"][0], fake[0]["b"][0]) and outs[r]["b"][1].shape == ()
+        assert res[r]["w"] is outs_buf[r]["w"] and _same_bits(outs_buf[r]["w"], fake[0]["w"])
+    numel = 37 * 11 + 5 + 1
+    assert stats.numel == numel and stats.mode == "int8" and stats.seconds > 0
+    # leaves in pytree order: b[0] (5), b[1] (1), e (0) | w (407): two buckets of <= 200 or one big leaf
+    data_bytes = ring_bytes(6, world, 1, cfg) + ring_bytes(407, world, 1, cfg)
+    assert HEADER_LEN < stats.bytes_sent - data_bytes < HEADER_LEN + 4096  # plus one META frame
+
+
+def test_stochastic_rounding_matches_fake() -> None:
+    cfg = RingConfig(mode="int8", stochastic_rounding=True, seed=7, piece_numel=256)
+    xs = _inputs(3, 3000)
+    nodes = _nodes(3)
+    try:
+        outs, errs = _run(_ring(nodes, cfg, epoch=5), xs)
+    finally:
+        for node in nodes:
+            node.close()
+    assert errs == [None] * 3
+    fake = LocalGroup(3, cfg, epoch=5).all_reduce_mean_all(xs)
+    assert all(_same_bits(o, fake[0]) for o in outs)
+
+
+def test_config_mismatch_fails_every_rank_fast() -> None:
+    nodes = _nodes(3)
+    peers = [n.address for n in nodes]
+    comms = [n.ring(peers, r, config=RingConfig(block_size=32 if r == 1 else 64, deadline=10))
+             for r, n in enumerate(nodes)]
+    t0 = time.monotonic()
+    try:
+        _, errs = _run(comms, _inputs(3, 1000))
+    finally:
+        for node in nodes:
+            node.close()
+    assert time.monotonic() - t0 < 8
+    assert all(isinstance(e, NetError) for e in errs)
+    assert any(isinstance(e, ConfigMismatch) and "block_size" in str(e) for e in errs)
+    with pytest.raises(RingClosed):
+        comms[0].all_reduce_mean(np.zeros(3, np.float32))
+
+
+def test_wrong_secret_rank_is_rejected_before_any_data() -> None:
+    good = _nodes(2)
+    bad = _nodes(1, secret=b"not-the-run-secret-at-all-000000")
+    nodes = [good[0], good[1], bad[0]]
+    peers = [n.address for n in nodes]
+    comms = [n.ring(peers, r, config=RingConfig(deadline=3)) for r, n in enumerate(nodes)]
+    try:
+        _, errs = _run(comms, _inputs(3, 1000))
+    finally:
+        for node in nodes:
+            node.close()
+    assert isinstance(errs[2], AuthError)  # the intruder cannot authenticate to rank 0 ...
+    assert isinstance(errs[1], AuthError)  # ... nor pose as rank 2 to rank 1
+    assert isinstance(errs[0], PeerTimeout) and "rejected" in str(errs[0])
+    assert all(c.last_stats.bytes_sent == 0 for c in comms)  # no call completed, no data moved
+
+
+def test_new_epoch_on_same_nodes_after_close() -> None:
+    nodes = _nodes(2)
+    try:
+        xs = _inputs(2, 500)
+        first = _ring(nodes, RingConfig(mode="fp32"))
+        a, errs = _run(first, xs)
+        assert errs == [None, None]
+        for c in first:
+            c.close()
+        b, errs = _run(_ring(nodes, RingConfig(mode="fp32"), epoch=1), xs)
+        assert errs == [None, None] and _same_bits(a[0], b[1])
+    finally:
+        for node in nodes:
+            node.close()
+
+
+def test_rejects_non_float32() -> None:
+    with pytest.raises(TypeError, match="float32"):
+        LocalGroup(2).all_reduce_mean_all([np.zeros(3), np.zeros(3)])

@@ -1,0 +1,281 @@
+"""Framing, authentication, integrity, timeouts, TLS and blob streaming."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from intellect_jax.net import (
+    AuthError,
+    FrameError,
+    NetError,
+    NetNode,
+    PeerClosed,
+    PeerTimeout,
+    TLSConfig,
+    TransportConfig,
+    load_secret,
+    recv_blob,
+    send_blob,
+)
+from intellect_jax.net.frames import HEADER_LEN, MsgType, pack_header, payload_tag
+from intellect_jax.net.listener import Listener
+from intellect_jax.net.transport import Connection, connect
+
+SECRET = b"transport-test-secret-0123456789"
+
+
+def _cfg(secret: bytes = SECRET, **kw: object) -> TransportConfig:
+    kw.setdefault("io_timeout", 2.0)
+    return TransportConfig(run_id="t-run", secret=secret, **kw)  # type: ignore[arg-type]
+
+
+def _pair(cfg: TransportConfig | None = None) -> tuple[Connection, Connection, bytes, bytes]:
+    """Two keyed connections over a socketpair (no handshake): a -> b uses k1, b -> a k2."""
+    cfg = cfg or _cfg()
+    sa, sb = socket.socketpair()
+    a, b = Connection(sa, cfg, "peer-b"), Connection(sb, cfg, "peer-a")
+    k1, k2 = os.urandom(32), os.urandom(32)
+    a.set_keys(k1, k2)
+    b.set_keys(k2, k1)
+    return a, b, k1, k2
+
+
+def _deadline(s: float = 2.0) -> float:
+    return time.monotonic() + s
+
+
+def test_handshake_and_zero_copy_roundtrip() -> None:
+    cfg = _cfg()
+    with Listener(cfg) as lst:
+        conn = connect(cfg, lst.address, "data/1", timeout=5)
+        srv = lst.accept("data/1", timeout=5)
+        x = np.arange(100_000, dtype=np.float32)
+        sent0, recv0 = conn.bytes_sent, srv.bytes_received  # the handshake counts too
+        conn.send(MsgType.DATA, x)
+        hdr = srv.recv_header(MsgType.DATA, deadline=_deadline(), length=x.nbytes)
+        y = np.empty_like(x)
+        srv.recv_payload_into(hdr, y)
+        assert np.array_equal(x, y)
+        assert conn.bytes_sent - sent0 == HEADER_LEN + x.nbytes == srv.bytes_received - recv0
+        s = conn._sock
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        conn.close()
+        srv.close()
+
+
+def test_wrong_secret_rejected_before_any_data() -> None:
+    with Listener(_cfg()) as lst:
+        with pytest.raises(AuthError, match="failed authentication"):
+            connect(_cfg(b"some-other-secret-0123456789abcd"), lst.address, "data/1", timeout=5)
+        with pytest.raises(PeerTimeout, match="rejected"):
+            lst.accept("data/1", timeout=0.5)  # nothing was ever handed to the application
+
+
+def test_wrong_run_id_rejected() -> None:
+    with Listener(_cfg()) as lst:
+        other = TransportConfig(run_id="another-run", secret=SECRET)
+        with pytest.raises(AuthError, match="run id"):
+            connect(other, lst.address, "data/1", timeout=5)
+
+
+def test_listener_routes_by_channel_and_connect_retries() -> None:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    cfg = _cfg()
+    got: dict[str, Connection] = {}
+    t = threading.Thread(target=lambda: got.update(a=connect(cfg, ("127.0.0.1", port), "chan/a", timeout=10)))
+    t.start()
+    time.sleep(0.3)  # the peer's listener comes up late: connect keeps retrying
+    with Listener(cfg, port=port) as lst:
+        b = connect(cfg, lst.address, "chan/b", timeout=5)
+        t.join(10)
+        assert lst.accept("chan/b", timeout=5).channel == "chan/b"
+        assert lst.accept("chan/a", timeout=5).channel == "chan/a"
+        got["a"].close()
+        b.close()
+
+
+def test_injected_and_replayed_frames_rejected() -> None:
+    a, b, k1, _ = _pair()
+    forged = pack_header(MsgType.DATA, a.cfg.run, 0, 4, payload_tag(b"evil", "sha256"), os.urandom(32), "sha256")
+    a._sock.sendall(forged + b"evil")
+    with pytest.raises(FrameError, match="MAC mismatch"):
+        b.recv(MsgType.DATA, deadline=_deadline())
+
+    a, b, k1, _ = _pair()
+    raw_a, raw_b = socket.socketpair()
+    a._sock = raw_a  # capture a genuine frame
+    a.send(MsgType.DATA, b"hello")
+    frame = raw_b.recv(1 << 16)
+    b._sock.close()
+    sx, sy = socket.socketpair()
+    b._sock = sy
+    sx.sendall(frame + frame)  # the same frame twice
+    assert b.recv(MsgType.DATA, deadline=_deadline())[1] == b"hello"
+    with pytest.raises(FrameError, match="seq"):
+        b.recv(MsgType.DATA, deadline=_deadline())
+
+
+def test_huge_length_rejected_without_allocating() -> None:
+    a, b, k1, _ = _pair(_cfg(max_frame_bytes=1 << 20))
+    hdr = pack_header(MsgType.DATA, a.cfg.run, 0, 1 << 50, bytes(32), k1, "sha256")  # validly MACed
+    a._sock.sendall(hdr)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FrameError, match="above the limit"):
+            b.recv(MsgType.DATA, deadline=_deadline())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    with pytest.raises(FrameError, match="refusing"):
+        a.send(MsgType.DATA, bytes(2 << 20))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(min_size=0, max_size=400))
+def test_fuzzed_bytes_never_crash_the_receiver(data: bytes) -> None:
+    a, b, _, _ = _pair()
+    a._sock.sendall(data)
+    a._sock.shutdown(socket.SHUT_WR)
+    with pytest.raises(FrameError if len(data) >= HEADER_LEN else PeerClosed):
+        b.recv(MsgType.DATA, deadline=_deadline())
+    a.close()
+    b.close()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(min_size=0, max_size=300), st.data())
+def test_mutated_frames_are_rejected(payload: bytes, data: st.DataObject) -> None:
+    a, b, _, _ = _pair()
+    raw_a, raw_b = socket.socketpair()
+    a._sock = raw_a
+    a.send(MsgType.DATA, payload)
+    frame = bytearray()
+    while len(frame) < HEADER_LEN + len(payload):
+        frame += raw_b.recv(1 << 16)
+    pos = data.draw(st.integers(0, len(frame) - 1))
+    frame[pos] ^= data.draw(st.integers(1, 255))
+    cut = data.draw(st.booleans())
+    sx, sy = socket.socketpair()
+    b._sock.close()
+    b._sock = sy
+    sx.sendall(bytes(frame[: len(frame) - 1]) if cut and pos < len(frame) - 1 else bytes(frame))
+    sx.shutdown(socket.SHUT_WR)
+    with pytest.raises((FrameError, PeerClosed)):
+        b.recv(MsgType.DATA, deadline=_deadline())
+    for s in (raw_a, raw_b, sx, sy):
+        s.close()
+
+
+def test_silent_peer_times_out_and_closed_peer_is_reported() -> None:
+    a, b, _, _ = _pair(_cfg(io_timeout=0.3))
+    t0 = time.monotonic()
+    with pytest.raises(PeerTimeout, match="no data"):
+        b.recv(MsgType.DATA)
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(PeerTimeout, match="deadline"):
+        b.recv(MsgType.DATA, deadline=time.monotonic() - 1)
+    a.close()
+    with pytest.raises(PeerClosed, match="closed the connection"):
+        b.recv(MsgType.DATA, deadline=_deadline())
+
+
+def _certs(tmp: Path) -> tuple[str, str]:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    key, cert = tmp / "key.pem", tmp / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=ij-test"],
+                   check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+def test_tls_connections(tmp_path: Path) -> None:
+    cert, key = _certs(tmp_path)
+    cfg = _cfg(tls=TLSConfig(cert, key, cafile=cert), integrity="crc32")
+    with Listener(cfg) as lst:
+        conn = connect(cfg, lst.address, "tls/1", timeout=5)
+        srv = lst.accept("tls/1", timeout=5)
+        assert "TLS" in srv._sock.version()
+        x = np.arange(300_000, dtype=np.float32)
+        conn.send(MsgType.DATA, x)
+        y = np.empty_like(x)
+        srv.recv_payload_into(srv.recv_header(MsgType.DATA, deadline=_deadline()), y)
+        assert np.array_equal(x, y)
+        with pytest.raises(NetError):  # a plaintext client cannot talk to a TLS node
+            connect(_cfg(integrity="crc32"), lst.address, "tls/2", timeout=2)
+        conn.close()
+        srv.close()
+
+
+def test_blob_streaming(tmp_path: Path) -> None:
+    cfg = _cfg(max_frame_bytes=1 << 20)
+    with NetNode(cfg) as a, NetNode(cfg) as b:
+        blob = np.random.default_rng(0).integers(0, 256, (3 << 20) + 5, dtype=np.uint8)
+        src = tmp_path / "ckpt.bin"
+        src.write_bytes(blob.tobytes())
+        out: dict[str, object] = {}
+
+        def receive() -> None:
+            conn = b.accept("blob/ckpt", timeout=5)
+            out["mem"] = recv_blob(conn, max_bytes=1 << 30)
+            with open(tmp_path / "copy.bin", "wb") as f:
+                out["file"] = recv_blob(conn, f, max_bytes=1 << 30)
+
+        t = threading.Thread(target=receive)
+        t.start()
+        conn = a.connect(b.address, "blob/ckpt", timeout=5)
+        assert send_blob(conn, blob, name="mem", chunk_bytes=1 << 19) == blob.nbytes
+        assert send_blob(conn, src) == blob.nbytes
+        t.join(10)
+        meta, data = out["mem"]  # type: ignore[misc]
+        assert meta["name"] == "mem" and bytes(data) == blob.tobytes()
+        assert out["file"][0]["name"] == "ckpt.bin" and (tmp_path / "copy.bin").read_bytes() == blob.tobytes()  # type: ignore[index]
+
+
+def test_blob_size_limit() -> None:
+    a, b, _, _ = _pair()
+    t = threading.Thread(target=lambda: send_blob(a, bytes(5000), deadline=_deadline()))
+    t.start()
+    with pytest.raises(FrameError, match="refused"):
+        recv_blob(b, max_bytes=100, deadline=_deadline())
+    a.close()
+    t.join(5)
+
+
+def test_load_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("INTELLECT_NET_SECRET", raising=False)
+    monkeypatch.delenv("INTELLECT_NET_SECRET_FILE", raising=False)
+    with pytest.raises(AuthError, match="no run secret"):
+        load_secret()
+    monkeypatch.setenv("INTELLECT_NET_SECRET", "short")
+    with pytest.raises(AuthError, match="at least"):
+        load_secret()
+    monkeypatch.setenv("INTELLECT_NET_SECRET", "x" * 32)
+    assert load_secret() == b"x" * 32
+    f = tmp_path / "secret"
+    f.write_bytes(b"y" * 40 + b"\n")
+    f.chmod(0o600)
+    monkeypatch.setenv("INTELLECT_NET_SECRET_FILE", str(f))
+    assert load_secret() == b"y" * 40
+    f.chmod(0o644)
+    with pytest.warns(UserWarning, match="chmod 600"):
+        load_secret()
+    with pytest.raises(AuthError):
+        TransportConfig(run_id="r", secret=b"short")
+    assert SECRET.decode() not in repr(_cfg())
