@@ -120,6 +120,10 @@ class Trainer:
         self._peak_total = peak * n_dev if peak else None
         self.logger = None
         self._span = (0.0, 0)  # (seconds, steps) since the last logged step
+        # XLA:CPU runs several in-flight multi-process programs concurrently and their gloo
+        # collectives can interleave differently per process (a deadlock seen under load):
+        # a CPU node spanning processes waits for each step. GPUs keep the async dispatch.
+        self._sync_each_step = nproc > 1 and jax.devices()[0].platform == "cpu"
         if self.lead:
             write_atomic(self.run_dir / "config.json", cfg.model_dump_json(indent=2))
             toklib.save_hf_tokenizer(self.tok, self.run_dir / "tokenizer", self.mcfg.max_seq_len)
@@ -192,6 +196,8 @@ class Trainer:
             batch = self._device_batch(next(self.data)["tokens"])
             self.state, metrics = self._train(self.state, batch)
             self.step += 1
+            if self._sync_each_step:
+                jax.block_until_ready(metrics)
             if pending is not None:
                 now = time.perf_counter()
                 last = self._log(*pending, now - t_prev) or last
