@@ -32,6 +32,7 @@ class DilocoConfig(BaseModel):
     transfer_timeout: PositiveFloat = 600.0  # a joiner's wait for its state
     admission_timeout: PositiveFloat = 3600.0  # a joiner's wait for the next boundary
     join_after: NonNegativeInt = 0  # register only once the run has done this many outer steps
+    init_from: str | None = None  # another node's run dir (shared storage): start from its checkpoint
 
     @model_validator(mode="after")
     def _check(self) -> DilocoConfig:

@@ -85,12 +85,13 @@ class DilocoNode:
             self._build_trainer()
         resumed = self.trainer is not None and self.trainer.step > 0
         if resumed:  # whole-run restart from our own checkpoint (saved at a boundary)
-            k = self.trainer.step // self.H
-            tree = self.trainer.ckpt.restore_extra("outer", self._outer_abstract()._asdict(), self.trainer.step)
-            opt = tree["opt_state"]
-            momentum = opt.momentum if hasattr(opt, "momentum") else opt["momentum"]
-            self.outer = O.OuterState(tree["params"], O.MomentumState(momentum), int(tree["step"]))
-            reply = self.client.register(outer_step=k)
+            self.outer = self._restore_outer(self.trainer.ckpt, self.trainer.step)
+        elif self.cfg.diloco.init_from:  # a joiner starting from a shared checkpoint directory
+            self._build_trainer()
+            self._load_shared(self.cfg.diloco.init_from)
+            resumed = True
+        if resumed:
+            reply = self.client.register(outer_step=self.outer.step)
         else:
             reply = self.client.register()
         self._log(f"registered with {self.cfg.diloco.coordinator} as "
@@ -102,6 +103,33 @@ class DilocoNode:
                 self.outer = O.init_outer(self.trainer.state.params, self.tx)
             return self.outer.step
         return self._join()
+
+    def _restore_outer(self, ckpt, step: int) -> O.OuterState:
+        tree = ckpt.restore_extra("outer", self._outer_abstract()._asdict(), step)
+        opt = tree["opt_state"]
+        momentum = opt.momentum if hasattr(opt, "momentum") else opt["momentum"]
+        return O.OuterState(tree["params"], O.MomentumState(momentum), int(tree["step"]))
+
+    def _load_shared(self, path: str) -> None:
+        """Train state + outer state from another node's latest checkpoint (e.g. on shared storage).
+        If the run has moved past it, registration makes this node a joiner and a live peer's
+        state replaces it."""
+        from pathlib import Path
+
+        from intellect_jax.trainer.checkpoint import Checkpointer
+
+        d = Path(path)
+        ck = Checkpointer(d / "ckpt" if (d / "ckpt").is_dir() else d, every=0, keep=10**6, async_save=False)
+        try:
+            step = ck.latest_step()
+            if step is None:
+                raise DilocoError(f"diloco.init_from {path}: no complete checkpoint there")
+            state, _, _ = ck.restore(self.trainer.abstract_state, step)
+            self.outer = self._restore_outer(ck, step)
+        finally:
+            ck.close()
+        self.trainer.state, self.trainer.step = state, step
+        self._log(f"loaded the checkpoint of step {step} (outer step {self.outer.step}) from {path}")
 
     def _build_trainer(self) -> None:
         d = self.cfg.diloco
