@@ -14,14 +14,14 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from intellect_jax.data.errors import DataError
     from intellect_jax.diloco.membership import RegistrationRefused
     from intellect_jax.diloco.node import DilocoError
-    from intellect_jax.net.errors import AuthError
+    from intellect_jax.net.errors import AuthError, NetError
     from intellect_jax.model.config import ConfigError
     from intellect_jax.model.hf import HFFormatError
     from intellect_jax.trainer.checkpoint import CheckpointError
     from intellect_jax.trainer.loop import RunDirError
 
     return (ConfigError, DataError, HFFormatError, CheckpointError, RunDirError, ValidationError,
-            RegistrationRefused, AuthError, DilocoError,
+            RegistrationRefused, AuthError, NetError, DilocoError,
             FileNotFoundError, FileExistsError, PermissionError)
 
 
