@@ -70,6 +70,7 @@ class DilocoNode:
             reconnect_timeout=d.reconnect_timeout,
         )
         self.outer: O.OuterState | None = None
+        self._hash: str | None = None  # of self.outer; set at every outer step
         self._serving: list[threading.Thread] = []
 
     # ---- start: founding member, resumed member, or joiner -----------------------------------
@@ -168,7 +169,7 @@ class DilocoNode:
             got = O.state_hash(outer)
             if got != meta["hash"]:
                 raise DilocoError(f"state from {adm.donor_id} fails its hash check ({got} != {meta['hash']})")
-            self.outer = outer
+            self.outer, self._hash = outer, got
             self.trainer.set_state(int(meta["inner_step"]), outer.params, tree["opt_state"])
             self._log(f"restored state of outer step {outer.step} (hash {got[:12]}) in {time.time() - t0:.1f}s "
                       f"(wall {t0:.3f} -> {time.time():.3f})")
@@ -200,7 +201,7 @@ class DilocoNode:
                 continue
             self.outer = O.outer_step(self.outer, avg, self.tx)
             self.trainer.set_params(self.outer.params)
-            h = O.state_hash(self.outer)
+            h = self._hash = O.state_hash(self.outer)  # hashed once per outer step
             sync_s = time.perf_counter() - t1
             k = self.outer.step
             self._serve(ep)
@@ -224,7 +225,7 @@ class DilocoNode:
         self._final_sync(k)
 
     def _all_reduce(self, k: int, pg: Any):
-        prev_hash = O.state_hash(self.outer)
+        prev_hash = self._hash or O.state_hash(self.outer)
         retry_of = None
         for attempt in range(self.cfg.diloco.max_retries + 1):
             ep = self.client.sync(k, state_hash=prev_hash, retry_of=retry_of)
@@ -246,7 +247,7 @@ class DilocoNode:
     def _serve(self, ep: Epoch) -> None:
         if not ep.serve:
             return
-        meta = {"outer_step": self.outer.step, "inner_step": self.trainer.step, "hash": O.state_hash(self.outer)}
+        meta = {"outer_step": self.outer.step, "inner_step": self.trainer.step, "hash": self._hash}
         tree = {"outer": {"params": self.outer.params, "momentum": self.outer.opt_state.momentum},
                 "opt_state": O.to_host(self.trainer.state.opt_state)}  # snapshot now, send later
         for joiner_id, joiner_addr in ep.serve:
@@ -257,7 +258,7 @@ class DilocoNode:
     def _final_sync(self, k: int) -> None:
         """Report the final outer-state hash so the coordinator compares it too, then leave."""
         try:
-            self.client.sync(k, state_hash=O.state_hash(self.outer))
+            self.client.sync(k, state_hash=self._hash or O.state_hash(self.outer))
         except Exception as e:  # the others may already be gone; the run itself is complete
             self._log(f"final sync skipped: {e}")
 
