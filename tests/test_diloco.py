@@ -176,6 +176,16 @@ def test_whole_run_restart_resumes_from_checkpoints(tmp_path):
     assert first.returncode == 0, out1[-3000:]
     before = {n: _outer_rows(tmp_path, n)[0] for n in ("node0", "node1")}
     assert [r["outer_step"] for r in before["node0"]] == [1, 2]
+    # new nodes of another run dir start from node0's checkpoint on "shared storage"
+    shared = _launch(tmp_path, "--nodes", "2", "--run.name", "shared",
+                     "--diloco.init_from", str(tmp_path / "runs" / "debug_diloco" / "node0"))
+    out = shared.communicate(timeout=600)[0]
+    assert shared.returncode == 0, out[-3000:]
+    assert out.count("loaded the checkpoint of step 10 (outer step 2)") == 2
+    rows = [[json.loads(l) for l in (tmp_path / "runs" / "shared" / n / "metrics.jsonl").read_text().splitlines()]
+            for n in ("node0", "node1")]
+    hashes = [[(r["outer_step"], r["outer_hash"]) for r in rs if "outer_hash" in r] for rs in rows]
+    assert hashes[0] == hashes[1] and [k for k, _ in hashes[0]] == [3, 4]
     second = _launch(tmp_path, "--nodes", "2", "--ckpt.resume")
     out2 = second.communicate(timeout=600)[0]
     assert second.returncode == 0, out2[-3000:]
