@@ -6,8 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jax
-
 from intellect_jax.config import TrainConfig
 from intellect_jax.data.tokenizer import Tok, tok_from_state
 from intellect_jax.model import sharding as S
@@ -46,10 +44,7 @@ def load_run(path: str | Path, step: int | None = None) -> LoadedRun:
         tok = tok_from_state(ck.restore_json("tokenizer", step))
         mesh = S.make_mesh(fsdp=-1, tp=1)
         tx = make_tx(cfg.optim, cfg.run.steps)
-        graphdef, abs_state, shardings = T.state_shardings(mcfg, tx, mesh)
-        abstract = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, shardings
-        )
+        graphdef, abstract, _ = T.state_shardings(mcfg, tx, mesh)
         state, _, meta = ck.restore(abstract, step)
     finally:
         ck.close()

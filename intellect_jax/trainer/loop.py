@@ -81,10 +81,7 @@ class Trainer:
         self.total_steps = cfg.run.steps
         self.schedule = make_schedule(cfg.optim, self.total_steps)
         tx = make_tx(cfg.optim, self.total_steps)
-        self.graphdef, abs_state, self.shardings = T.state_shardings(self.mcfg, tx, self.mesh)
-        self.abstract_state = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, self.shardings
-        )
+        self.graphdef, self.abstract_state, self.shardings = T.state_shardings(self.mcfg, tx, self.mesh)
         self.batch_sh = T.batch_sharding(self.mesh, (B, L + 1))
         self.data = make_train_iter(
             cfg.data, self.tok, node_rank=node_rank, node_count=node_count,

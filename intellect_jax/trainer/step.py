@@ -47,7 +47,8 @@ def _like_params(tree: Any, params_def: Any, params_sh: Any, replicated: NamedSh
 
 
 def state_shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh) -> tuple[nnx.GraphDef, Any, TrainState]:
-    """(graphdef, abstract TrainState, TrainState of NamedShardings): nothing is allocated."""
+    """(graphdef, abstract TrainState carrying its shardings, TrainState of NamedShardings):
+    nothing is allocated; the abstract state is what orbax restores into."""
     graphdef, abs_vars = abstract_model(cfg)
     params_sh = nnx.to_pure_dict(S.state_shardings(abs_vars, mesh))
     abs_params = nnx.to_pure_dict(abs_vars)
@@ -55,7 +56,9 @@ def state_shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Me
     rep = NamedSharding(mesh, PartitionSpec())
     opt_sh = _like_params(abs_opt, jax.tree.structure(abs_params), params_sh, rep)
     abs_state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abs_params, abs_opt)
-    return graphdef, abs_state, TrainState(rep, params_sh, opt_sh)
+    shardings = TrainState(rep, params_sh, opt_sh)
+    placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, shardings)
+    return graphdef, placed, shardings
 
 
 def init_state(
