@@ -9,7 +9,7 @@ from flax import nnx
 from intellect_jax.model import sharding as S
 from intellect_jax.model.config import ConfigError, ModelConfig
 from intellect_jax.model.llama import Llama, build, rope_inv_freq
-from intellect_jax.trainer.loss import lm_loss
+from intellect_jax.trainer.loss import head_loss, lm_loss
 
 CFG = ModelConfig.preset("debug", compute_dtype="float32")
 
@@ -21,12 +21,22 @@ def _loss_and_grads(model, tokens):
     return nnx.value_and_grad(f)(model)
 
 
+def _fused_loss_and_grads(model, tokens):
+    """The train step's path: features + the chunked, fused head loss (chunks of 8 tokens)."""
+    def f(m):
+        x, w = m.features(tokens[:, :-1])
+        return head_loss(x, w, tokens[:, 1:], z_weight=1e-4, chunk=8)[0]
+
+    return nnx.value_and_grad(f)(model)
+
+
 def _tokens(cfg, B=8, L=33, seed=0):
     return jax.random.randint(jax.random.key(seed), (B, L), 0, cfg.vocab_size, jnp.int32)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused-head"])
 @pytest.mark.parametrize("fsdp,tp", [(8, 1), (4, 2)])
-def test_sharded_equals_unsharded(fsdp, tp):
+def test_sharded_equals_unsharded(fsdp, tp, fused):
     model = build(CFG, seed=1)
     tokens = _tokens(CFG)
     ref_loss, ref_grads = nnx.jit(_loss_and_grads)(model, tokens)
@@ -38,7 +48,7 @@ def test_sharded_equals_unsharded(fsdp, tp):
     sharded = nnx.merge(graphdef, state)
     tok = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.P("fsdp")))
     with jax.set_mesh(mesh):
-        loss, grads = nnx.jit(_loss_and_grads)(sharded, tok)
+        loss, grads = nnx.jit(_fused_loss_and_grads if fused else _loss_and_grads)(sharded, tok)
     # parameters really are distributed: the q projection is split over both mesh axes
     q = sharded.blocks[0].attn.wq_DxNxH[...]
     assert q.sharding.spec == jax.P("fsdp", "tp" if tp > 1 else None, None)

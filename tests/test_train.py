@@ -13,7 +13,7 @@ import pytest
 
 from intellect_jax import config as C
 from intellect_jax.model.config import ConfigError
-from intellect_jax.trainer.loss import lm_loss
+from intellect_jax.trainer.loss import chunk_len, head_loss, lm_loss
 from intellect_jax.trainer.optim import OptimConfig, make_schedule
 
 TINY_MODEL = {"preset": "debug", "hidden_size": 64, "num_layers": 2, "num_heads": 4,
@@ -119,6 +119,46 @@ def test_z_loss_hand_computed():
     assert float(aux["ce"]) == pytest.approx(ce, rel=1e-6)
     assert float(aux["z"]) == pytest.approx(6.5)
     assert float(total) == pytest.approx(ce + 0.5 * z, rel=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 12])
+def test_fused_head_loss_matches_logits_path(chunk):
+    """head_loss == lm_loss(x @ w): value, aux and gradients, including cotangents on the aux
+    outputs (differentiating ce alone or z alone) and a bf16 input."""
+    kx, kw, kt = jax.random.split(jax.random.key(0), 3)
+    B, L, D, V = 3, 12, 16, 50
+    x = jax.random.normal(kx, (B, L, D))
+    w = 0.5 * jax.random.normal(kw, (D, V))
+    t = jax.random.randint(kt, (B, L), 0, V)
+    zw = 0.05
+
+    def ref(x, w):
+        return lm_loss(jnp.einsum("bld,dv->blv", x, w), t, zw)
+
+    def fused(x, w):
+        return head_loss(x, w, t, zw, chunk=chunk)
+
+    (v0, a0), (v1, a1) = ref(x, w), fused(x, w)
+    np.testing.assert_allclose(v1, v0, rtol=1e-6)
+    for k in ("ce", "z"):
+        np.testing.assert_allclose(a1[k], a0[k], rtol=1e-6)
+    picks = {"total": lambda r: r[0], "ce": lambda r: r[1]["ce"], "z": lambda r: r[1]["z"],
+             "mix": lambda r: 2.0 * r[0] - 3.0 * r[1]["ce"] + 0.7 * r[1]["z"]}
+    for name, pick in picks.items():
+        g0 = jax.grad(lambda x, w: pick(ref(x, w)), argnums=(0, 1))(x, w)
+        g1 = jax.jit(jax.grad(lambda x, w: pick(fused(x, w)), argnums=(0, 1)))(x, w)
+        for a, b in zip(g1, g0):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-7, err_msg=name)
+    gb = jax.grad(lambda x: fused(x, w)[0])(x.astype(jnp.bfloat16))
+    assert gb.dtype == jnp.bfloat16
+    np.testing.assert_allclose(gb.astype(jnp.float32), jax.grad(lambda x: ref(x, w)[0])(x), atol=2e-3)
+
+
+def test_chunk_len():
+    assert chunk_len(16, 128, 4096) == 16  # 16 x 16 x 4096 = 2^20 logits
+    assert chunk_len(1, 8192, 128256) == 8  # Llama-3 vocab: 8 tokens per chunk, 4 MB
+    assert chunk_len(4, 33, 10**7) == 1  # nothing fits: one token per chunk
+    assert chunk_len(2, 33, 10) == 33
 
 
 def test_toml_unknown_key_and_bad_type(tmp_path):

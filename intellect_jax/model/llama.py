@@ -17,6 +17,17 @@ from intellect_jax.model.config import ModelConfig
 from intellect_jax.model.sharding import constrain
 
 
+def _mm(x_BxLxD: jax.Array, w: jax.Array, out: tuple[int, ...]) -> jax.Array:
+    """x [B, L, D] times a weight whose leading axes are the contracted ones ([D, ...] or
+    [N, H, D] with x [B, L, N, H]), as ONE 2-D matmul [B*L, in] x [in, out] -> [B, L, *out].
+    XLA:CPU runs a 3-D einsum's weight gradient (contracting over both B and L) on a slow path
+    with transposes; the 2-D form is a plain GEMM both ways."""
+    B, L = x_BxLxD.shape[:2]
+    x_NxI = x_BxLxD.reshape(B * L, -1)
+    y = x_NxI @ w.astype(x_BxLxD.dtype).reshape(x_NxI.shape[1], -1)
+    return y.reshape(B, L, *out)
+
+
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float, dtype) -> nnx.Param:
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, dtype), axes=axes)
 
@@ -75,16 +86,17 @@ class Attention(nnx.Module):
         self.wo_NxHxD = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), std, pd)
 
     def __call__(self, x_BxLxD: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-        dt = x_BxLxD.dtype
-        q = jnp.einsum("bld,dnh->blnh", x_BxLxD, self.wq_DxNxH[...].astype(dt))
-        k = jnp.einsum("bld,dkh->blkh", x_BxLxD, self.wk_DxKxH[...].astype(dt))
-        v = jnp.einsum("bld,dkh->blkh", x_BxLxD, self.wv_DxKxH[...].astype(dt))
+        c = self.cfg
+        N, K, H = c.num_heads, c.num_kv_heads, c.dim_head
+        q = _mm(x_BxLxD, self.wq_DxNxH[...], (N, H))
+        k = _mm(x_BxLxD, self.wk_DxKxH[...], (K, H))
+        v = _mm(x_BxLxD, self.wv_DxKxH[...], (K, H))
         q = constrain(apply_rope(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rope(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         impl = None if self.cfg.attention_impl == "auto" else self.cfg.attention_impl
         o_BxLxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-        return jnp.einsum("blnh,nhd->bld", o_BxLxNxH, self.wo_NxHxD[...].astype(dt))
+        return _mm(o_BxLxNxH, self.wo_NxHxD[...], (c.hidden_size,))
 
 
 class MLP(nnx.Module):
@@ -98,11 +110,11 @@ class MLP(nnx.Module):
         self.down_FxD = _param(rngs, (F, D), ("mlp", "embed"), std, pd)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        dt = x_BxLxD.dtype
-        g = x_BxLxD @ self.gate_DxF[...].astype(dt)
-        u = x_BxLxD @ self.up_DxF[...].astype(dt)
+        F, D = self.down_FxD.shape
+        g = _mm(x_BxLxD, self.gate_DxF[...], (F,))
+        u = _mm(x_BxLxD, self.up_DxF[...], (F,))
         h_BxLxF = constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp"))
-        return h_BxLxF @ self.down_FxD[...].astype(dt)
+        return _mm(h_BxLxF, self.down_FxD[...], (D,))
 
 
 class Block(nnx.Module):
@@ -137,6 +149,13 @@ class Llama(nnx.Module):
             self.head_DxV = _param(rngs, (D, V), ("embed", "vocab"), cfg.init_std, pd)
 
     def __call__(self, tokens_BxL: jax.Array, pos_BxL: jax.Array | None = None) -> jax.Array:
+        x_BxLxD, w_DxV = self.features(tokens_BxL, pos_BxL)
+        logits = jnp.einsum("bld,dv->blv", x_BxLxD, w_DxV, preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+    def features(self, tokens_BxL: jax.Array, pos_BxL: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(final-normed hidden states [B, L, D], output weight [D, V]) in the compute dtype:
+        logits = x @ w. The train step hands both to the fused `head_loss`."""
         cfg = self.cfg
         dt = jnp.dtype(cfg.compute_dtype)
         B, L = tokens_BxL.shape
@@ -148,10 +167,8 @@ class Llama(nnx.Module):
         fwd = nnx.remat(_block_fwd) if cfg.remat else _block_fwd
         for block in self.blocks:
             x = fwd(block, x, sin, cos)
-        x = self.final_norm(x)
         w_DxV = self.embed_VxD[...].T if cfg.tie_embeddings else self.head_DxV[...]
-        logits = jnp.einsum("bld,dv->blv", x, w_DxV.astype(dt), preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "seq", "vocab"))
+        return self.final_norm(x), w_DxV.astype(dt)
 
 
 def build(cfg: ModelConfig, seed: int = 0) -> Llama:

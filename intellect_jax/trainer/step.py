@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from intellect_jax.model import sharding as S
 from intellect_jax.model.config import ModelConfig
 from intellect_jax.model.llama import Llama
-from intellect_jax.trainer.loss import lm_loss
+from intellect_jax.trainer.loss import head_loss
 
 Params = dict[str, Any]  # nnx "pure dict" of parameter arrays
 
@@ -94,8 +94,8 @@ def make_train_step(
     accumulate gradients in fp32 (B must divide by it)."""
 
     def loss_fn(params: Params, tok_BxL1: jax.Array):
-        logits = apply_model(graphdef, params, tok_BxL1[:, :-1])
-        return lm_loss(logits, tok_BxL1[:, 1:], z_weight)
+        x_BxLxD, w_DxV = nnx.merge(graphdef, params).features(tok_BxL1[:, :-1])
+        return head_loss(x_BxLxD, w_DxV, tok_BxL1[:, 1:], z_weight)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
