@@ -45,7 +45,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=500, help="inner steps per node")
     ap.add_argument("--batch", type=int, default=8, help="sequences per node per step")
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=3e-3, help="inner (and one-node) peak learning rate")
+    ap.add_argument("--outer-lr", type=float, default=0.7)
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov momentum (0: plain SGD)")
     ap.add_argument("--eval-batches", type=int, default=16)
     ap.add_argument("--out", default="runs/exp")
     a = ap.parse_args()
@@ -55,12 +57,14 @@ def main() -> None:
               "--run.eval_batches", str(a.eval_batches), "--run.eval_every", "0", "--ckpt.every", "0",
               "--optim.warmup_steps", str(a.steps // 10), "--optim.decay_steps", str(a.steps // 5)]
     res: dict = {"nodes": a.nodes, "inner_steps": a.inner_steps, "steps": a.steps,
-                 "tokens_per_node_step": a.batch * a.seq}
+                 "tokens_per_node_step": a.batch * a.seq, "lr": a.lr, "outer_lr": a.outer_lr,
+                 "outer_momentum": a.outer_momentum}
     for mode in ("int8", "fp32"):
         name = f"diloco_{mode}"
         secs = run([sys.executable, "-m", "intellect_jax.launch", "--nodes", str(a.nodes), "--config", CONFIG,
                     "--out-dir", str(out), "--table-every", "0", "--run.name", name,
                     "--diloco.mode", mode, "--diloco.inner_steps", str(a.inner_steps),
+                    "--diloco.outer_lr", str(a.outer_lr), "--diloco.outer_momentum", str(a.outer_momentum),
                     "--data.batch_size", str(a.batch), *common], out / f"{name}.log")
         r0 = rows(out / name / "node0" / "metrics.jsonl")
         outer = [r for r in r0 if "outer_hash" in r]

@@ -12,7 +12,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from pydantic import ValidationError
 
     from intellect_jax.data.errors import DataError
-    from intellect_jax.diloco.membership import RegistrationRefused
+    from intellect_jax.diloco.protocol import RegistrationRefused
     from intellect_jax.diloco.node import DilocoError
     from intellect_jax.net.errors import AuthError, NetError
     from intellect_jax.model.config import ConfigError

@@ -17,7 +17,7 @@ import threading
 
 from intellect_jax.diloco.client import coordinator_status
 from intellect_jax.diloco.coordinator import Coordinator
-from intellect_jax.diloco.membership import CoordinatorConfig
+from intellect_jax.diloco.protocol import CoordinatorConfig
 from intellect_jax.net.auth import load_secret
 from intellect_jax.net.transport import TransportConfig
 

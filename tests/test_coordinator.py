@@ -15,12 +15,12 @@ import pytest
 
 from intellect_jax.diloco.client import CoordinatorClient, coordinator_status
 from intellect_jax.diloco.coordinator import Coordinator
-from intellect_jax.diloco.membership import (
+from intellect_jax.diloco.membership import Membership
+from intellect_jax.diloco.protocol import (
     PROTOCOL,
     CoordinatorConfig,
     Epoch,
     Evicted,
-    Membership,
     ProtocolError,
     RegistrationRefused,
     Resume,

@@ -250,12 +250,22 @@ def test_blob_streaming(tmp_path: Path) -> None:
 
 def test_blob_size_limit() -> None:
     a, b, _, _ = _pair()
-    t = threading.Thread(target=lambda: send_blob(a, bytes(5000), deadline=_deadline()))
+    sender: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            send_blob(a, bytes(5000), deadline=_deadline())
+        except (FrameError, PeerClosed) as e:  # the refusal may reach it mid-send (timing)
+            sender.append(e)
+
+    t = threading.Thread(target=send)
     t.start()
     with pytest.raises(FrameError, match="refused"):
         recv_blob(b, max_bytes=100, deadline=_deadline())
-    a.close()
+    b.close()
     t.join(5)
+    a.close()
+    assert not t.is_alive(), "the sender hung after the refusal"
 
 
 def test_load_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

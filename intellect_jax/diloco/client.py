@@ -29,7 +29,7 @@ from dataclasses import asdict, fields, replace
 from typing import Any, Self
 
 from intellect_jax.diloco.coordinator import CHANNEL, Address, recv_msg, send_msg
-from intellect_jax.diloco.membership import (
+from intellect_jax.diloco.protocol import (
     PROTOCOL,
     Admission,
     CoordinatorError,

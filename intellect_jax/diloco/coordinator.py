@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Self, TypeVar
 
-from intellect_jax.diloco.membership import (
+from intellect_jax.diloco.membership import Membership
+from intellect_jax.diloco.protocol import (
     PROTOCOL,
     CoordinatorConfig,
     CoordinatorError,
-    Membership,
     ProtocolError,
     Resume,
 )

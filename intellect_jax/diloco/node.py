@@ -25,7 +25,7 @@ from intellect_jax.config import TrainConfig
 from intellect_jax.diloco import outer as O
 from intellect_jax.diloco import transfer
 from intellect_jax.diloco.client import CoordinatorClient
-from intellect_jax.diloco.membership import Epoch, Evicted
+from intellect_jax.diloco.protocol import Epoch, Evicted
 from intellect_jax.net.auth import load_secret
 from intellect_jax.net.comm import NetNode, RingConfig, parse_address
 from intellect_jax.net.errors import NetError

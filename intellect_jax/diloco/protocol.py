@@ -1,0 +1,127 @@
+"""Wire-level types of the coordinator protocol: version, errors, config, and the messages a
+node receives (registration reply, epoch, admission). Shared by the membership state machine,
+the server and the client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PROTOCOL = 1  # coordinator protocol version; bump on any incompatible change
+
+
+class CoordinatorError(Exception):
+    """Base class of coordinator errors; ``reason`` is a short machine-readable code."""
+
+    reason = "error"
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or type(self).reason
+
+
+class RegistrationRefused(CoordinatorError):
+    """Wrong secret, protocol, model fingerprint, or a duplicate live node id."""
+
+
+class Evicted(CoordinatorError):
+    """This node is no longer in the run; it must re-register as a joiner."""
+
+
+class ProtocolError(CoordinatorError):
+    """A request that makes no sense in the node's state (e.g. sync by a pending joiner)."""
+
+
+class StaleSession(CoordinatorError):
+    """The session belongs to another coordinator instance (it restarted): re-register."""
+
+
+class CoordinatorUnavailable(CoordinatorError):
+    """The coordinator could not be reached within the reconnect timeout (client side)."""
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Timeouts and run-start rules of the coordinator (seconds on its monotonic clock)."""
+
+    heartbeat_timeout: float = 5.0  # no heartbeat for this long -> evicted
+    boundary_timeout: float = 300.0  # not at the barrier this long after its first arrival -> evicted
+    join_window: float = 5.0  # the first barrier never closes earlier than this after the first registration
+    min_nodes: int = 1  # a fresh run's first barrier waits for this many founding members
+    fingerprint: str | None = None  # the run's model config fingerprint (None: the first registrant's)
+    keepalive_interval: float = 1.0  # server -> client "still waiting" frames during a blocked request
+    tick_interval: float = 0.1  # how often timeouts are checked
+    history: int = 200  # per-step hash records and eviction log entries kept
+
+    def __post_init__(self) -> None:
+        if min(self.heartbeat_timeout, self.boundary_timeout, self.keepalive_interval, self.tick_interval) <= 0:
+            raise ValueError(f"timeouts and intervals must be positive: {self}")
+        if self.join_window < 0 or self.min_nodes < 1:
+            raise ValueError(f"join_window must be >= 0 and min_nodes >= 1: {self}")
+
+
+Peer = tuple[str, str]  # (node_id, "host:port")
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What a node re-registering with state claims: its last boundary, epoch and rank."""
+
+    outer_step: int
+    epoch_id: int = 0
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class RegisterReply:
+    """Answer to ``register``: ``member`` (has state, syncs at ``outer_step``) or joiner."""
+
+    node_id: str
+    session: str
+    member: bool
+    outer_step: int  # the boundary the run is heading for (0 for a fresh run)
+    epoch_id: int  # last epoch formed (0: none yet)
+    fingerprint: str
+    heartbeat_timeout: float
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """Result of a barrier: the ring (in order) that all-reduces outer step ``outer_step + 1``."""
+
+    epoch_id: int
+    outer_step: int
+    members: tuple[Peer, ...]
+    rank: int
+    serve: tuple[Peer, ...] = ()  # joiners this node streams its state to after outer step k+1
+    hash_mismatch: tuple[Peer, ...] = ()  # (node_id, state hash) of every member when they disagree
+    changed: bool = True  # membership differs from the previous epoch (or a retry)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def addresses(self) -> list[str]:
+        """Ring addresses in ring order (``NetNode.ring(epoch.addresses, epoch.rank, ...)``)."""
+        return [a for _, a in self.members]
+
+    @property
+    def node_ids(self) -> list[str]:
+        return [n for n, _ in self.members]
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Epoch:
+        pairs = {k: tuple(tuple(p) for p in d[k]) for k in ("members", "serve", "hash_mismatch")}
+        return cls(d["epoch_id"], d["outer_step"], rank=d["rank"], changed=d["changed"], **pairs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A joiner's admission: fetch the state after outer step ``outer_step`` from the donor."""
+
+    donor_id: str
+    donor_addr: str
+    admitted_at: int  # the boundary k that admitted it
+    outer_step: int  # k + 1: the state it receives, and the k of its first sync
+    epoch_id: int
