@@ -48,13 +48,16 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3, help="inner (and one-node) peak learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov momentum (0: plain SGD)")
-    ap.add_argument("--eval-batches", type=int, default=16)
+    ap.add_argument("--eval-seqs", type=int, default=128,
+                    help="held-out sequences every run is evaluated on (the same windows for all)")
     ap.add_argument("--out", default="runs/exp")
     a = ap.parse_args()
+    if a.eval_seqs % (a.batch * a.nodes):
+        sys.exit(f"--eval-seqs ({a.eval_seqs}) must be a multiple of nodes x batch ({a.nodes * a.batch})")
     out = (ROOT / a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     common = ["--run.steps", str(a.steps), "--data.seq_len", str(a.seq), "--optim.lr", str(a.lr),
-              "--run.eval_batches", str(a.eval_batches), "--run.eval_every", "0", "--ckpt.every", "0",
+              "--run.eval_every", "0", "--ckpt.every", "0",
               "--optim.warmup_steps", str(a.steps // 10), "--optim.decay_steps", str(a.steps // 5)]
     res: dict = {"nodes": a.nodes, "inner_steps": a.inner_steps, "steps": a.steps,
                  "tokens_per_node_step": a.batch * a.seq, "lr": a.lr, "outer_lr": a.outer_lr,
@@ -65,7 +68,8 @@ def main() -> None:
                     "--out-dir", str(out), "--table-every", "0", "--run.name", name,
                     "--diloco.mode", mode, "--diloco.inner_steps", str(a.inner_steps),
                     "--diloco.outer_lr", str(a.outer_lr), "--diloco.outer_momentum", str(a.outer_momentum),
-                    "--data.batch_size", str(a.batch), *common], out / f"{name}.log")
+                    "--data.batch_size", str(a.batch), "--run.eval_batches", str(a.eval_seqs // a.batch),
+                    *common], out / f"{name}.log")
         r0 = rows(out / name / "node0" / "metrics.jsonl")
         outer = [r for r in r0 if "outer_hash" in r]
         hashes = {json.dumps([r["outer_hash"] for r in rows(out / name / f"node{i}" / "metrics.jsonl")
@@ -76,7 +80,8 @@ def main() -> None:
                      "hashes_agree": len(hashes) == 1}
     secs = run([sys.executable, "-m", "intellect_jax.train", "--config", CONFIG, "--run.name", "single",
                 "--run.out_dir", str(out), "--diloco.no-enabled", "--run.no-progress",
-                "--data.batch_size", str(a.batch * a.nodes), *common], out / "single.log")
+                "--data.batch_size", str(a.batch * a.nodes),
+                "--run.eval_batches", str(a.eval_seqs // (a.batch * a.nodes)), *common], out / "single.log")
     single = [r for r in rows(out / "single" / "metrics.jsonl") if "val_loss" in r][-1]
     res["single_node"] = {"val_loss": single["val_loss"], "seconds": round(secs, 1),
                           "batch": a.batch * a.nodes}
