@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 CONFIG = "configs/debug_diloco.toml"
 
 
@@ -29,7 +30,9 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
 
 
-def run(cmd: list[str], log: Path) -> float:
+def run(cmd: list[str], log: Path, dry: bool = False) -> float | None:
+    if dry:
+        return None
     t0 = time.time()
     with open(log, "w") as f:
         r = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
@@ -51,6 +54,8 @@ def main() -> None:
     ap.add_argument("--eval-seqs", type=int, default=128,
                     help="held-out sequences every run is evaluated on (the same windows for all)")
     ap.add_argument("--out", default="runs/exp")
+    ap.add_argument("--summarize", action="store_true",
+                    help="run nothing: report on the runs already in --out (same arguments)")
     a = ap.parse_args()
     if a.eval_seqs % (a.batch * a.nodes):
         sys.exit(f"--eval-seqs ({a.eval_seqs}) must be a multiple of nodes x batch ({a.nodes * a.batch})")
@@ -69,21 +74,21 @@ def main() -> None:
                     "--diloco.mode", mode, "--diloco.inner_steps", str(a.inner_steps),
                     "--diloco.outer_lr", str(a.outer_lr), "--diloco.outer_momentum", str(a.outer_momentum),
                     "--data.batch_size", str(a.batch), "--run.eval_batches", str(a.eval_seqs // a.batch),
-                    *common], out / f"{name}.log")
+                    *common], out / f"{name}.log", a.summarize)
         r0 = rows(out / name / "node0" / "metrics.jsonl")
         outer = [r for r in r0 if "outer_hash" in r]
         hashes = {json.dumps([r["outer_hash"] for r in rows(out / name / f"node{i}" / "metrics.jsonl")
                               if "outer_hash" in r]) for i in range(a.nodes)}
-        res[name] = {"val_loss": outer[-1]["val_loss"], "seconds": round(secs, 1),
+        res[name] = {"val_loss": outer[-1]["val_loss"], "seconds": secs and round(secs, 1),
                      "bytes_sent_per_node": sum(r["bytes_sent"] for r in outer),
                      "mean_utilization": sum(r["utilization"] for r in outer) / len(outer),
                      "hashes_agree": len(hashes) == 1}
     secs = run([sys.executable, "-m", "intellect_jax.train", "--config", CONFIG, "--run.name", "single",
                 "--run.out_dir", str(out), "--diloco.no-enabled", "--run.no-progress",
                 "--data.batch_size", str(a.batch * a.nodes),
-                "--run.eval_batches", str(a.eval_seqs // (a.batch * a.nodes)), *common], out / "single.log")
+                "--run.eval_batches", str(a.eval_seqs // (a.batch * a.nodes)), *common], out / "single.log", a.summarize)
     single = [r for r in rows(out / "single" / "metrics.jsonl") if "val_loss" in r][-1]
-    res["single_node"] = {"val_loss": single["val_loss"], "seconds": round(secs, 1),
+    res["single_node"] = {"val_loss": single["val_loss"], "seconds": secs and round(secs, 1),
                           "batch": a.batch * a.nodes}
     n_params = _num_params()
     ddp = 2 * (a.nodes - 1) / a.nodes * 4 * n_params * a.steps
