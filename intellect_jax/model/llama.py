@@ -94,7 +94,7 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rope(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-        impl = None if self.cfg.attention_impl == "auto" else self.cfg.attention_impl
+        impl = None if c.attention_impl == "auto" else c.attention_impl
         o_BxLxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
         return _mm(o_BxLxNxH, self.wo_NxHxD[...], (c.hidden_size,))
 

@@ -115,10 +115,9 @@ def _head_bwd(z_weight, c, res, g):
     a, b = g_t + g_ce, g_z - z_weight * g_ce
     coef_BxL = (2.0 * b / n) * m_BxL  # dZ/dlogit at the argmax
     dx = a * dx_t.astype(jnp.float32) + coef_BxL[..., None] * jnp.take(w.T, am_BxL, axis=0).astype(jnp.float32)
-    D, V = w.shape
-    xs_NxD = (coef_BxL[..., None] * x.astype(jnp.float32)).reshape(-1, D)
-    dwz_VxD = jax.ops.segment_sum(xs_NxD, am_BxL.reshape(-1), num_segments=V)
-    dw = a * dw_t.astype(jnp.float32) + dwz_VxD.T
+    # dZ's weight gradient: each row's x added into its argmax column, in place (no [V, D] buffer)
+    xs_DxN = (coef_BxL[..., None] * x.astype(jnp.float32)).reshape(-1, w.shape[0]).T
+    dw = (a * dw_t.astype(jnp.float32)).at[:, am_BxL.reshape(-1)].add(xs_DxN)
     return dx.astype(x.dtype), dw.astype(w.dtype), None
 
 
