@@ -12,7 +12,9 @@ fp32, Nesterov SGD), then the outer params written back to every replica. Same m
 schedule and validation windows as the experiment (`configs/debug_diloco.toml`, warmup 10%,
 decay 20% of the steps, 128 held-out sequences); the average is the exact fp32 mean (the
 experiment's int8 ring measured 0.9993x of fp32). Prints the train loss every 50 steps, the
-validation loss every `--eval-every` steps and at the end, then one JSON line.
+validation loss every `--eval-every` steps and at the end, then one JSON line;
+`--eval-replicas` adds, at every outer step, each node's validation loss before averaging and
+that of the averaged params.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def main() -> None:
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--single", action="store_true", help="one node, batch nodes x batch")
     ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--eval-replicas", action="store_true",
+                    help="at every outer step, also the val loss of each node's params before averaging")
     ap.add_argument("--eval-seqs", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/sweep", help="data cache and scratch")
@@ -89,10 +93,15 @@ def main() -> None:
             states[r], m = step(states[r], jnp.asarray(next(data[r])["tokens"], jnp.int32))
             losses.append(m["loss"])
         if not a.single and s % a.inner_steps == 0:
+            before = [val_loss(st.params) for st in states] if a.eval_replicas else None
             pgs = [O.pseudo_gradient(outer, st.params) for st in states]
             avg = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *pgs)
             outer = O.outer_step(outer, avg, otx)
             states = [st.replace(params=jax.tree.map(jnp.asarray, outer.params)) for st in states]
+            if before:
+                print(f"outer step at {s}: val loss of the nodes "
+                      + " ".join(f"{v:.4f}" for v in before)
+                      + f", of their average {val_loss(states[0].params):.4f}", flush=True)
         if s % 50 == 0 or s == a.steps:
             vl = val_loss(states[0].params) if s == a.steps or (a.eval_every and s % a.eval_every == 0) else None
             last = vl if vl is not None else last
