@@ -2,6 +2,7 @@
 
     python benchmarks/diloco_sweep.py --outer-lr 1.0 --outer-momentum 0 [--nodes 4 --inner-steps 50 ...]
     python benchmarks/diloco_sweep.py --single            # the one-node baseline on the same tokens
+    python benchmarks/diloco_sweep.py --preset 150m --compute-dtype bfloat16   # on a GPU
 
 `benchmarks/diloco_experiment.py` measures through the real system (launcher, coordinator,
 sockets, int8 ring) and so costs a process per node; tuning needs many runs, so this script
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3, help="inner (and one-node) peak learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--preset", default="debug", help="model preset (its vocab is set to the bundled BPE's)")
+    ap.add_argument("--compute-dtype", default=None, help="e.g. bfloat16 (default: the config's float32)")
     ap.add_argument("--single", action="store_true", help="one node, batch nodes x batch")
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--eval-replicas", action="store_true",
@@ -66,6 +69,8 @@ def main() -> None:
     raw["run"].update(steps=a.steps, seed=a.seed, out_dir=str(ROOT / a.out))
     raw["data"].update(batch_size=a.batch * (a.nodes if a.single else 1))
     raw["optim"].update(lr=a.lr, warmup_steps=a.steps // 10, decay_steps=a.steps // 5)
+    raw["model"].update(preset=a.preset, **({"compute_dtype": a.compute_dtype} if a.compute_dtype else {}))
+    raw["model"]["vocab_size"] = C.validate(raw).data.bpe_vocab_size  # the bundled BPE's
     cfg = C.validate(raw)
     mcfg = cfg.model.build()
     tok = toklib.load_tokenizer(cfg.data)
