@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--outer-momentum", type=float, default=0.9)
     ap.add_argument("--preset", default="debug", help="model preset (its vocab is set to the bundled BPE's)")
     ap.add_argument("--compute-dtype", default=None, help="e.g. bfloat16 (default: the config's float32)")
+    ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a model field of the preset, e.g. --model hidden_size=256 (repeatable)")
     ap.add_argument("--single", action="store_true", help="one node, batch nodes x batch")
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--eval-replicas", action="store_true",
@@ -70,9 +72,17 @@ def main() -> None:
     raw["data"].update(batch_size=a.batch * (a.nodes if a.single else 1))
     raw["optim"].update(lr=a.lr, warmup_steps=a.steps // 10, decay_steps=a.steps // 5)
     raw["model"].update(preset=a.preset, **({"compute_dtype": a.compute_dtype} if a.compute_dtype else {}))
-    raw["model"]["vocab_size"] = C.validate(raw).data.bpe_vocab_size  # the bundled BPE's
-    cfg = C.validate(raw)
-    mcfg = cfg.model.build()
+    for kv in a.model:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            sys.exit(f"--model {kv!r}: expected FIELD=VALUE")
+        raw["model"][k] = tomllib.loads(f"v = {v}")["v"] if v[:1].isdigit() else v
+    try:
+        raw["model"]["vocab_size"] = C.validate(raw).data.bpe_vocab_size  # the bundled BPE's
+        cfg = C.validate(raw)
+        mcfg = cfg.model.build()
+    except C.ConfigError as e:
+        sys.exit(f"error: {e}")
     tok = toklib.load_tokenizer(cfg.data)
     mesh = S.make_mesh(devices=jax.devices()[:1])
     tx, sched = make_tx(cfg.optim, a.steps), make_schedule(cfg.optim, a.steps)
