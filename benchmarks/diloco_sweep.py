@@ -76,11 +76,10 @@ def main() -> None:
         k, sep, v = kv.partition("=")
         if not sep:
             sys.exit(f"--model {kv!r}: expected FIELD=VALUE")
-        raw["model"][k] = tomllib.loads(f"v = {v}")["v"] if v[:1].isdigit() else v
+        raw["model"][k] = v  # the config's validation converts and checks it
     try:
-        raw["model"]["vocab_size"] = C.validate(raw).data.bpe_vocab_size  # the bundled BPE's
         cfg = C.validate(raw)
-        mcfg = cfg.model.build()
+        mcfg = cfg.model.model_copy(update={"vocab_size": cfg.data.bpe_vocab_size}).build()  # the bundled BPE's
     except C.ConfigError as e:
         sys.exit(f"error: {e}")
     tok = toklib.load_tokenizer(cfg.data)
