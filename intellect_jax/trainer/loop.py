@@ -111,12 +111,16 @@ class Trainer:
         self._train, self._eval = T.compile_steps(
             step_fn, T.make_eval_step(self.graphdef), self.shardings, self.batch_sh
         )
+        self.compile_s: float | None = None  # the train step is compiled ahead of its first call
+        self._unreported: dict = {}  # metrics waiting for the next logged row (compile_s)
         self.tokens_per_step = B * L
         n_dev = self.mesh.size
         peak = peak_flops(jax.devices()[0].device_kind, cfg.run.peak_tflops)
         self._peak_total = peak * n_dev if peak else None
         self.logger = None
-        self._span = (0.0, 0)  # (seconds, steps) since the last logged step
+        # Throughput clock: every step up to `_mark[1]` had finished at time `_mark[0]`; host
+        # work that is not training (eval, checkpoints) since then is `_off` seconds.
+        self._mark, self._off = (time.perf_counter(), self.step), 0.0
         # XLA:CPU runs several in-flight multi-process programs concurrently and their gloo
         # collectives can interleave differently per process (a deadlock seen under load):
         # a CPU node spanning processes waits for each step. GPUs keep the async dispatch.
@@ -163,19 +167,49 @@ class Trainer:
         self.state = T.TrainState(jax.device_put(np.int32(step), self.shardings.step), *placed)
         self.step = step
 
-    def _log(self, step: int, metrics: Any, dt: float, extra: dict | None = None,
-             force: bool = False) -> dict:
-        """Metrics of `step`; step time and tokens/s are averaged since the last logged step."""
-        self._span = (self._span[0] + dt, self._span[1] + 1)
-        if not (step % self.cfg.run.log_every == 0 or step == 1 or extra or force):
-            return {}
+    def _compile(self) -> None:
+        """Compile the train step from abstract inputs before the first step, so that no
+        step's time includes compilation (reported once as `compile_s`)."""
+        t0 = time.perf_counter()
+        B, L = self.cfg.data.batch_size, self.cfg.data.seq_len
+        batch = jax.ShapeDtypeStruct((B, L + 1), np.int32, sharding=self.batch_sh)
+        self._train = self._train.lower(self.abstract_state, batch).compile()
+        self.compile_s = time.perf_counter() - t0
+        self._unreported["compile_s"] = self.compile_s
+
+    def _off_clock(self, fn: Any) -> Any:
+        """Run host work that is not training (an eval, a checkpoint) without counting its time
+        in the step time: the steps already dispatched are waited for first (that is training)."""
+        jax.block_until_ready(self.state)
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self._off += time.perf_counter() - t0
+
+    def _measure(self, step: int, metrics: Any) -> dict:
+        """Fetch `step`'s metrics (waiting for it) and close the throughput interval there:
+        step time and tokens/s over the steps since the last fetch, less off-clock time."""
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        m["step_time"] = self._span[0] / self._span[1]
-        m["tokens_per_s"] = self.tokens_per_step / m["step_time"] if m["step_time"] > 0 else None
-        self._span = (0.0, 0)
-        if self._peak_total and m["tokens_per_s"]:
-            m["mfu"] = self.mcfg.flops_per_token(self.cfg.data.seq_len) * m["tokens_per_s"] / self._peak_total
-        m.update(extra or {})
+        now = time.perf_counter()
+        (t0, s0), off = self._mark, self._off
+        n, secs = step - s0, now - t0 - off
+        if n > 0 and secs > 0:
+            m["step_time"] = secs / n
+            m["tokens_per_s"] = self.tokens_per_step * n / secs
+            if self._peak_total:
+                m["mfu"] = self.mcfg.flops_per_token(self.cfg.data.seq_len) * m["tokens_per_s"] / self._peak_total
+        m.update(self._unreported)
+        self._mark, self._off, self._unreported = (now, step), 0.0, {}
+        return m
+
+    def _log(self, step: int, metrics: Any, more: Any = None, force: bool = False) -> dict:
+        """Write `step`'s metrics if it is a logged step (or forced), with `more()` added after
+        they are measured; returns them ({} if not logged)."""
+        if not (force or step % self.cfg.run.log_every == 0 or step == 1):
+            return {}
+        m = self._measure(step, metrics)
+        m.update(more() if more else {})
         if self.logger is not None:
             self.logger.log(step, m)
         return m
@@ -184,11 +218,15 @@ class Trainer:
         """Run inner steps up to step `until` (default: the job's end); returns the last metrics.
 
         Step N is dispatched before step N-1's metrics are fetched, so the host never idles
-        the devices waiting on a log line."""
+        the devices waiting on a log line. Logged step times cover only the steps themselves
+        (data loading included), never compilation, evaluation or checkpointing."""
         until = min(until or self.cfg.run.stop_at or self.total_steps, self.total_steps)
+        if self.compile_s is None:
+            self._compile()
         every, ev = self.cfg.ckpt.every, self.cfg.run.eval_every
         pending, last = None, {}
-        t_prev = time.perf_counter()
+        jax.block_until_ready(self.state)
+        self._mark, self._off = (time.perf_counter(), self.step), 0.0
         while self.step < until:
             batch = self._device_batch(next(self.data)["tokens"])
             self.state, metrics = self._train(self.state, batch)
@@ -196,20 +234,16 @@ class Trainer:
             if self._sync_each_step:
                 jax.block_until_ready(metrics)
             if pending is not None:
-                now = time.perf_counter()
-                last = self._log(*pending, now - t_prev) or last
-                t_prev = now
+                last = self._log(*pending) or last
             pending = (self.step, metrics)
             if self.periodic_save and every and self.step % every == 0:
-                self.save()
+                self._off_clock(self.save)
             if self.periodic_eval and ((ev and self.step % ev == 0) or self.step == self.total_steps):
-                jax.block_until_ready(metrics)
-                now = time.perf_counter()
-                last = self._log(*pending, now - t_prev, {"val_loss": self.evaluate()})
-                pending, t_prev = None, time.perf_counter()
+                last = self._log(*pending, more=lambda: {"val_loss": self._off_clock(self.evaluate)},
+                                 force=True)
+                pending = None
         if pending is not None:
-            jax.block_until_ready(pending[1])
-            last = self._log(*pending, time.perf_counter() - t_prev, force=True) or last
+            last = self._log(*pending, force=True) or last
         return last
 
     def close(self, *, save: bool = True) -> None:
