@@ -169,13 +169,17 @@ def test_worker_processes_match_in_process(tmp_path, tok):
     ref = take(make_train_iter(make_cfg(tmp_path, srcs), tok), 6)
     it = make_train_iter(make_cfg(tmp_path, srcs, num_workers=1), tok)
     try:
-        got = take(it, 3)
-        state = it.get_state()
-        it.set_state(state)
-        got += take(it, 3)
+        got = take(it, 1)
+        saved = it.get_state()
+        ahead = take(it, 3)  # read past the saved position ...
+        it.set_state(saved)  # ... and rewind to it
+        resumed = take(it, 5)
     finally:
         it.close()
-    assert all(np.array_equal(a, b) for a, b in zip(ref, got))
+    assert len(got) == 1 and len(ahead) == 3 and len(resumed) == 5
+    assert all(np.array_equal(a, b) for a, b in zip(ref[:4], got + ahead))
+    assert all(np.array_equal(a, b) for a, b in zip(ref[1:], resumed)), "set_state did not restore the position"
+    assert not np.array_equal(ref[1], ref[4])  # rewinding is observable
 
 
 def test_default_bundled_run(tmp_path_factory):

@@ -220,6 +220,7 @@ def test_val_batches_deterministic_and_split_over_processes(tmp_path, tok):
     n_val = prepare_sources(cfg, tok)[0].n_val
     assert len(v) == max(1, n_val // 4) and all(b["tokens"].shape == (4, WIN) for b in v)
     again = make_val_batches(cfg, tok, node_rank=1, node_count=2)  # same on every node
+    assert len(again) == len(v)
     assert all(np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(v, again))
     halves = [
         make_val_batches(cfg, tok, max_batches=3, process_index=p, process_count=2)

@@ -4,20 +4,18 @@ import json
 import os
 import struct
 
+import jax
+import numpy as np
 import pytest
+import torch  # installed in CI: a broken install must fail, not skip
+import transformers
+from flax import nnx
+from safetensors.numpy import save_file
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
-
-from intellect_jax.model import hf, sharding  # noqa: E402
-from intellect_jax.model.config import ModelConfig  # noqa: E402
-from intellect_jax.model.hf import HFFormatError, export_hf, import_hf  # noqa: E402
-from intellect_jax.model.llama import Llama, build  # noqa: E402
+from intellect_jax.model import hf, sharding
+from intellect_jax.model.config import ModelConfig
+from intellect_jax.model.hf import HFFormatError, export_hf, import_hf
+from intellect_jax.model.llama import Llama, build
 
 V, D, F, LAYERS, HEADS = 256, 64, 128, 2, 4
 TOK = np.random.default_rng(0).integers(0, V, size=(2, 24))
@@ -128,8 +126,15 @@ def test_bf16_export(tmp_path):
     q = np.asarray(model.blocks[1].attn.wq_DxNxH[...])
     np.testing.assert_array_equal(np.asarray(back.blocks[1].attn.wq_DxNxH[...]),
                                   q.astype("bfloat16").astype(np.float32))
-    _, info = _theirs(out)
+    theirs, info = _theirs(out)
     assert not info["missing_keys"] and not info["unexpected_keys"]
+    # the same bf16-rounded weights, both computed in fp32: equal logits
+    back32, _ = import_hf(out, overrides={"compute_dtype": "float32"})
+    np.testing.assert_allclose(_ours(back32), theirs, atol=1e-4, rtol=0)
+    # against the fp32 original (and our bf16 compute): within bf16 rounding (~1% of the logit scale)
+    tol = 0.03 * float(np.abs(theirs).max())
+    np.testing.assert_allclose(_ours(model), theirs, atol=tol, rtol=0)
+    np.testing.assert_allclose(_ours(back), theirs, atol=tol, rtol=0)
 
 
 def test_sharded_model_export_import(tmp_path):
@@ -252,8 +257,13 @@ def test_tied_lm_head_must_equal_embed(ckpt):
     tied = _cfg(tie_embeddings=True)
     out = export_hf(build(tied), tied, d.parent / "tied")
     emb = dict(hf.hf_tensors(out))["model.embed_tokens.weight"]
+    fp32 = {"compute_dtype": "float32"}
+    ref = _ours(build(tied))
+    np.testing.assert_array_equal(_ours(import_hf(out, overrides=fp32)[0]), ref)
     _rewrite(out / hf.SINGLE, add={"lm_head.weight": emb.copy()})
-    import_hf(out)  # an equal copy is accepted
+    back, cfg = import_hf(out, overrides=fp32)  # an equal copy is accepted ...
+    assert cfg.tie_embeddings  # ... as the tied model it is, with the same outputs
+    np.testing.assert_array_equal(_ours(back), ref)
     _rewrite(out / hf.SINGLE, add={"lm_head.weight": emb + 1})
     with pytest.raises(HFFormatError, match="lm_head.weight differs"):
         import_hf(out)

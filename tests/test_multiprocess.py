@@ -74,6 +74,7 @@ def test_sigkill_during_async_save_keeps_last_checkpoint(tmp_path):
     proc = subprocess.Popen(argv, env=_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ckdir = tmp_path / "k" / "ckpt"
     killed_mid_save = False
+    newest_at_kill = None
     deadline = time.time() + 300
     try:
         while time.time() < deadline and proc.poll() is None:
@@ -83,6 +84,7 @@ def test_sigkill_during_async_save_keeps_last_checkpoint(tmp_path):
             if len(done) >= 2 and tmp:
                 proc.send_signal(signal.SIGKILL)
                 killed_mid_save = True
+                newest_at_kill = max(int(n) for n in done)  # complete (renamed) before the kill
                 break
             time.sleep(0.005)
     finally:
@@ -95,9 +97,25 @@ def test_sigkill_during_async_save_keeps_last_checkpoint(tmp_path):
     latest = ck.latest_step()
     ck.close()
     assert latest is not None and latest >= 2
+    assert latest >= newest_at_kill, (latest, newest_at_kill)
+    metrics = tmp_path / "k" / "metrics.jsonl"
+    rows_before = len(metrics.read_text().splitlines())
     # resuming restores the last complete checkpoint and finishes the run
     r = subprocess.run(argv[:argv.index("--run.steps") + 1] + [str(latest + 2)]
                        + argv[argv.index("--run.steps") + 2:] + ["--ckpt.resume"],
                        env=_env(1), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"step {latest + 2}" in r.stdout
+    # it trained exactly the two steps after the restored one (not from scratch)
+    new_rows = [json.loads(l) for l in metrics.read_text().splitlines()[rows_before:]]
+    assert [row["step"] for row in new_rows] == [latest + 1, latest + 2]
+    # the partial save was cleaned up and the final step is a complete checkpoint
+    names = os.listdir(ckdir)
+    assert not [n for n in names if "tmp" in n], names
+    assert str(latest + 2) in names
+    ck = Checkpointer(ckdir, every=1, keep=50)
+    try:
+        assert ck.latest_step() == latest + 2
+        assert ck.restore_json("meta", latest + 2)["step"] == latest + 2
+    finally:
+        ck.close()

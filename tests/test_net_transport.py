@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from intellect_jax.net import (
     AuthError,
     FrameError,
-    NetError,
     NetNode,
     PeerClosed,
     PeerTimeout,
@@ -71,6 +70,29 @@ def test_handshake_and_zero_copy_roundtrip() -> None:
         s = conn._sock
         assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+        # zero copy: a large array is sent from and received into its own memory
+        big = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)  # 4 MiB
+        into = np.empty_like(big)
+        errs: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                h = srv.recv_header(MsgType.DATA, deadline=_deadline(10), length=big.nbytes)
+                srv.recv_payload_into(h, into, deadline=_deadline(10))
+            except BaseException as e:  # noqa: BLE001
+                errs.append(e)
+
+        t = threading.Thread(target=receive)
+        tracemalloc.start()
+        try:
+            t.start()
+            conn.send(MsgType.DATA, big, deadline=_deadline(10))
+            t.join(10)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert not errs and np.array_equal(big, into)
+        assert peak < big.nbytes // 16, f"sending {big.nbytes} bytes allocated {peak}"
         conn.close()
         srv.close()
 
@@ -88,6 +110,9 @@ def test_wrong_run_id_rejected() -> None:
         other = TransportConfig(run_id="another-run", secret=SECRET)
         with pytest.raises(AuthError, match="run id"):
             connect(other, lst.address, "data/1", timeout=5)
+        # the listener side rejected it too: nothing handed over, the rejection recorded
+        with pytest.raises(PeerTimeout, match="rejected handshakes: .*handshake for another run id"):
+            lst.accept("data/1", timeout=0.5)
 
 
 def test_listener_routes_by_channel_and_connect_retries() -> None:
@@ -217,8 +242,11 @@ def test_tls_connections(tmp_path: Path) -> None:
         y = np.empty_like(x)
         srv.recv_payload_into(srv.recv_header(MsgType.DATA, deadline=_deadline()), y)
         assert np.array_equal(x, y)
-        with pytest.raises(NetError):  # a plaintext client cannot talk to a TLS node
+        # a plaintext client cannot talk to a TLS node: the node drops it during the handshake
+        with pytest.raises(PeerClosed, match="connection lost|closed the connection"):
             connect(_cfg(integrity="crc32"), lst.address, "tls/2", timeout=2)
+        with pytest.raises(PeerTimeout, match=r"rejected handshakes: .*SSL"):
+            lst.accept("tls/2", timeout=0.5)
         conn.close()
         srv.close()
 

@@ -144,16 +144,19 @@ def _assert_kernel_matches(x: np.ndarray, scale: np.ndarray, codes: np.ndarray, 
     assert np.array_equal(scale.view(np.uint32), s_ref.view(np.uint32)), "scales differ"
     diff = np.nonzero(codes != q_ref)[0]
     assert np.all(np.abs(codes[diff].astype(int) - q_ref[diff]) <= 1)
-    if diff.size:  # only values within an ulp of a rounding tie may round the other way
-        inv = quant.scales_from_amax(np.abs(x).reshape(-1, block).max(axis=1)) if x.size % block == 0 else None
-        if inv is not None:
-            y = x[diff] * inv[diff // block]
-            assert np.all(np.abs(np.abs(y - np.trunc(y)) - 0.5) < 1e-4)
+    # Only values within an ulp of a rounding tie may round the other way: zero-pad to whole
+    # blocks (|0| never raises a block max) so the check covers every size, tail block included.
+    padded = np.zeros(quant.num_blocks(x.size, block) * block, np.float32)
+    padded[: x.size] = np.abs(x)
+    inv = quant.scales_from_amax(padded.reshape(-1, block).max(axis=1))
+    y = x[diff] * inv[diff // block]
+    assert np.all(np.abs(np.abs(y - np.trunc(y)) - 0.5) < 1e-4), f"non-tie codes differ at {diff[:10]}"
+    # Near-ties are rare: a systematic rounding difference would touch many more elements.
+    assert diff.size <= max(1, x.size // 10_000), f"{diff.size} of {x.size} codes differ"
 
 
 @pytest.mark.parametrize("n", [1, 1000, 64 * 64 + 5])
 def test_pallas_kernel_matches_numpy_in_interpreter(n: int) -> None:
-    pytest.importorskip("jax")
     from intellect_jax.kernels.quant_pallas import encode_int8_device, quantize_int8_pallas
 
     x = _data(n, seed=n)
@@ -161,6 +164,12 @@ def test_pallas_kernel_matches_numpy_in_interpreter(n: int) -> None:
     _assert_kernel_matches(x, scale, codes, 64)
     wire = encode_int8_device(x, 64, interpret=True)
     assert wire.nbytes == quant.encoded_nbytes(n, "int8", 64)
+    nb = quant.num_blocks(n, 64)
+    ref = quant.encode(x, "int8", 64)
+    assert wire[: 4 * nb].tobytes() == ref[: 4 * nb].tobytes(), "wire scales differ from the numpy codec"
+    y = quant.decode(wire, n, "int8", 64)
+    step = np.repeat(ref[: 4 * nb].view(np.float32), 64)[:n]  # each value's block scale
+    assert np.all(np.abs(y - x) <= step * 1.0000001), "decoded values off by more than a scale"
 
 
 def test_device_quantizer_falls_back_to_numpy_without_gpu() -> None:

@@ -37,9 +37,13 @@ def test_eval_prints_one_json_line(run_dir, tmp_path, capsys):
     assert early["step"] == 2 and early["loss"] != out["loss"]
 
 
-def test_export_loads_in_transformers(run_dir, tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+def _tree_bytes(root):
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_export_loads_in_transformers(run_dir, tmp_path, capsys):
+    import torch  # installed in CI: a broken install must fail, not skip
+    import transformers
     from intellect_jax.trainer.load import load_run
     from intellect_jax.trainer.step import apply_model
 
@@ -56,14 +60,49 @@ def test_export_loads_in_transformers(run_dir, tmp_path):
         theirs = model(torch.tensor(x, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
     # refuses to overwrite; nothing changes
+    before = _tree_bytes(out)
+    capsys.readouterr()
     assert run_main(lambda: export_tool.main(["--checkpoint", str(run_dir), "--out", str(out)])) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "exists" in err and "overwrite" in err, err
+    assert _tree_bytes(out) == before
 
 
-def test_plot_writes_pngs(run_dir, tmp_path):
-    paths = plot_tool.main([str(run_dir), "--out", str(tmp_path)])
+def test_plot_writes_pngs(run_dir, tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figs, real_close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    try:
+        paths = plot_tool.main([str(run_dir), "--out", str(tmp_path)])
+    finally:
+        monkeypatch.undo()
     assert {p.name for p in paths} == {"loss.png", "lr.png", "throughput.png"}
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # what is plotted: the metrics.jsonl columns against their steps
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def col(key):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    try:
+        assert len(figs) == len(paths)
+        by_name = {p.stem: f for p, f in zip(paths, figs)}
+        expect = {"loss": ["loss", "val_loss"], "lr": ["lr"], "throughput": ["tokens_per_s"]}
+        for name, keys in expect.items():
+            lines = by_name[name].axes[0].get_lines()
+            assert len(lines) == len(keys), name
+            for line, key in zip(lines, keys):
+                steps, values = col(key)
+                assert steps, key
+                assert list(line.get_xdata()) == steps, key
+                np.testing.assert_array_equal(np.asarray(line.get_ydata(), float), values, err_msg=key)
+        assert col("loss")[0] == [1, 2, 3, 4] and col("val_loss")[0] == [4]
+    finally:
+        for f in figs:
+            real_close(f)
 
 
 @pytest.mark.parametrize(
