@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from intellect_jax.config import TrainConfig
 from intellect_jax.data.tokenizer import Tok, tok_from_state
 from intellect_jax.model import sharding as S
@@ -45,7 +47,17 @@ def load_run(path: str | Path, step: int | None = None) -> LoadedRun:
         mesh = S.make_mesh(fsdp=-1, tp=1)
         tx = make_tx(cfg.optim, cfg.run.steps)
         graphdef, abstract, _ = T.state_shardings(mcfg, tx, mesh)
-        state, _, meta = ck.restore(abstract, step)
+        step = ck.latest_step() if step is None else step
+        if "diloco" in ck.item_names(step):  # a DiLoCo node's checkpoint: its outer params
+            fp32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, "float32", sharding=x.sharding),
+                                abstract.params)
+            arrays = {"diloco": {"outer_params": fp32, "outer_opt_state": {"momentum": fp32},
+                                 "inner_opt_state": abstract.opt_state}}
+            out = ck.restore(step, arrays, ("meta",))
+            params = jax.tree.map(lambda x, a: x.astype(a.dtype), out["diloco"]["outer_params"], abstract.params)
+        else:
+            out = ck.restore(step, {"state": abstract}, ("meta",))
+            params = out["state"].params
     finally:
         ck.close()
-    return LoadedRun(cfg, mcfg, tok, int(meta["step"]), graphdef, state.params, mesh)
+    return LoadedRun(cfg, mcfg, tok, int(out["meta"]["step"]), graphdef, params, mesh)

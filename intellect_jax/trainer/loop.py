@@ -4,6 +4,7 @@ then runs inner steps with logging, evaluation and checkpoints. DiLoCo drives `t
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -49,6 +50,10 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     return d
 
 
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     tmp.write_text(text)
@@ -59,7 +64,7 @@ class Trainer:
     """One node's inner loop. `node_rank/node_count` pick this node's data shard (DiLoCo)."""
 
     def __init__(self, cfg: TrainConfig, *, node_rank: int = 0, node_count: int = 1,
-                 periodic_save: bool = True, evaluate: bool = True):
+                 periodic_save: bool = True, evaluate: bool = True, resume: bool | None = None):
         self.cfg = cfg
         # DiLoCo checkpoints and evaluates the outer params at outer-step boundaries instead
         self.periodic_save, self.periodic_eval = periodic_save, evaluate
@@ -93,10 +98,11 @@ class Trainer:
 
         self.ckpt = Checkpointer(self.run_dir / "ckpt", every=cfg.ckpt.every, keep=cfg.ckpt.keep,
                                  async_save=cfg.ckpt.async_save)
-        latest = self.ckpt.latest_step() if cfg.ckpt.resume else None
-        if latest is not None:
-            self.state, data_state, _ = self.ckpt.restore(self.abstract_state, latest)
-            self.data.set_state(data_state)
+        resume = cfg.ckpt.resume if resume is None else resume  # (a DiLoCo node's store restores instead)
+        if resume and self.ckpt.all_steps():  # the newest readable checkpoint; damaged ones are skipped
+            _, out = self.ckpt.restore_newest({"state": self.abstract_state}, ("data",), warn=_warn)
+            self.state = out["state"]
+            self.data.set_state(out["data"])
         else:
             params = None
             if cfg.model.init_from:  # continue training a published checkpoint
@@ -149,13 +155,13 @@ class Trainer:
             tot, n = tot + float(np.sum(nll_B)), n + nll_B.size * self.cfg.data.seq_len
         return tot / max(n, 1)
 
-    def save(self, *, force: bool = False, extra: dict[str, Any] | None = None) -> None:
+    def save(self, *, force: bool = False) -> None:
         if self.step in self.ckpt.all_steps():
             return
         meta = {"step": self.step, "config": self.cfg.model_dump(mode="json"),
                 "node_rank": self.node_rank, "node_count": self.node_count}
-        self.ckpt.save(self.step, self.state, data=self.data.get_state(), meta=meta,
-                       tokenizer=self.tok.state(), extra=extra, force=force)
+        self.ckpt.save(self.step, {"state": self.state},
+                       {"data": self.data.get_state(), "meta": meta, "tokenizer": self.tok.state()}, force=force)
 
     def set_params(self, params: Any) -> None:
         """Replace the parameters (e.g. DiLoCo's outer params), placed with their shardings."""
