@@ -63,8 +63,9 @@ def _file_chunks(f: BinaryIO, size: int, chunk_bytes: int):  # noqa: ANN202 - ge
 
 
 def recv_blob(conn: Connection, out: BinaryIO | None = None, *, max_bytes: int,
-              deadline: float | None = None) -> tuple[dict, bytearray | int]:
-    """Receive one blob: ``(meta, data)`` (``data`` = bytearray, or bytes written to ``out``)."""
+              deadline: float | None = None, into: Buffer | None = None) -> tuple[dict, bytearray | int]:
+    """Receive one blob: ``(meta, data)`` (``data`` = bytearray, or bytes written to ``out``, or
+    the size received straight into ``into``, which must be exactly the blob's size)."""
     _, raw = conn.recv(MsgType.BLOB_BEGIN, deadline=deadline, max_len=1 << 16)
     try:
         meta = json.loads(raw)
@@ -73,7 +74,10 @@ def recv_blob(conn: Connection, out: BinaryIO | None = None, *, max_bytes: int,
         raise FrameError(f"{conn.peer}: malformed blob header") from None
     if not 0 <= size <= max_bytes or chunk < 1:
         raise FrameError(f"{conn.peer}: blob of {size} bytes refused (limit {max_bytes})")
-    data = bytearray(size) if out is None else None
+    target = memoryview(into).cast("B") if into is not None else None  # type: ignore[arg-type]
+    if target is not None and target.nbytes != size:
+        raise FrameError(f"{conn.peer}: blob {meta.get('name')!r} is {size} bytes, expected {target.nbytes}")
+    data = (target if target is not None else bytearray(size)) if out is None else None
     scratch = np.empty(min(chunk, size), np.uint8) if out is not None else None
     tags = hashlib.sha256()
     got = 0
@@ -91,4 +95,4 @@ def recv_blob(conn: Connection, out: BinaryIO | None = None, *, max_bytes: int,
     _, digest = conn.recv(MsgType.BLOB_END, deadline=deadline, max_len=64)
     if not hmac.compare_digest(digest, tags.digest()):
         raise FrameError(f"{conn.peer}: blob {meta.get('name')!r} failed its end-to-end check")
-    return meta, (data if data is not None else size)
+    return meta, (size if data is None or target is not None else data)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 import numpy as np
 
 from intellect_jax.net import quant, tree as treelib
-from intellect_jax.net.errors import ConfigMismatch, RingClosed
+from intellect_jax.net.errors import ConfigMismatch, PeerTimeout, RingClosed
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.ring import Links, Workspace, ring_all_reduce
 from intellect_jax.net.listener import Listener
@@ -79,6 +79,10 @@ class Communicator(Protocol):
 
     @property
     def last_stats(self) -> CommStats: ...
+
+    def abort(self) -> None:
+        """Make a call in progress (in another thread) fail soon with a ``NetError``."""
+        ...
 
     def close(self) -> None: ...
 
@@ -191,6 +195,7 @@ class SocketCommunicator:
             raise ValueError(f"a ring piece of {self.config.piece_numel} values is {piece_bytes} bytes, above "
                              f"max_frame_bytes={node.cfg.max_frame_bytes}; lower piece_numel")
         self._owns_node = owns_node
+        self._aborted = False
         self._links: Links | None = None
         self._workspace = Workspace()
         self._closed = False
@@ -209,6 +214,18 @@ class SocketCommunicator:
     def _channel(self, src: int, dst: int, k: int) -> str:
         return f"ring/{self.epoch}/{src}>{dst}/{k}"
 
+    def _until(self, fn: Callable[[float], Connection], deadline: float, what: str) -> Connection:
+        """``fn(timeout)`` in short slices until it succeeds, the deadline passes or :meth:`abort`."""
+        while True:
+            if self._aborted:
+                raise RingClosed(f"ring epoch {self.epoch} aborted while {what}")
+            left = deadline - time.monotonic()
+            try:
+                return fn(max(0.0, min(left, 0.5)))
+            except PeerTimeout as e:
+                if time.monotonic() >= deadline:
+                    raise PeerTimeout(f"{what}: nothing within {self.config.deadline:.1f}s (last try: {e})") from None
+
     def _open(self, deadline: float) -> Links:
         if self._links is not None:
             return self._links
@@ -216,15 +233,20 @@ class SocketCommunicator:
         links = Links([], [])
         try:
             for k in range(k_streams):
-                links.out.append(self.node.connect(self.peers[nxt], self._channel(self.rank, nxt, k),
-                                                   timeout=deadline - time.monotonic(), name=self._name(nxt)))
+                ch = self._channel(self.rank, nxt, k)
+                links.out.append(self._until(lambda t: self.node.connect(self.peers[nxt], ch, timeout=t,
+                                                                         name=self._name(nxt)),
+                                             deadline, f"connecting to {self._name(nxt)}"))
             for k in range(k_streams):
-                links.inn.append(self.node.accept(self._channel(prv, self.rank, k),
-                                                  timeout=max(0.0, deadline - time.monotonic()), name=self._name(prv)))
+                ch = self._channel(prv, self.rank, k)
+                links.inn.append(self._until(lambda t: self.node.accept(ch, timeout=t, name=self._name(prv)),
+                                             deadline, f"waiting for {self._name(prv)} on channel {ch!r}"))
         except BaseException:
             links.close()
             raise
         self._links = links
+        if self._aborted:
+            links.abort()
         return links
 
     def _check_meta(self, links: Links, meta: dict[str, Any], deadline: float) -> None:
@@ -279,6 +301,14 @@ class SocketCommunicator:
         self._stats = CommStats(sent - sent0, recv - recv0, time.monotonic() - t0, numel, self.world_size, cfg.mode)
         self._calls += 1
         return result
+
+    def abort(self) -> None:
+        """From another thread: fail the all-reduce in progress now (every socket of the ring is
+        shut down, so this rank raises and its neighbours notice at once)."""
+        self._aborted = True
+        links = self._links
+        if links is not None:
+            links.abort()
 
     def _teardown(self) -> None:
         self._closed = True

@@ -140,6 +140,15 @@ class LocalCommunicator:
         self._stats = CommStats(sent, sent, time.monotonic() - t0, numel, self.world_size, cfg.mode)
         return result
 
+    def abort(self) -> None:
+        """Fail the collective in progress on every rank."""
+        with self.group._cond:
+            if self.group._inputs:
+                self.group._inputs, self.group._results = {}, None
+                self.group._error = PeerClosed("local ring: aborted")
+                self.group._generation += 1
+                self.group._cond.notify_all()
+
     def close(self) -> None:
         """Nothing to release."""
 
