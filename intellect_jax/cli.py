@@ -12,8 +12,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from pydantic import ValidationError
 
     from intellect_jax.data.errors import DataError
-    from intellect_jax.diloco.protocol import RegistrationRefused
-    from intellect_jax.diloco.node import DilocoError
+    from intellect_jax.diloco.journal import JournalError
+    from intellect_jax.diloco.protocol import CoordinatorUnavailable, RegistrationRefused
+    from intellect_jax.diloco.loop import DilocoError
     from intellect_jax.net.errors import AuthError, NetError
     from intellect_jax.model.config import ConfigError
     from intellect_jax.model.hf import HFFormatError
@@ -21,7 +22,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from intellect_jax.trainer.loop import RunDirError
 
     return (ConfigError, DataError, HFFormatError, CheckpointError, RunDirError, ValidationError,
-            RegistrationRefused, AuthError, NetError, DilocoError,
+            RegistrationRefused, CoordinatorUnavailable, JournalError, AuthError, NetError, DilocoError,
             FileNotFoundError, FileExistsError, PermissionError)
 
 

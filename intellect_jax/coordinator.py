@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 
+from intellect_jax.cli import run_main
 from intellect_jax.diloco.client import coordinator_status
 from intellect_jax.diloco.coordinator import Coordinator
 from intellect_jax.diloco.protocol import CoordinatorConfig
@@ -38,6 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--join-window", type=float, default=d.join_window,
                    help="the first barrier closes no earlier than this after the first registration")
     p.add_argument("--min-nodes", type=int, default=d.min_nodes, help="founding members a fresh run waits for")
+    p.add_argument("--journal", default=None, metavar="FILE",
+                   help="the run's record (newest outer step and its hash, completion), kept across restarts")
+    p.add_argument("--outer-steps", type=int, default=None, help="the run's length (default: the nodes' config)")
+    p.add_argument("--allow-rollback-to", type=int, default=None, metavar="K",
+                   help="let the run restart from a checkpoint of outer step K or later, behind the journal's "
+                        "newest step (when the newest state is lost for good); logged")
     p.add_argument("--status", metavar="HOST:PORT", default=None, help="print a running coordinator's status")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
@@ -53,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config = CoordinatorConfig(heartbeat_timeout=args.heartbeat_timeout, boundary_timeout=args.boundary_timeout,
                                join_window=args.join_window, min_nodes=args.min_nodes,
-                               fingerprint=args.model_fingerprint)
-    coord = Coordinator(cfg, args.host, args.port, config).start()
+                               fingerprint=args.model_fingerprint, outer_steps=args.outer_steps,
+                               allow_rollback_to=args.allow_rollback_to)
+    coord = Coordinator(cfg, args.host, args.port, config, journal=args.journal).start()
     print(f"coordinator listening on {coord.address_str}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -66,4 +74,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

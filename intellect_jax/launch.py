@@ -1,11 +1,14 @@
 """`python -m intellect_jax.launch --nodes N --config configs/debug_diloco.toml [events]`
 
-Runs a whole elastic DiLoCo run on this machine: a coordinator and N node processes, each with
-its own slice of fake CPU devices, their logs prefixed by node, a live table, and scripted
-failures: `--kill NODE@K` (SIGKILL inside the all-reduce of outer step K), `--join NODE@K`
-(NODE starts with the others, then registers only once the run has done K outer steps, so it
-joins mid-run and gets the state from a live peer), `--kill-coordinator K` (SIGKILL the
-coordinator after outer step K and restart it on the same port). Extra `--section.key value`
+Runs a whole elastic DiLoCo run on this machine: a coordinator (with a journal in the run
+directory) and N node processes, each with its own slice of fake CPU devices, their logs
+prefixed by node, a live table, and failures: `--kill NODE@K` (SIGKILL NODE while it works on
+outer step K), `--join NODE@K` (NODE starts with the others, then registers only once the run
+has done K outer steps, so it joins mid-run and gets the state from a live peer),
+`--kill-coordinator K` (SIGKILL the coordinator after outer step K and restart it on the same
+port), or `--chaos SEED`: a seeded random schedule of node SIGKILLs (restarted with
+`--ckpt.resume`, sometimes from a damaged or an older checkpoint), SIGSTOPs of 10-30 s,
+coordinator kills and a registration after the end, then a summary. Extra `--section.key value`
 options go to every node.
 """
 
@@ -25,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from intellect_jax.cli import run_main
-from intellect_jax.diloco.node import CHAOS_ENV
 from intellect_jax.net.auth import SECRET_ENV
 
 OUTER_RE = re.compile(r"outer step (\d+): epoch (\d+) \((\d+) nodes\), loss ([\d.nan]+), sync ([\d.]+)s")
@@ -40,6 +42,7 @@ class NodeView:
     loss: float = float("nan")
     sync_s: float = float("nan")
     status: str = "pending"
+    starts: int = 0
     lines: list[str] = field(default_factory=list)
 
 
@@ -60,8 +63,13 @@ def parse(argv: list[str] | None):
     ap.add_argument("--kill", action="append", default=[], metavar="NODE@K")
     ap.add_argument("--join", action="append", default=[], metavar="NODE@K")
     ap.add_argument("--kill-coordinator", type=int, default=None, metavar="K")
+    ap.add_argument("--chaos", type=int, default=None, metavar="SEED", help="a seeded random fault schedule")
+    ap.add_argument("--chaos-faults", type=int, default=5, help="faults in a --chaos schedule")
+    ap.add_argument("--chaos-reference", action="store_true",
+                    help="with --chaos: first run the same job without faults, to compare final val losses")
     ap.add_argument("--out-dir", default="runs")
     ap.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
+    ap.add_argument("--heartbeat-timeout", type=float, default=10.0, help="the coordinator's")
     ap.add_argument("--table-every", type=float, default=10.0, help="seconds between live tables (0: off)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
     args, extra = ap.parse_known_args(argv)
@@ -79,8 +87,9 @@ def _free_port() -> int:
 
 
 class Launcher:
-    def __init__(self, args, extra: list[str], kills: dict[str, int], joins: dict[str, int]):
-        self.args, self.extra, self.kills, self.joins = args, extra, kills, joins
+    def __init__(self, args, extra: list[str], kills: dict[str, int], joins: dict[str, int],
+                 run_name: str | None = None):
+        self.args, self.extra, self.kills, self.joins = args, list(extra), kills, joins
         if not Path(args.config).is_file():
             raise FileNotFoundError(f"--config {args.config}: no such file")
         founders = [f"node{i}" for i in range(args.nodes)]
@@ -94,14 +103,17 @@ class Launcher:
         self.lock = threading.Lock()
         self.progress = 0  # most outer steps any node has completed
         self.coord_killed = False
+        self.hooks: list = []  # called every poll (the chaos schedule)
         from intellect_jax.config import parse_args
 
         cfg = parse_args(["--config", args.config, *extra])  # the nodes' config, validated up front
+        self.cfg = cfg
         self.fingerprint = cfg.model.build().fingerprint()
-        self.run_name = cfg.run.name
+        self.run_name = run_name or cfg.run.name
         if "--run.name" in self.extra:
             i = self.extra.index("--run.name")
             del self.extra[i : i + 2]
+        self.run_dir = Path(args.out_dir) / self.run_name
 
     def say(self, who: str, line: str) -> None:
         tag = f"[{who}]"
@@ -114,6 +126,7 @@ class Launcher:
             self.say(who, line)
             if view is None:
                 continue
+            view.lines.append(line)
             m = OUTER_RE.search(line)
             if m:
                 view.outer, view.epoch = int(m.group(1)), int(m.group(2))
@@ -122,37 +135,50 @@ class Launcher:
                     self.progress = max(self.progress, view.outer)
 
     def start_coordinator(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1",
-               "--port", str(self.port), "--min-nodes", str(self.args.nodes), "--heartbeat-timeout", "10",
-               "--model-fingerprint", self.fingerprint]
+               "--port", str(self.port), "--min-nodes", str(self.args.nodes),
+               "--heartbeat-timeout", str(self.args.heartbeat_timeout), "--model-fingerprint", self.fingerprint,
+               "--run-id", self.cfg.diloco.run_id, "--journal", str(self.run_dir / "coordinator.journal")]
         self.coord = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True)
         threading.Thread(target=self._pump, args=("coord", self.coord, None), daemon=True).start()
 
-    def start_node(self, name: str) -> None:
-        i = self.names.index(name)
+    def kill_coordinator(self, down: float = 2.0) -> None:
+        self.say("launch", f"SIGKILL coordinator; restarting in {down:.0f}s")
+        assert self.coord is not None
+        self.coord.kill()
+        self.coord.wait()
+        time.sleep(down)
+        self.start_coordinator()
+
+    def start_node(self, name: str, resume: bool = False) -> None:
+        i = self.names.index(name) if name in self.names else len(self.names)
         cmd = [sys.executable, "-m", "intellect_jax.train", "--config", self.args.config,
                "--diloco.enabled", "--diloco.coordinator", f"127.0.0.1:{self.port}",
-               "--diloco.node_id", name, "--diloco.data_rank", str(i),
-               "--diloco.data_ranks", str(len(self.names)), "--run.no-progress",
+               "--diloco.node_id", name, "--diloco.data_rank", str(i % max(len(self.names), 1)),
+               "--diloco.data_ranks", str(max(len(self.names), 1)), "--run.no-progress",
                "--run.out_dir", self.args.out_dir, *self.extra]
         cmd += ["--run.name", f"{self.run_name}/{name}"]
-        if name in self.joins:  # starts now, registers once the run has done that many outer steps
+        if resume:
+            cmd += ["--ckpt.resume"]
+        if name in self.joins and not resume:  # starts now, registers once the run has done that many outer steps
             cmd += ["--diloco.join_after", str(self.joins[name])]
-        env = dict(self.env)
-        if name in self.kills:
-            env[CHAOS_ENV] = str(self.kills[name])
-        view = self.nodes[name]
-        view.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        view.status = "running"
+        view = self.nodes.setdefault(name, NodeView(name))
+        view.proc = subprocess.Popen(cmd, env=dict(self.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        view.status, view.starts = "running", view.starts + 1
         threading.Thread(target=self._pump, args=(name, view.proc, view), daemon=True).start()
-        self.say("launch", f"started {name} (pid {view.proc.pid})")
+        self.say("launch", f"started {name} (pid {view.proc.pid}{', resuming' if resume else ''})")
 
     def table(self) -> None:
         rows = [f"{'node':<8} {'status':<10} {'epoch':>5} {'outer':>5} {'loss':>8} {'sync s':>7}"]
         for v in self.nodes.values():
             rows.append(f"{v.name:<8} {v.status:<10} {v.epoch:>5} {v.outer:>5} {v.loss:>8.4f} {v.sync_s:>7.2f}")
         self.say("table", "\n" + "\n".join(rows))
+
+    def running(self) -> list[NodeView]:
+        return [v for v in self.nodes.values() if v.status in ("running", "stopped", "pending", "restarting")]
 
     def run(self) -> int:
         self.start_coordinator()
@@ -163,11 +189,13 @@ class Launcher:
         try:
             while time.monotonic() < t_end:
                 self._events()
+                for hook in self.hooks:
+                    hook()
                 for v in self.nodes.values():
                     if v.proc is not None and v.status == "running" and v.proc.poll() is not None:
                         v.status = "done" if v.proc.returncode == 0 else f"exit {v.proc.returncode}"
                         self.say("launch", f"{v.name} {v.status}")
-                if all(v.status not in ("running", "pending") for v in self.nodes.values()):
+                if not self.running():
                     break
                 if self.args.table_every and time.monotonic() > t_table:
                     self.table()
@@ -178,31 +206,39 @@ class Launcher:
         finally:
             for v in self.nodes.values():
                 if v.proc is not None and v.proc.poll() is None:
+                    v.proc.send_signal(signal.SIGCONT)
                     v.proc.kill()
             if self.coord is not None and self.coord.poll() is None:
                 self.coord.send_signal(signal.SIGTERM)
                 self.coord.wait(timeout=10)
         self.table()
-        expected_dead = set(self.kills)
-        ok = all(v.status == "done" for n, v in self.nodes.items() if n not in expected_dead)
+        ok = all(v.status in ("done", "killed") for v in self.nodes.values())
         return 0 if ok else 1
 
     def _events(self) -> None:
+        for name, k_kill in self.kills.items():
+            v = self.nodes[name]
+            if v.status == "running" and v.outer >= k_kill - 1 and v.proc is not None and v.proc.poll() is None:
+                self.say("launch", f"SIGKILL {name} during outer step {k_kill}")
+                v.proc.kill()
+                v.proc.wait()
+                v.status = "killed"
         with self.lock:
             k = self.progress
         kc = self.args.kill_coordinator
         if kc is not None and not self.coord_killed and k >= kc:
             self.coord_killed = True
-            self.say("launch", f"SIGKILL coordinator after outer step {k}; restarting in 2s")
-            self.coord.kill()
-            self.coord.wait()
-            time.sleep(2)
-            self.start_coordinator()
+            self.kill_coordinator()
 
 
 def main(argv: list[str] | None = None) -> int:
     args, extra, kills, joins = parse(argv)
-    code = Launcher(args, extra, kills, joins).run()
+    if args.chaos is not None:
+        from intellect_jax.diloco.chaos import run_chaos
+
+        code = run_chaos(args, extra)
+    else:
+        code = Launcher(args, extra, kills, joins).run()
     if code:
         raise SystemExit(code)
     return code

@@ -33,17 +33,21 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _diloco(cfg) -> dict:
     from intellect_jax.diloco.node import DilocoNode
-    from intellect_jax.diloco.outer import state_hash
+    from intellect_jax.diloco.state import state_hash
 
     node = DilocoNode(cfg)
     try:
-        node.run()
+        outcome = node.run()
     finally:
         node.close()
-    h = state_hash(node.outer)
-    print(f"done: node {node.node_id}, outer step {node.outer.step}, step {node.trainer.step}, hash {h}",
-          flush=True)
-    return {"outer_hash": h, "outer_step": node.outer.step}
+    s = node.loop.state if node.loop is not None else None
+    if s is None:  # registered after the run had completed: nothing to do
+        print(f"done: node {node.node_id}, {outcome.value}", flush=True)
+        return {"outcome": outcome.value}
+    h = state_hash(s)
+    print(f"done: node {node.node_id}, {outcome.value}, outer step {s.outer_step}, step {node.trainer.step}, "
+          f"hash {h}", flush=True)
+    return {"outcome": outcome.value, "outer_hash": h, "outer_step": s.outer_step}
 
 
 if __name__ == "__main__":

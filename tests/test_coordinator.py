@@ -15,6 +15,7 @@ import pytest
 
 from intellect_jax.diloco.client import CoordinatorClient, coordinator_status
 from intellect_jax.diloco.coordinator import Coordinator
+from intellect_jax.diloco.journal import Journal, JournalError, RunRecord
 from intellect_jax.diloco.membership import Membership
 from intellect_jax.diloco.protocol import (
     PROTOCOL,
@@ -24,6 +25,7 @@ from intellect_jax.diloco.protocol import (
     ProtocolError,
     RegistrationRefused,
     Resume,
+    RunCompleted,
     StaleSession,
 )
 from intellect_jax.net.transport import TransportConfig
@@ -39,11 +41,11 @@ FP = "fp-llama-debug"
 class Run:
     """A Membership plus the sessions of its nodes, with a manual clock."""
 
-    def __init__(self, **kw: Any) -> None:
+    def __init__(self, record: RunRecord | None = None, **kw: Any) -> None:
         kw.setdefault("join_window", 0.0)
         kw.setdefault("heartbeat_timeout", 5.0)
         kw.setdefault("boundary_timeout", 30.0)
-        self.m = Membership(CoordinatorConfig(**kw), instance="i1")
+        self.m = Membership(CoordinatorConfig(**kw), instance="i1", record=record)
         self.now = 0.0
         self.s: dict[str, str] = {}
         self.silent: set[str] = set()  # nodes whose heartbeats stop
@@ -233,17 +235,26 @@ def test_refusals_fingerprint_protocol_duplicate() -> None:
         preset.register("a", "h:1", 1, PROTOCOL, "abc", 0.0)
 
 
-def test_hash_disagreement_flagged() -> None:
+def test_diverged_member_evicted_majority_hash_recorded() -> None:
     r = Run(min_nodes=3)
     for n in "abc":
         r.reg(n)
     r.arrive("a", 0, "h1"), r.arrive("b", 0, "h1")
-    ep = r.arrive("c", 0, "h2")
-    assert ep is not None and ep.hash_mismatch == (("a", "h1"), ("b", "h1"), ("c", "h2"))
+    assert r.arrive("c", 0, "h2") is None  # c's state differs from the majority's: not in the epoch
+    with pytest.raises(Evicted, match="diverged: state hash h2 at outer step 0, the run's is h1"):
+        r.result("c")
+    ep = r.result("a")
+    assert ep is not None and ep.node_ids == ["a", "b"]
+    assert ep.hash_mismatch == (("a", "h1"), ("b", "h1"), ("c", "h2"))
     assert "state hash mismatch at outer step 0: a=h1, b=h1, c=h2" in " ".join(r.m.drain_events())
     rec = r.m.status(r.now)["hashes"]["0"]
     assert rec["hashes"] == {"a": "h1", "b": "h1", "c": "h2"} and rec["mismatch"]
-    assert r.barrier(1, list("abc"), "h3")["a"].hash_mismatch == ()
+    assert r.m.record.hashes[0] == "h1" and r.m.record.hwm_step == 0
+    # the recorded hash wins over a later majority: at a retry barrier of step 0 both remaining
+    # members claiming h3 are evicted
+    r.arrive("a", 0, "h3", retry_of=ep.epoch_id)
+    assert r.arrive("b", 0, "h3", retry_of=ep.epoch_id) is None
+    assert not r.m.started  # nobody holds the recorded state any more: rebuild from checkpoints
 
 
 def test_rebuild_after_restart_keeps_epochs_monotonic_and_outer_step() -> None:
@@ -251,29 +262,33 @@ def test_rebuild_after_restart_keeps_epochs_monotonic_and_outer_step() -> None:
     for n in "abc":
         old.reg(n)
     for k in range(3):
-        old.barrier(k, list("abc"))
-    old.arrive("a", 0 + 3)
+        old.barrier(k, list("abc"), f"h{k}")
+    old.arrive("a", 3, "h3")
     old.m.leave("c", old.s["c"], old.now)
     assert old.m.epoch_id == 1
-    old.arrive("b", 3)  # epoch 2 = [a, b] at boundary 3
-    assert old.m.epoch_id == 2
-    # the coordinator dies; a new one (another instance) hears from the nodes again
-    r = Run(min_nodes=3, join_window=1.0)
+    old.arrive("b", 3, "h3")  # epoch 2 = [a, b] at boundary 3
+    assert old.m.epoch_id == 2 and old.m.record.hwm_step == 3
+    # the coordinator dies; a new one (another instance) reloads the journal and hears from the nodes
+    r = Run(min_nodes=3, join_window=1.0, record=RunRecord.from_json(old.m.record.to_json()))
     r.m.instance = "i2"
     with pytest.raises(StaleSession):
         r.m.arrive("a", old.s["a"], 4, 0.0)
-    assert r.reg("b", resume=Resume(3, 2, 1)).member  # b is mid-step 4 (last synced at 3)
-    assert r.reg("a", resume=Resume(4, 2, 0)).outer_step == 4  # a already waits at boundary 4
+    assert r.reg("b", resume=Resume(3, 2, 1, "h3")).member  # b is mid-step 4 (last synced at 3)
+    forked = r.reg("f", resume=Resume(3, 1, 0, "hX"))  # other bytes for a recorded step
+    assert not forked.member and "diverged: state hash hX at outer step 3, the run's is h3" in forked.note
+    stale = r.reg("s", resume=Resume(2, 1, 0, "h2"))  # restarted from an older checkpoint: behind the journal
+    assert not stale.member and "behind: state from outer step 2, the run has reached 3" in stale.note
+    assert r.reg("a", resume=Resume(4, 2, 0, "h4")).outer_step == 4  # a already waits at boundary 4
     assert r.reg("n").member is False  # a brand-new node joins; it does not found a new run
-    r.arrive("a", 4)
+    r.arrive("a", 4, "h4")
     assert r.result("a") is None  # b not arrived yet, join window open
-    r.arrive("b", 4)
+    r.arrive("b", 4, "h4")
     r.tick(1.1)
     ep = r.result("a")
     assert ep is not None and ep.epoch_id == 3 and ep.outer_step == 4 and ep.node_ids == ["a", "b"]
     assert r.m.admission_for("n", r.s["n"]).outer_step == 5  # type: ignore[union-attr]
-    with pytest.raises(Evicted, match="already at outer step 5"):  # late resume after the run continued
-        r.reg("c", resume=Resume(3, 2))
+    late = r.reg("c", resume=Resume(3, 2, 0, "h3"))  # late resume after the run continued: joins
+    assert not late.member and "in progress" in late.note
 
 
 def test_rebuild_evicts_nodes_behind_and_demotes_fresh_founders() -> None:
@@ -287,13 +302,72 @@ def test_rebuild_evicts_nodes_behind_and_demotes_fresh_founders() -> None:
             r.m.heartbeat(n, r.s[n], r.now)
     assert not r.m.started  # demoting the fresh founders completed no barrier
     r.reg("b", resume=Resume(6, 5, 1))
-    with pytest.raises(Evicted, match="behind: at outer step 5, the run resumes at 6"):
-        r.reg("c", resume=Resume(5, 5, 2)) and r.arrive("c", 5)
+    c = r.reg("c", resume=Resume(5, 5, 2))
+    assert not c.member and "behind: state from outer step 5, the run has reached 6" in c.note
     r.arrive("b", 6)  # b's all-reduce of step 7 failed...
     ep = r.arrive("a", 7)  # ...but a's completed: b is behind
     with pytest.raises(Evicted, match="behind: at outer step 6, the run resumes at 7"):
         r.m.epoch_for("b", r.s["b"])
     assert ep is not None and ep.epoch_id == 6 and ep.outer_step == 7 and ep.node_ids == ["a"]
+
+
+def test_completed_run_stays_completed_and_admits_no_joiner_for_the_last_step() -> None:
+    r = Run(min_nodes=2, outer_steps=3)
+    r.reg("a"), r.reg("b")
+    for k in range(2):
+        r.barrier(k, ["a", "b"], f"h{k}")
+    j = r.reg("j")
+    r.barrier(2, ["a", "b"], "h2")  # boundary 2 = the last step's: nobody is admitted for it
+    assert r.m.admission_for("j", r.s["j"]) is None
+    r.barrier(3, ["a", "b"], "h3")  # the final barrier completes the run
+    assert r.m.record.completed and r.m.record.hwm_step == 3
+    with pytest.raises(RunCompleted):
+        r.m.admission_for("j", r.s["j"])  # the waiting joiner learns it
+    for n in ("a", "b"):
+        r.m.leave(n, r.s[n], r.now)
+    assert "no live node holds" not in " ".join(r.m.drain_events())
+    with pytest.raises(RunCompleted, match="all 3 outer steps are done"):
+        r.reg("late", resume=Resume(1, 1, 0, "h1"))
+    # ... also after a restart that reloads the journal
+    r2 = Membership(CoordinatorConfig(), "i2", RunRecord.from_json(r.m.record.to_json()))
+    with pytest.raises(RunCompleted):
+        r2.register("x", "h:1", 1, PROTOCOL, FP, 0.0)
+    with pytest.raises(RegistrationRefused, match="run length 5 outer steps != run's 3"):
+        r2.register("y", "h:1", 1, PROTOCOL, FP, 0.0, outer_steps=5)
+
+
+def test_rollback_only_when_the_operator_allows_it() -> None:
+    r = Run(min_nodes=1)
+    r.reg("a")
+    for k in range(4):
+        r.barrier(k, ["a"], f"h{k}")
+    rec = RunRecord.from_json(r.m.record.to_json())  # the newest state (step 3) is then lost for good
+    strict = Run(record=RunRecord.from_json(rec.to_json()))
+    assert "behind" in strict.reg("a", resume=Resume(1, 0, 0, "h1")).note  # waits for step 3's state
+    ok = Run(allow_rollback_to=1, record=RunRecord.from_json(rec.to_json()))
+    assert ok.reg("a", resume=Resume(1, 0, 0, "h1")).member
+    ep = ok.barrier(1, ["a"], "h1")["a"]
+    assert ep.outer_step == 1
+    assert ok.m.record.hwm_step == 1 and 2 not in ok.m.record.hashes and ok.m.record.rollbacks == [{"from": 3, "to": 1}]
+    assert "rolled the run back from outer step 3 to 1" in " ".join(ok.m.drain_events())
+    wrong = Run(allow_rollback_to=1, record=RunRecord.from_json(rec.to_json()))
+    assert "diverged" in wrong.reg("b", resume=Resume(1, 0, 0, "hX")).note  # recorded hashes still hold
+
+
+def test_journal_file_atomic_and_reloaded(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "run.journal")
+    rec = j.load("run-1")
+    rec.record(0, "h0", keep=10)
+    rec.record(1, "h1", keep=10)
+    assert j.save(rec) and not j.save(rec)  # unchanged: not rewritten
+    assert [p.name for p in tmp_path.iterdir()] == ["run.journal"]  # no temporary file left behind
+    back = Journal(tmp_path / "run.journal").load("run-1")
+    assert (back.hwm_step, back.hwm_hash, back.hashes) == (1, "h1", {0: "h0", 1: "h1"})
+    with pytest.raises(JournalError, match="belongs to run 'run-1'"):
+        Journal(tmp_path / "run.journal").load("other")
+    (tmp_path / "bad.journal").write_text("{not json")
+    with pytest.raises(JournalError, match="unreadable"):
+        Journal(tmp_path / "bad.journal").load("run-1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,8 +461,8 @@ def test_joiner_admission_serve_and_leave_over_sockets() -> None:
             with ThreadPoolExecutor(3) as ex:
                 fa, fb = ex.submit(a.sync, 0), ex.submit(b.sync, 0)
                 assert fa.result(10).epoch_id == fb.result(10).epoch_id == 1
-                reply = j.register(outer_step=7)  # its own (old) checkpoint: the running run makes it join
-                assert not reply.member and reply.outer_step == 1 and reply.epoch_id == 1
+                reply = j.register(Resume(7, state_hash="h7"))  # its own checkpoint: the running run makes it join
+                assert not reply.member and reply.outer_step == 1 and reply.epoch_id == 1 and "in progress" in reply.note
                 fj = ex.submit(j.wait_admission)
                 time.sleep(0.3)
                 assert not fj.done()  # admitted only at a boundary
@@ -409,16 +483,37 @@ def test_joiner_admission_serve_and_leave_over_sockets() -> None:
 
 
 def test_stalled_node_evicted_then_rejoins_as_joiner() -> None:
-    with Coordinator(_tcfg(), config=_conf(min_nodes=1, heartbeat_timeout=0.6)) as coord:
+    with Coordinator(_tcfg(), config=_conf(min_nodes=2, heartbeat_timeout=0.6)) as coord:
         a = _client(coord.address, "a", 9000, heartbeat_interval=60.0)  # its heartbeats stall
+        b = _client(coord.address, "b", 9001)
         try:
-            assert a.register().member and a.sync(0).epoch_id == 1
-            _wait_for(lambda: not coord.status()["nodes"], what="eviction by heartbeat timeout")
+            a.register(), b.register()
+            with ThreadPoolExecutor(2) as ex:
+                assert {f.result(10).epoch_id for f in [ex.submit(c.sync, 0, "h0") for c in (a, b)]} == {1}
+            _wait_for(lambda: [n["node_id"] for n in coord.status()["nodes"]] == ["b"],
+                      what="eviction by heartbeat timeout")
             with pytest.raises(Evicted, match="node a was evicted \\(no heartbeat for"):
-                a.sync(1)
+                a.sync(1, "h1")
             assert not a.member
-            reply = a.register()  # re-registers as a joiner
-            assert not reply.member
+            reply = a.register()  # b holds the run's state: a re-registers as a joiner
+            assert not reply.member and "in progress" in reply.note
+        finally:
+            a.close(), b.close()
+
+
+def test_lone_member_evicted_resumes_with_its_own_state() -> None:
+    """If the evicted node was the only one holding the run's newest state, it resumes with it."""
+    with Coordinator(_tcfg(), config=_conf(min_nodes=1, heartbeat_timeout=0.6)) as coord:
+        a = _client(coord.address, "a", 9000, heartbeat_interval=60.0)
+        try:
+            assert a.register().member and a.sync(0, "h0").epoch_id == 1
+            a.hold(1, "h1")  # applied outer step 1
+            _wait_for(lambda: not coord.status()["nodes"], what="eviction by heartbeat timeout")
+            with pytest.raises(Evicted):
+                a.sync(1, "h1")
+            assert a.register().member  # its claim (1, h1) is the newest state there is
+            assert a.sync(1, "h1").outer_step == 1
+            assert coord.status()["high_water_mark"] == {"outer_step": 1, "hash": "h1"}
         finally:
             a.close()
 

@@ -3,31 +3,33 @@
 Typical outer loop (``k`` = completed outer steps)::
 
     client = CoordinatorClient(addr, transport_cfg, "node-a", "10.0.0.5:7000", devices=8, fingerprint=fp)
-    reply = client.register()
+    reply = client.register(claim)            # claim: the state this node holds (Resume), if any
     if not reply.member:                      # joiner: wait for a boundary, fetch the state
         adm = client.wait_admission()         # donor + outer step of the state to fetch
         ...receive the state from adm.donor_addr...; client.state_received(adm.outer_step)
-        k = adm.outer_step
     while training:
         ...H inner steps...
         epoch = client.sync(k, state_hash=h)  # barrier; the ring for outer step k+1
         ...all-reduce over epoch.addresses (on NetError: epoch = client.sync(k, h, retry_of=epoch.epoch_id))...
-        ...outer step; stream the new state to each joiner in epoch.serve...; k += 1
+        ...outer step; client.hold(k + 1, new_hash); stream the state to each joiner in epoch.serve...
     client.leave()
 
-A background thread heartbeats over the session connection. If the coordinator goes away,
-the client reconnects with backoff for up to ``reconnect_timeout`` and re-registers with its
-(outer step, epoch, rank); an in-flight request is then re-issued transparently.
+A background thread heartbeats over the session connection; each reply carries the node's
+``view`` (its role, its admission, whether the newest epoch's ring is still whole). If the
+coordinator goes away, the client reconnects with backoff for up to ``reconnect_timeout`` and
+registers again with the state it holds; an in-flight request is then re-issued transparently.
+How requests travel is the ``wire``'s business: :class:`SocketWire` (authenticated TCP) or the
+in-process :class:`~.service.LocalWire`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import asdict, fields, replace
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
+from intellect_jax.diloco.clock import REAL, Clock
 from intellect_jax.diloco.coordinator import CHANNEL, Address, recv_msg, send_msg
 from intellect_jax.diloco.protocol import (
     PROTOCOL,
@@ -40,16 +42,19 @@ from intellect_jax.diloco.protocol import (
     RegisterReply,
     RegistrationRefused,
     Resume,
+    RunCompleted,
     StaleSession,
 )
 from intellect_jax.net import AuthError, Connection, NetError, PeerTimeout, TransportConfig, connect
 from intellect_jax.net.comm import parse_address
 
 __all__ = ["Admission", "CoordinatorClient", "CoordinatorError", "CoordinatorUnavailable", "Epoch", "Evicted",
-           "ProtocolError", "RegisterReply", "RegistrationRefused", "coordinator_status"]
+           "ProtocolError", "RegisterReply", "RegistrationRefused", "RunCompleted", "SocketWire",
+           "coordinator_status"]
 
 log = logging.getLogger("intellect_jax.coordinator.client")
-_ERRORS = {c.__name__: c for c in (RegistrationRefused, Evicted, ProtocolError, StaleSession, CoordinatorUnavailable)}
+_ERRORS = {c.__name__: c for c in (RegistrationRefused, Evicted, ProtocolError, StaleSession, CoordinatorUnavailable,
+                                   RunCompleted)}
 _TRANSIENT = (NetError, OSError, ValueError)  # connection trouble (AuthError is handled before)
 
 
@@ -58,24 +63,68 @@ def _error(reply: dict[str, Any]) -> CoordinatorError:
     return cls(str(reply.get("message", reply)), reply.get("reason"))
 
 
-def _request(cfg: TransportConfig, address: Address, msg: dict[str, Any], *, connect_timeout: float,
-             deadline: float | None = None) -> dict[str, Any]:
-    """One request on a fresh connection; skips the server's keepalive frames."""
-    conn = connect(cfg, address, CHANNEL, timeout=connect_timeout, name=f"coordinator {address[0]}:{address[1]}")
-    try:
-        send_msg(conn, msg, deadline)
-        while True:
+class Wire(Protocol):
+    """How a client reaches its coordinator: a session (register, heartbeats, close = leave
+    abruptly) and one-off requests. Transport trouble raises a ``NetError``/``OSError``."""
+
+    name: str
+
+    def open(self, msg: dict[str, Any], timeout: float) -> tuple[Any, dict[str, Any]]: ...
+
+    def beat(self, handle: Any, msg: dict[str, Any]) -> dict[str, Any]: ...
+
+    def close(self, handle: Any) -> None: ...
+
+    def request(self, msg: dict[str, Any], deadline: float | None, connect_timeout: float) -> dict[str, Any]: ...
+
+
+class SocketWire:
+    """The coordinator over the authenticated transport (see :mod:`.coordinator`)."""
+
+    def __init__(self, address: Address | str, cfg: TransportConfig) -> None:
+        self.address, self.cfg = parse_address(address), cfg
+        self.name = f"coordinator {self.address[0]}:{self.address[1]}"
+
+    def _connect(self, timeout: float) -> Connection:
+        return connect(self.cfg, self.address, CHANNEL, timeout=timeout, name=self.name)
+
+    def open(self, msg: dict[str, Any], timeout: float) -> tuple[Connection | None, dict[str, Any]]:
+        conn = self._connect(timeout)
+        try:
+            deadline = time.monotonic() + max(timeout, self.cfg.handshake_timeout)
+            send_msg(conn, msg, deadline)
             reply = recv_msg(conn, deadline)
-            if not reply.get("wait"):
-                return reply
-    finally:
-        conn.close()
+        except BaseException:
+            conn.close()
+            raise
+        if not reply.get("ok"):
+            conn.close()
+            return None, reply
+        return conn, reply
+
+    def beat(self, handle: Connection, msg: dict[str, Any]) -> dict[str, Any]:
+        send_msg(handle, msg)
+        return recv_msg(handle)
+
+    def close(self, handle: Connection) -> None:
+        handle.close()
+
+    def request(self, msg: dict[str, Any], deadline: float | None, connect_timeout: float) -> dict[str, Any]:
+        """One request on a fresh connection; skips the server's keepalive frames."""
+        conn = self._connect(connect_timeout)
+        try:
+            send_msg(conn, msg, deadline)
+            while True:
+                reply = recv_msg(conn, deadline)
+                if not reply.get("wait"):
+                    return reply
+        finally:
+            conn.close()
 
 
 def coordinator_status(address: Address | str, cfg: TransportConfig, timeout: float = 10.0) -> dict[str, Any]:
     """Membership, epoch, joiners, hash records and eviction log of a running coordinator."""
-    reply = _request(cfg, parse_address(address), {"op": "status"}, connect_timeout=timeout,
-                     deadline=time.monotonic() + timeout)
+    reply = SocketWire(address, cfg).request({"op": "status"}, time.monotonic() + timeout, timeout)
     if not reply.get("ok"):
         raise _error(reply)
     return reply["status"]
@@ -84,31 +133,37 @@ def coordinator_status(address: Address | str, cfg: TransportConfig, timeout: fl
 class CoordinatorClient:
     """One node's membership in the run: register, heartbeat, sync at boundaries, leave."""
 
-    def __init__(self, address: Address | str, transport_cfg: TransportConfig, node_id: str, ring_addr: str,
-                 devices: int = 1, fingerprint: str = "", protocol: int = PROTOCOL, *,
+    def __init__(self, address: Address | str | None, transport_cfg: TransportConfig | None, node_id: str,
+                 ring_addr: str, devices: int = 1, fingerprint: str = "", protocol: int = PROTOCOL, *,
                  heartbeat_interval: float = 1.0, reconnect_timeout: float = 60.0,
-                 connect_timeout: float = 10.0, io_timeout: float = 10.0) -> None:
-        self.address = parse_address(address)
-        # coordinator replies (and its keepalives) come within ~1 s: a silent peer is a dead one
-        self.cfg = replace(transport_cfg, io_timeout=min(transport_cfg.io_timeout, io_timeout))
+                 connect_timeout: float = 10.0, io_timeout: float = 10.0, outer_steps: int | None = None,
+                 wire: Wire | None = None, clock: Clock = REAL) -> None:
+        if wire is None:
+            assert address is not None and transport_cfg is not None
+            # coordinator replies (and its keepalives) come within ~1 s: a silent peer is a dead one
+            wire = SocketWire(address, replace(transport_cfg, io_timeout=min(transport_cfg.io_timeout, io_timeout)))
+        self.wire, self.clock = wire, clock
         self.node_id, self.ring_addr, self.devices = node_id, ring_addr, devices
-        self.fingerprint, self.protocol = fingerprint, protocol
+        self.fingerprint, self.protocol, self.outer_steps = fingerprint, protocol, outer_steps
         self.heartbeat_interval, self.reconnect_timeout = heartbeat_interval, reconnect_timeout
         self.connect_timeout = connect_timeout
-        self._name = f"coordinator {self.address[0]}:{self.address[1]}"
-        self._lock = threading.Lock()  # client state below
-        self._io_lock = threading.Lock()  # session connection I/O
-        self._recover_lock = threading.Lock()
-        self._conn: Connection | None = None
+        self._name = wire.name
+        self._lock = clock.Lock()  # client state below
+        self._io_lock = clock.Lock()  # session connection I/O
+        self._recover_lock = clock.Lock()
+        self._conn: Any = None
         self._session: str | None = None
         self._gen = 0  # session generation (bumped by every registration)
         self._fatal: CoordinatorError | None = None
         self._seen_run = False  # this node has seen the run started (so it never founds it)
-        self._has_state = False
-        self._step = self._epoch = self._rank = 0
+        self._has_state = False  # a member (holds the run's state)
+        self._claim: Resume | None = None  # the state this node holds, claimed on re-registration
+        self._reply: RegisterReply | None = None
+        self._view: dict[str, Any] = {}
+        self._epoch = self._rank = 0
         self._closed = False
-        self._stop = threading.Event()
-        self._hb: threading.Thread | None = None
+        self._stop = clock.Event()
+        self._hb: Any = None
 
     # ---- state ---------------------------------------------------------------------------
     @property
@@ -122,62 +177,88 @@ class CoordinatorClient:
 
     @property
     def outer_step(self) -> int:
-        return self._step
+        return self._claim.outer_step if self._claim else 0
 
     @property
     def epoch_id(self) -> int:
         return self._epoch
 
-    # ---- requests ------------------------------------------------------------------------
-    def register(self, outer_step: int | None = None, epoch_id: int = 0) -> RegisterReply:
-        """Join the run: as a founding member of a fresh run, else as a joiner (``reply.member``).
+    @property
+    def view(self) -> dict[str, Any]:
+        """The node as the coordinator saw it at the last heartbeat (role, admission, epoch)."""
+        return self._view
 
-        ``outer_step``: this node holds the state after that many outer steps (e.g. from its
-        checkpoint after a whole-run restart); accepted only while the coordinator rebuilds the
-        run, otherwise the node registers as a joiner. Raises :class:`RegistrationRefused`
-        (wrong secret, model fingerprint, protocol, duplicate live node id).
+    def epoch_broken(self, epoch_id: int) -> bool:
+        """The coordinator says the ring of ``epoch_id`` lost a member (or a newer epoch formed
+        without us): abort it. Also True once the session is gone for good."""
+        v = self._view
+        if self._fatal is not None:
+            return True
+        return bool(v) and (v.get("epoch_id", 0) > epoch_id or (v.get("epoch_id") == epoch_id
+                                                                and v.get("epoch_broken", False)))
+
+    def admission_revoked(self, adm: Admission) -> bool:
+        """The coordinator no longer expects this joiner to receive ``adm`` (donor gone, re-queued,
+        evicted): stop waiting for that transfer."""
+        v = self._view
+        if self._fatal is not None:
+            return True
+        return bool(v) and not (v.get("role") == "admitted" and v.get("admission") == adm.outer_step
+                                and v.get("donor") == adm.donor_id)
+
+    def hold(self, outer_step: int, state_hash: str | None) -> None:
+        """This node now holds the state after ``outer_step`` outer steps (claimed if it has to
+        register again, e.g. with a restarted coordinator)."""
+        with self._lock:
+            self._claim = Resume(outer_step, self._epoch, self._rank, state_hash)
+
+    # ---- requests ------------------------------------------------------------------------
+    def register(self, claim: Resume | None = None) -> RegisterReply:
+        """Join the run: as a founding member of a fresh run, as a member with the state ``claim``
+        describes (only while the coordinator rebuilds the run), else as a joiner (``reply.member``
+        False, ``reply.note`` says why a claim was not taken). Registering again while registered
+        as a joiner returns that registration. Raises :class:`RegistrationRefused` (wrong secret,
+        model fingerprint, run length, protocol, duplicate live node id) and
+        :class:`RunCompleted`.
         """
         with self._lock:
             if self._session is not None and self._fatal is None:
+                if not self._has_state and self._reply is not None:
+                    return self._reply
                 raise ProtocolError(f"node {self.node_id} is already registered")
-            self._fatal = None
-            self._has_state = False
-        if outer_step is not None:
-            try:
-                reply = self._register(Resume(outer_step, epoch_id, 0), self.connect_timeout)
-            except Evicted as e:  # the run moved on without this state: join instead
-                log.info("node %s: %s", self.node_id, e)
-                self._seen_run = True
-            else:
-                with self._lock:
-                    self._has_state, self._step, self._epoch = True, outer_step, epoch_id
-                return reply
-        return self._register(None, self.connect_timeout)
+            self._fatal, self._has_state = None, False
+            self._claim = claim if claim is not None else self._claim
+        return self._register(self.connect_timeout)
 
     def sync(self, k: int, state_hash: str | None = None, retry_of: int | None = None,
              timeout: float | None = None) -> Epoch:
         """Barrier at boundary ``k`` (``k`` completed outer steps); returns the epoch of step ``k+1``.
 
         ``retry_of``: the epoch whose all-reduce just failed. Raises :class:`Evicted` if the node
-        was dropped (re-register as a joiner), :class:`CoordinatorUnavailable`.
+        was dropped (register again), :class:`CoordinatorUnavailable`.
         """
-        with self._lock:
-            self._step = k
+        self.hold(k, state_hash)
         reply = self._call("sync", {"step": k, "state_hash": state_hash, "retry_of": retry_of}, timeout)
         ep = Epoch.from_json(reply["epoch"])
         with self._lock:
             self._epoch, self._rank, self._has_state, self._seen_run = ep.epoch_id, ep.rank, True, True
+            self._claim = Resume(k, ep.epoch_id, ep.rank, state_hash)
         if ep.hash_mismatch:
             log.warning("node %s: state hashes disagree at outer step %d: %s", self.node_id, k,
                         ", ".join(f"{n}={h[:16]}" for n, h in ep.hash_mismatch))
         return ep
 
     def wait_admission(self, requeue: bool = False, timeout: float | None = None) -> Admission:
-        """Joiner: block until a boundary admits us; ``requeue=True`` after a failed state transfer."""
+        """Joiner: block until a boundary admits us; ``requeue=True`` after a failed state transfer.
+        An admission whose donor is this node itself means: resume with the state you claimed."""
         reply = self._call("admit", {"requeue": requeue}, timeout, reissue={"requeue": False})
         adm = Admission(**reply["admission"])
         with self._lock:
             self._epoch = adm.epoch_id
+            if adm.donor_id == self.node_id:
+                self._has_state = True
+            else:  # until the next heartbeat says otherwise
+                self._view = {**self._view, "role": "admitted", "admission": adm.outer_step, "donor": adm.donor_id}
         return adm
 
     def state_received(self, k: int) -> bool:
@@ -185,7 +266,8 @@ class CoordinatorClient:
         accepted = bool(self._call("received", {"step": k})["accepted"])
         if accepted:
             with self._lock:
-                self._has_state, self._step = True, k
+                self._has_state = True
+                self._claim = Resume(k, self._epoch, self._rank, self._claim.state_hash if self._claim else None)
         return accepted
 
     def leave(self) -> None:
@@ -196,15 +278,16 @@ class CoordinatorClient:
             self._drop_session()
 
     def status(self) -> dict[str, Any]:
-        return coordinator_status(self.address, self.cfg, self.connect_timeout)
+        reply = self.wire.request({"op": "status"}, self.clock.now() + self.connect_timeout, self.connect_timeout)
+        if not reply.get("ok"):
+            raise _error(reply)
+        return reply["status"]
 
     def close(self) -> None:
         """Stop heartbeating and close the session (the coordinator evicts us unless we left)."""
         self._closed = True
         self._stop.set()
         self._drop_session()
-        if self._hb is not None and self._hb is not threading.current_thread():
-            self._hb.join(timeout=5)
 
     def __enter__(self) -> Self:
         return self
@@ -213,44 +296,36 @@ class CoordinatorClient:
         self.close()
 
     # ---- internals -----------------------------------------------------------------------
-    def _register(self, resume: Resume | None, timeout: float) -> RegisterReply:
+    def _register(self, timeout: float) -> RegisterReply:
+        with self._lock:
+            claim = self._claim
+            msg = {"op": "register", "node": self.node_id, "addr": self.ring_addr, "devices": self.devices,
+                   "protocol": self.protocol, "fingerprint": self.fingerprint, "founder": not self._seen_run,
+                   "outer_steps": self.outer_steps, "resume": asdict(claim) if claim else None}
         try:
-            conn = connect(self.cfg, self.address, CHANNEL, timeout=timeout, name=self._name)
+            conn, reply = self.wire.open(msg, timeout)
         except AuthError as e:
             raise RegistrationRefused(f"{self._name} refused node {self.node_id}'s handshake (wrong run secret "
                                       f"or run id?): {e}", "auth") from e
-        try:
-            deadline = time.monotonic() + max(timeout, self.cfg.handshake_timeout)
-            send_msg(conn, {"op": "register", "node": self.node_id, "addr": self.ring_addr, "devices": self.devices,
-                            "protocol": self.protocol, "fingerprint": self.fingerprint,
-                            "founder": not self._seen_run,
-                            "resume": asdict(resume) if resume else None}, deadline)
-            reply = recv_msg(conn, deadline)
-            if not reply.get("ok"):
-                raise _error(reply)
-        except BaseException:
-            conn.close()
-            raise
-        r = RegisterReply(**{f.name: reply[f.name] for f in fields(RegisterReply)})
-        with self._lock:
-            self._conn, self._session, self._gen, self._fatal = conn, r.session, self._gen + 1, None
-            self._seen_run = self._seen_run or not r.member or r.epoch_id > 0
-            if resume is None:
-                self._has_state, self._step = r.member, r.outer_step if r.member else 0
-            if self._hb is None:
-                self._hb = threading.Thread(target=self._heartbeat_loop, name=f"coordinator-hb-{self.node_id}",
-                                            daemon=True)
-                self._hb.start()
-        log.info("node %s registered with %s as %s (outer step %d, epoch %d)", self.node_id, self._name,
-                 "member" if r.member else "joiner", r.outer_step, r.epoch_id)
-        return r
-
-    def _beat(self, conn: Connection) -> None:
-        with self._io_lock:
-            send_msg(conn, {"op": "hb"})
-            reply = recv_msg(conn)
         if not reply.get("ok"):
             raise _error(reply)
+        r = RegisterReply(**{f.name: reply[f.name] for f in fields(RegisterReply)})
+        with self._lock:
+            self._conn, self._session, self._gen, self._fatal, self._reply = conn, r.session, self._gen + 1, None, r
+            self._seen_run = self._seen_run or not r.member or r.epoch_id > 0
+            self._has_state, self._view = r.member, {}
+            if self._hb is None:
+                self._hb = self.clock.spawn(self._heartbeat_loop, name=f"coordinator-hb-{self.node_id}")
+        log.info("node %s registered with %s as %s (outer step %d, epoch %d)%s", self.node_id, self._name,
+                 "member" if r.member else "joiner", r.outer_step, r.epoch_id, f": {r.note}" if r.note else "")
+        return r
+
+    def _beat(self, conn: Any) -> None:
+        with self._io_lock:
+            reply = self.wire.beat(conn, {"op": "hb"})
+        if not reply.get("ok"):
+            raise _error(reply)
+        self._view = reply.get("view") or {}
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):
@@ -285,10 +360,11 @@ class CoordinatorClient:
             if not keep_thread:
                 self._session = None
         if conn is not None:
-            conn.close()
+            self.wire.close(conn)
 
     def _recover(self, gen: int) -> None:
-        """The coordinator is unreachable: reconnect with backoff and re-register (once per generation)."""
+        """The coordinator is unreachable: reconnect with backoff and register again with the
+        state this node holds (once per generation)."""
         with self._recover_lock:
             with self._lock:
                 if self._fatal is not None:
@@ -300,15 +376,19 @@ class CoordinatorClient:
             self._drop_session(keep_thread=True)
             log.warning("node %s lost %s; reconnecting for up to %.0fs", self.node_id, self._name,
                         self.reconnect_timeout)
-            deadline, delay = time.monotonic() + self.reconnect_timeout, 0.05
+            clock = self.clock
+            deadline, delay = clock.now() + self.reconnect_timeout, 0.05
             last: Exception | None = None
             while not self._closed:
-                resume = Resume(self._step, self._epoch, self._rank) if self._has_state else None
                 try:
-                    self._register(resume, max(0.1, deadline - time.monotonic()))
+                    was_member = self._has_state
+                    r = self._register(max(0.1, deadline - clock.now()))
+                    if was_member and not r.member:  # our state no longer resumes the run
+                        self._fail(Evicted(f"node {self.node_id}: {r.note or 'the run went on without us'}",
+                                           "behind"))
                     return
                 except RegistrationRefused as e:  # duplicate: our old session is not yet seen dead
-                    if e.reason != "duplicate" or time.monotonic() >= deadline:
+                    if e.reason != "duplicate" or clock.now() >= deadline:
                         self._fail(e)
                         raise
                     last = e
@@ -317,11 +397,12 @@ class CoordinatorClient:
                     raise
                 except _TRANSIENT as e:
                     last = e
-                if time.monotonic() >= deadline:
+                if clock.now() >= deadline:
                     break
-                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                clock.sleep(min(delay, max(0.0, deadline - clock.now())))
                 delay = min(2 * delay, 1.0)
-            err = CoordinatorUnavailable(f"node {self.node_id}: {self._name} unreachable for "
+            err = CoordinatorUnavailable(f"node {self.node_id}: client closed" if self._closed else
+                                         f"node {self.node_id}: {self._name} unreachable for "
                                          f"{self.reconnect_timeout:.0f}s ({last})")
             self._fail(err)
             raise err
@@ -330,7 +411,8 @@ class CoordinatorClient:
               reissue: dict[str, Any] | None = None, recover: bool = True) -> dict[str, Any]:
         """A request on its own connection; survives coordinator restarts by re-registering and
         re-issuing (``recover=False``: fail at once with :class:`CoordinatorUnavailable`)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        clock = self.clock
+        deadline = None if timeout is None else clock.now() + timeout
         failing_since: float | None = None
         while True:
             with self._lock:
@@ -340,15 +422,15 @@ class CoordinatorClient:
                     raise ProtocolError(f"node {self.node_id} is not registered; call register()")
                 gen, msg = self._gen, {"op": op, "node": self.node_id, "session": self._session, **args}
             try:
-                reply = _request(self.cfg, self.address, msg, connect_timeout=self.connect_timeout, deadline=deadline)
+                reply = self.wire.request(msg, deadline, self.connect_timeout)
             except AuthError:
                 raise
             except _TRANSIENT as e:
                 if not recover:
                     raise CoordinatorUnavailable(f"node {self.node_id}: {op} to {self._name} failed ({e})") from e
-                if deadline is not None and time.monotonic() >= deadline:
+                if deadline is not None and clock.now() >= deadline:
                     raise PeerTimeout(f"node {self.node_id}: {op} not answered within {timeout:.1f}s") from e
-                now = time.monotonic()
+                now = clock.now()
                 failing_since = failing_since or now
                 if now - failing_since > self.reconnect_timeout:
                     raise CoordinatorUnavailable(f"node {self.node_id}: {op} to {self._name} failing for "
@@ -362,7 +444,7 @@ class CoordinatorClient:
             if isinstance(err, StaleSession):
                 self._recover(gen)
                 continue
-            if isinstance(err, Evicted):
+            if isinstance(err, (Evicted, RunCompleted)):
                 self._fail(err)
             raise err
 
@@ -373,11 +455,11 @@ class CoordinatorClient:
         if conn is None:
             with self._recover_lock:  # wait for a recovery in progress
                 pass
-            time.sleep(0.05)
+            self.clock.sleep(0.05)
             return
         try:
             self._beat(conn)
-            time.sleep(0.1)
+            self.clock.sleep(0.1)
         except CoordinatorError as e:
             self._fail(e)
             raise

@@ -1,36 +1,45 @@
 """Run membership of elastic DiLoCo as a pure state machine (no sockets, threads or clock).
 
-Every method takes ``now`` (the coordinator's ``time.monotonic()``) so each protocol rule is
-unit-tested deterministically; :mod:`.coordinator` wraps it in a threaded server. Numbering:
-*boundary k* is where a member has completed ``k`` outer steps and finished the inner steps of
-step ``k+1``; ``sync(k)`` there returns the epoch whose ring all-reduces step ``k+1``'s
-pseudo-gradient. See ``docs/coordinator.md`` for the whole protocol.
+Every method takes ``now`` (the coordinator's clock) so each protocol rule is unit-tested
+deterministically; :mod:`.service` wraps it for the server. Numbering: *boundary k* is where a
+member has completed ``k`` outer steps and finished the inner steps of step ``k+1``; ``sync(k)``
+there returns the epoch whose ring all-reduces step ``k+1``'s pseudo-gradient.
+
+One history: the run's :class:`~.journal.RunRecord` holds the hash recorded for every recent
+outer step and the newest one (the high-water mark). A barrier records its step's hash (the
+recorded one if there is one, else the members' majority) and evicts members whose state
+differs; a node bringing state from an older step, or other bytes for a recorded step, is made
+a joiner and takes a live peer's state. See ``docs/coordinator.md``.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from intellect_jax.diloco.journal import RunRecord
 from intellect_jax.diloco.protocol import (
     PROTOCOL,
-    RegistrationRefused,
-    Evicted,
-    ProtocolError,
-    StaleSession,
-    CoordinatorConfig,
-    Peer,
-    Resume,
-    RegisterReply,
-    Epoch,
     Admission,
+    CoordinatorConfig,
+    Epoch,
+    Evicted,
+    Peer,
+    ProtocolError,
+    RegisterReply,
+    RegistrationRefused,
+    Resume,
+    RunCompleted,
+    StaleSession,
 )
+
 
 class Role(str, enum.Enum):
     MEMBER = "member"  # has the run's state; expected at every barrier
     PENDING = "pending"  # joiner waiting for the next boundary
-    ADMITTED = "admitted"  # joiner with a donor; expected at the barrier ``first_step``
+    ADMITTED = "admitted"  # joiner with a donor; expected at the barrier ``admission.outer_step``
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class Node:
     outbox: Epoch | None = None  # result of the barrier it waits at
     admission: Admission | None = None
     received: bool = False  # admitted joiner reported state_received
+    claim: Resume | None = None  # the state the node brought (a joiner's may resume a rebuild)
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,7 @@ class Barrier:
     step: int
     epoch_id: int
     members: tuple[Peer, ...]
+    sessions: tuple[str, ...] = ()  # of the members, to tell whether the epoch's ring is intact
     serve: dict[str, tuple[Peer, ...]] = field(default_factory=dict)
     hash_mismatch: tuple[Peer, ...] = ()
     changed: bool = True
@@ -72,15 +83,19 @@ class Barrier:
 class Membership:
     """Nodes, barriers, epochs, joiners and evictions of one run (see the module docstring)."""
 
-    def __init__(self, config: CoordinatorConfig | None = None, instance: str = "0") -> None:
+    def __init__(self, config: CoordinatorConfig | None = None, instance: str = "0",
+                 record: RunRecord | None = None) -> None:
         self.config = config or CoordinatorConfig()
         self.instance = instance
-        self.fingerprint = self.config.fingerprint
+        self.record = record or RunRecord()
+        rec = self.record
+        rec.fingerprint = rec.fingerprint or self.config.fingerprint
+        rec.outer_steps = rec.outer_steps or self.config.outer_steps
+        self._rollback = self.config.allow_rollback_to
         self._nodes: dict[str, Node] = {}
         self._last: Barrier | None = None  # None: not started (fresh, restarted, or emptied)
-        self._resumed = False  # some registrant brought state (restart): no fresh founders
-        self._floor = 0  # not started: the lowest acceptable boundary
-        self._next_epoch = 1
+        self._resumed = rec.hwm_step is not None  # the run has history: no fresh founders
+        self._floor = self._lowest_resumable()  # not started: the lowest acceptable boundary
         self._seq = 0  # registrations (session ids) and joiner admissions (ring order)
         self._first_reg: float | None = None
         self._hashes: dict[int, dict[str, Any]] = {}
@@ -89,6 +104,10 @@ class Membership:
         self._events: list[str] = []
 
     # ---- queries -------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str | None:
+        return self.record.fingerprint
+
     @property
     def started(self) -> bool:
         return self._last is not None
@@ -118,21 +137,26 @@ class Membership:
                   "heartbeat_age": round(now - n.last_seen, 3), "waiting_at": n.arrival.step if n.arrival else None,
                   "donor": n.admission.donor_id if n.admission and n.role is Role.ADMITTED else None,
                   "state_received": n.received} for n in self._sorted(self._nodes.values())]
-        last = self._last
+        last, rec = self._last, self.record
         return {"outer_step": self.outer_step, "started": self.started, "fingerprint": self.fingerprint,
                 "protocol": PROTOCOL, "epoch": {"epoch_id": last.epoch_id, "outer_step": last.step,
                                                 "members": [list(p) for p in last.members]} if last else None,
-                "next_epoch_id": self._next_epoch, "nodes": nodes,
+                "next_epoch_id": rec.next_epoch, "nodes": nodes,
                 "joiners": [n["node_id"] for n in nodes if n["role"] != "member"],
+                "high_water_mark": {"outer_step": rec.hwm_step, "hash": rec.hwm_hash},
+                "completed": rec.completed, "outer_steps": rec.outer_steps,
                 "hashes": {str(k): v for k, v in self._hashes.items()}, "evictions": list(self._evictions)}
 
     # ---- requests ------------------------------------------------------------------------
     def register(self, node_id: str, addr: str, devices: int, protocol: int, fingerprint: str, now: float,
-                 resume: Resume | None = None, founder: bool = True) -> RegisterReply:
+                 resume: Resume | None = None, founder: bool = True,
+                 outer_steps: int | None = None) -> RegisterReply:
         """Admit a node as a member or a pending joiner, or refuse it.
 
-        Members: founders of a fresh run (``founder``: the node has not seen this run started) and,
-        after a coordinator restart, nodes that ``resume`` with state. Everyone else joins.
+        Members: founders of a fresh run (``founder``: the node has not seen this run started)
+        and, while the run is being rebuilt (coordinator restart, or every holder of the state
+        gone), nodes whose ``resume`` state is not behind the run's recorded history. Everyone
+        else joins; a node whose state is behind or diverged is told why in ``note``.
         """
         if protocol != PROTOCOL:
             raise RegistrationRefused(f"node {node_id}: protocol version {protocol} != coordinator's {PROTOCOL}",
@@ -142,36 +166,55 @@ class Membership:
         if node_id in self._nodes:
             raise RegistrationRefused(f"node id {node_id!r} is already registered and alive "
                                       f"(ring address {self._nodes[node_id].addr})", "duplicate")
-        if self.fingerprint is not None and fingerprint != self.fingerprint:
+        rec = self.record
+        if rec.fingerprint is not None and fingerprint != rec.fingerprint:
             raise RegistrationRefused(f"node {node_id}: model config fingerprint {fingerprint} != run's "
-                                      f"{self.fingerprint}", "fingerprint")
-        if resume is not None and self.started:
-            raise Evicted(f"node {node_id}: the run is already at outer step {self.outer_step} (epoch "
-                          f"{self.epoch_id}); state from step {resume.outer_step} is not resumed, join instead",
-                          "stale")
-        self.fingerprint = fingerprint if self.fingerprint is None else self.fingerprint
+                                      f"{rec.fingerprint}", "fingerprint")
+        if outer_steps is not None and rec.outer_steps is not None and outer_steps != rec.outer_steps:
+            raise RegistrationRefused(f"node {node_id}: run length {outer_steps} outer steps != run's "
+                                      f"{rec.outer_steps}", "outer_steps")
+        if rec.completed:
+            raise RunCompleted(f"the run is complete: all {rec.outer_steps} outer steps are done "
+                               f"(final state hash {str(rec.hwm_hash)[:16]})")
+        rec.fingerprint = rec.fingerprint or fingerprint
+        rec.outer_steps = rec.outer_steps or outer_steps
         self._seq += 1
         self._first_reg = now if self._first_reg is None else self._first_reg
-        role, order, fresh = Role.PENDING, (1, 0), False
+        role, order, fresh, note = Role.PENDING, (1, 0), False, ""
+        if resume is not None and resume.outer_step == 0 and rec.hwm_step is None and not self._resumed:
+            resume = None  # no barrier ever completed: a fresh run, whoever restarted
         if resume is not None:
-            role, order = Role.MEMBER, (0, resume.rank)
-            self._next_epoch = max(self._next_epoch, resume.epoch_id + 1)
-            if not self._resumed:
-                self._resumed = True
-                for n in [n for n in self._nodes.values() if n.fresh]:
-                    self._remove(n, now, f"run resumes from outer step {resume.outer_step}: nodes without state join")
-            self._raise_floor(resume.outer_step, now)
+            note = self._judge_claim(resume)
+            if not note:
+                role, order = Role.MEMBER, (0, resume.rank)
+                rec.next_epoch = max(rec.next_epoch, resume.epoch_id + 1)
+                if not self._resumed:
+                    self._resumed = True
+                    for n in [n for n in self._nodes.values() if n.fresh]:
+                        self._remove(n, now, f"run resumes from outer step {resume.outer_step}: "
+                                             "nodes without state join")
+                self._raise_floor(resume.outer_step, now)
         elif founder and not self.started and not self._resumed:
             role, order, fresh = Role.MEMBER, (0, 0), True
-        self._nodes[node_id] = Node(node_id, addr, devices, f"{self.instance}.{self._seq}", role, order, now, fresh)
-        what = "resumed member" if resume else ("founding member" if fresh else "joiner (pending)")
-        self._event(f"registered {node_id} ({addr}, {devices} devices) as {what}")
+        self._nodes[node_id] = Node(node_id, addr, devices, f"{self.instance}.{self._seq}", role, order, now, fresh,
+                                    claim=resume)
+        what = "resumed member" if role is Role.MEMBER and resume else (
+            "founding member" if fresh else "joiner (pending)")
+        self._event(f"registered {node_id} ({addr}, {devices} devices) as {what}" + (f": {note}" if note else ""))
         self._advance(now)
         return RegisterReply(node_id, self._nodes[node_id].session, role is Role.MEMBER, self.outer_step,
-                             self.epoch_id, self.fingerprint or "", self.config.heartbeat_timeout)
+                             self.epoch_id, self.fingerprint or "", self.config.heartbeat_timeout, note)
 
-    def heartbeat(self, node_id: str, session: str, now: float) -> None:
-        self._get(node_id, session).last_seen = now
+    def heartbeat(self, node_id: str, session: str, now: float) -> dict[str, Any]:
+        """Record a heartbeat; returns the node's view: its role, its admission, and whether the
+        ring of the newest epoch is still whole (a member of it is gone: abort that ring)."""
+        node = self._get(node_id, session)
+        node.last_seen = now
+        last = self._last
+        broken = last is not None and any(not self.alive(n, s) for (n, _), s in zip(last.members, last.sessions))
+        adm = node.admission if node.role is Role.ADMITTED else None
+        return {"role": node.role.value, "admission": adm.outer_step if adm else None,
+                "donor": adm.donor_id if adm else None, "epoch_id": self.epoch_id, "epoch_broken": broken}
 
     def arrive(self, node_id: str, session: str, step: int, now: float, state_hash: str | None = None,
                retry_of: int | None = None) -> Epoch | None:
@@ -218,17 +261,22 @@ class Membership:
         return self._get(node_id, session).outbox
 
     def request_admission(self, node_id: str, session: str, now: float, requeue: bool = False) -> Admission | None:
-        """A joiner asks to be admitted; ``requeue``: its state transfer failed, assign a new donor."""
+        """A joiner asks to be admitted; ``requeue``: its state transfer failed, assign a new donor.
+        A joiner promoted to member with the state it brought gets itself as donor."""
         node = self._get(node_id, session)
         node.last_seen = now
-        if node.role is Role.MEMBER:
-            raise ProtocolError(f"node {node_id} is already a member; call sync()")
         if requeue and node.role is Role.ADMITTED and not node.received:
             self._requeue(node, "its state transfer failed")
         return self.admission_for(node_id, session)
 
     def admission_for(self, node_id: str, session: str) -> Admission | None:
         node = self._get(node_id, session)
+        if node.role is Role.MEMBER:  # promoted (rebuild) with its own state: no transfer
+            step = node.claim.outer_step if node.claim else self.outer_step
+            return Admission(node_id, node.addr, -1, step, self.epoch_id)
+        if node.role is Role.PENDING and self.record.completed:
+            raise RunCompleted(f"the run completed all {self.record.outer_steps} outer steps while {node_id} waited "
+                               "for admission")
         return node.admission if node.role is Role.ADMITTED else None
 
     def state_received(self, node_id: str, session: str, step: int, now: float) -> bool:
@@ -273,6 +321,27 @@ class Membership:
     # ---- internals -----------------------------------------------------------------------
     def _event(self, line: str) -> None:
         self._events.append(line)
+
+    def _lowest_resumable(self) -> int:
+        """The oldest outer step a resumed node may bring (the high-water mark, unless the
+        operator allowed a rollback)."""
+        hwm = self.record.hwm_step or 0
+        return min(hwm, self._rollback) if self._rollback is not None else hwm
+
+    def _judge_claim(self, claim: Resume) -> str:
+        """Why state from ``claim`` cannot resume the run ('' if it can): it must not be behind
+        the run's history, nor differ from the hash recorded for its step."""
+        rec = self.record
+        if self.started:
+            return (f"the run is in progress at outer step {self.outer_step}; state from step "
+                    f"{claim.outer_step} joins")
+        if claim.outer_step < self._floor:
+            return f"behind: state from outer step {claim.outer_step}, the run has reached {self._floor}"
+        recorded = rec.hashes.get(claim.outer_step)
+        if recorded and claim.state_hash and claim.state_hash != recorded:
+            return (f"diverged: state hash {claim.state_hash[:16]} at outer step {claim.outer_step}, "
+                    f"the run's is {recorded[:16]}")
+        return ""
 
     def _get(self, node_id: str, session: str) -> Node:
         node = self._nodes.get(node_id)
@@ -321,9 +390,17 @@ class Membership:
             if j.role is Role.ADMITTED and not j.received and j.admission and j.admission.donor_id == node.node_id:
                 self._requeue(j, f"donor {node.node_id} gone")
         holders = [n for n in self._nodes.values() if n.role is Role.MEMBER or n.received]
-        if self.started and not holders:  # nobody holds the state any more: back to rebuild mode
-            self._last, self._resumed, self._floor, self._first_reg = None, True, 0, now
-            self._event("no member holds the run's state any more; waiting for nodes to resume from a checkpoint")
+        if self.started and not holders and not self.record.completed:  # nobody holds the run's state any more: rebuild from checkpoints
+            self._last, self._resumed, self._first_reg = None, True, now
+            self._floor = max(self._floor, self._lowest_resumable())
+            self._event(f"no live node holds the run's state any more; waiting for a node with the state of "
+                        f"outer step {self._floor} or later (from a checkpoint)")
+            for j in self._sorted(self._nodes.values()):  # joiners that brought such state resume the run
+                if j.claim is not None and not self._judge_claim(j.claim):
+                    j.role, j.order, j.admission = Role.MEMBER, (0, j.claim.rank), None
+                    self._raise_floor(j.claim.outer_step, now)
+                    self._event(f"joiner {j.node_id} resumes the run with its state of outer step "
+                                f"{j.claim.outer_step}")
 
     def _active(self) -> tuple[int, set[Node], set[Node]] | None:
         """The barrier being formed: (step, nodes arrived, nodes expected)."""
@@ -353,45 +430,87 @@ class Membership:
                 return
             if not self._resumed and len(arrived) < self.config.min_nodes:
                 return
-        self._complete(step, self._sorted(arrived))
+        members = self._agree(step, self._sorted(arrived), now)
+        if members:
+            self._complete(step, members)
+        else:
+            self._advance(now)
+
+    def _agree(self, step: int, members: list[Node], now: float) -> list[Node]:
+        """Record the run's hash of outer step ``step`` (the one already recorded, else the
+        members' majority, ties to ring order) and evict the members whose state differs."""
+        rec = self.record
+        hashes = {n.node_id: n.arrival.state_hash for n in members if n.arrival.state_hash}  # type: ignore[union-attr]
+        recorded = rec.hashes.get(step)
+        if recorded is None and hashes:
+            counts = Counter(hashes.values())
+            recorded = max(hashes.values(), key=lambda h: (counts[h], -list(hashes.values()).index(h)))
+        mismatch = tuple(sorted(hashes.items())) if len(set(hashes.values()) | {recorded} - {None}) > 1 else ()
+        rec_step = self._hashes.setdefault(step, {"hashes": {}, "mismatch": []})
+        rec_step["hashes"].update(hashes)
+        for k in sorted(self._hashes)[: -self.config.history]:
+            del self._hashes[k]
+        if mismatch:
+            rec_step["mismatch"] = [list(p) for p in mismatch]
+            self._event("WARNING state hash mismatch at outer step "
+                        f"{step}: " + ", ".join(f"{n}={h[:16]}" for n, h in mismatch)
+                        + f"; the run's is {str(recorded)[:16]}")
+        if rec.hwm_step is not None and step < rec.hwm_step and (self._rollback is None or step < self._rollback):
+            for n in members:  # (unreachable: arrivals below the floor are expelled) never rewrite history
+                self._remove(n, now, f"behind: at outer step {step}, the run has reached {rec.hwm_step}")
+            return []
+        if recorded is None:
+            return members
+        if rec.hwm_step is not None and step < rec.hwm_step:  # an operator's allow_rollback_to
+            rec.rollbacks.append({"from": rec.hwm_step, "to": step})
+            self._event(f"WARNING rolled the run back from outer step {rec.hwm_step} to {step} "
+                        f"(operator: allow_rollback_to={self._rollback})")
+            rec.truncate(step)
+            self._rollback = None
+        rec.record(step, recorded, self.config.history)
+        keep = []
+        for n in members:
+            h = n.arrival.state_hash  # type: ignore[union-attr]
+            if h and h != recorded:
+                self._remove(n, now, f"diverged: state hash {h[:16]} at outer step {step}, the run's is "
+                                     f"{recorded[:16]}")
+            else:
+                keep.append(n)
+        if rec.outer_steps is not None and step >= rec.outer_steps and keep:
+            rec.completed = True
+            self._event(f"run complete: outer step {step} of {rec.outer_steps}, state hash {recorded[:16]}")
+        return keep
 
     def _complete(self, step: int, members: list[Node]) -> None:
-        prev = self._last
+        prev, rec = self._last, self.record
         pairs = tuple((n.node_id, n.addr) for n in members)
         retry = any(n.arrival.retry for n in members)  # type: ignore[union-attr]
         changed = prev is None or retry or pairs != prev.members
         if changed:
-            epoch_id, self._next_epoch = self._next_epoch, self._next_epoch + 1
+            epoch_id, rec.next_epoch = rec.next_epoch, rec.next_epoch + 1
         else:
             epoch_id = prev.epoch_id  # type: ignore[union-attr]
-        hashes = {n.node_id: n.arrival.state_hash for n in members if n.arrival.state_hash}  # type: ignore[union-attr]
-        mismatch = tuple(sorted(hashes.items())) if len(set(hashes.values())) > 1 else ()
-        rec = self._hashes.setdefault(step, {"hashes": {}, "mismatch": []})
-        rec["hashes"].update(hashes)
-        if mismatch:
-            rec["mismatch"] = [list(p) for p in mismatch]
-            self._event("WARNING state hash mismatch at outer step "
-                        f"{step}: " + ", ".join(f"{n}={h[:16]}" for n, h in mismatch))
-        for k in sorted(self._hashes)[: -self.config.history]:
-            del self._hashes[k]
+        mismatch = tuple(tuple(p) for p in self._hashes.get(step, {}).get("mismatch", ()))
         for n in members:
             n.arrival, n.fresh = None, False
             if n.role is Role.ADMITTED:
                 n.role = Role.MEMBER
                 self._notes.append(f"joined {n.node_id}")
-        pending = self._sorted(n for n in self._nodes.values() if n.role is Role.PENDING)
-        for i, j in enumerate(pending):
-            donor = members[i % len(members)]
-            self._seq += 1
-            j.role, j.order, j.received = Role.ADMITTED, (1, self._seq), False
-            j.admission = Admission(donor.node_id, donor.addr, step, step + 1, epoch_id)
-            self._event(f"admitted joiner {j.node_id} at boundary {step}: state of outer step {step + 1} "
-                        f"from donor {donor.node_id}")
+        if rec.outer_steps is None or step + 1 < rec.outer_steps:  # no joiner for the final step
+            pending = self._sorted(n for n in self._nodes.values() if n.role is Role.PENDING)
+            for i, j in enumerate(pending):
+                donor = members[i % len(members)]
+                self._seq += 1
+                j.role, j.order, j.received = Role.ADMITTED, (1, self._seq), False
+                j.admission = Admission(donor.node_id, donor.addr, step, step + 1, epoch_id)
+                self._event(f"admitted joiner {j.node_id} at boundary {step}: state of outer step {step + 1} "
+                            f"from donor {donor.node_id}")
         serve: dict[str, list[Peer]] = {}
         for j in self._sorted(self._nodes.values()):
             if j.role is Role.ADMITTED and not j.received and j.admission and j.admission.outer_step == step + 1:
                 serve.setdefault(j.admission.donor_id, []).append((j.node_id, j.addr))
-        self._last = Barrier(step, epoch_id, pairs, {d: tuple(s) for d, s in serve.items()}, mismatch, changed)
+        self._last = Barrier(step, epoch_id, pairs, tuple(n.session for n in members),
+                             {d: tuple(s) for d, s in serve.items()}, mismatch, changed)  # type: ignore[arg-type]
         for n in members:
             n.outbox = self._view(self._last, n.node_id)
         if changed:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL = 1  # coordinator protocol version; bump on any incompatible change
+PROTOCOL = 2  # coordinator protocol version; bump on any incompatible change
 
 
 class CoordinatorError(Exception):
@@ -40,6 +40,10 @@ class CoordinatorUnavailable(CoordinatorError):
     """The coordinator could not be reached within the reconnect timeout (client side)."""
 
 
+class RunCompleted(CoordinatorError):
+    """The run has already done all its outer steps: nothing left to join (exit cleanly)."""
+
+
 @dataclass(frozen=True)
 class CoordinatorConfig:
     """Timeouts and run-start rules of the coordinator (seconds on its monotonic clock)."""
@@ -52,6 +56,8 @@ class CoordinatorConfig:
     keepalive_interval: float = 1.0  # server -> client "still waiting" frames during a blocked request
     tick_interval: float = 0.1  # how often timeouts are checked
     history: int = 200  # per-step hash records and eviction log entries kept
+    outer_steps: int | None = None  # the run's length in outer steps (None: the first registrant's)
+    allow_rollback_to: int | None = None  # operator: the run may restart from this outer step or later
 
     def __post_init__(self) -> None:
         if min(self.heartbeat_timeout, self.boundary_timeout, self.keepalive_interval, self.tick_interval) <= 0:
@@ -65,11 +71,13 @@ Peer = tuple[str, str]  # (node_id, "host:port")
 
 @dataclass(frozen=True)
 class Resume:
-    """What a node re-registering with state claims: its last boundary, epoch and rank."""
+    """What a node registering with state claims: the outer step its state is at, that state's
+    hash, and (after a coordinator restart) its last epoch and rank."""
 
     outer_step: int
     epoch_id: int = 0
     rank: int = 0
+    state_hash: str | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,7 @@ class RegisterReply:
     epoch_id: int  # last epoch formed (0: none yet)
     fingerprint: str
     heartbeat_timeout: float
+    note: str = ""  # why a node that brought state was made a joiner (behind, diverged, run in progress)
 
 
 @dataclass(frozen=True)

@@ -1,99 +1,123 @@
-"""Live recovery: a donor streams its DiLoCo state to a joiner over the authenticated socket
+"""Live recovery: a donor streams its `DilocoState` to a joiner over the authenticated socket
 layer, in the background, while it keeps training.
 
-The state (outer params + momentum, the inner optimizer state, step counters) is written with
-orbax into a temporary directory, packed as one tar blob and sent with `net.blob`; the joiner
-unpacks it, restores it with orbax against the shapes it expects, and checks its hash.
+No disk and no orbax on the donor: the snapshot (host numpy, taken at the boundary) goes out
+leaf by leaf in `DilocoState.arrays()` order (one META frame naming every leaf's path, dtype
+and shape, then one blob per leaf, each frame MAC-checked and each blob checked end to end),
+so the donor's own periodic checkpoint (its one orbax path) can never collide with it. The
+joiner receives every leaf straight into its final numpy buffer; the outer loop then checks
+the state hash, writes the state as the joiner's own checkpoint and restores it from there
+with orbax (the same path a resume takes). A joiner polls ``cancelled`` while it waits and
+while it receives, so a donor that died or was evicted frees it within a heartbeat.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import tarfile
-import tempfile
-import threading
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import orbax.checkpoint as ocp
+import jax
+import numpy as np
 
+from intellect_jax.diloco.clock import REAL, Clock, abort_when
+from intellect_jax.diloco.loop import TransferFailed
+from intellect_jax.diloco.protocol import Admission
+from intellect_jax.diloco.state import DilocoState
 from intellect_jax.net.blob import recv_blob, send_blob
 from intellect_jax.net.comm import NetNode
+from intellect_jax.net.errors import PeerTimeout
 from intellect_jax.net.frames import MsgType
 
-MAX_STATE_BYTES = 1 << 40
+MAX_HEADER = 1 << 24
 
 
 def channel(joiner_id: str, outer_step: int) -> str:
     return f"state/{joiner_id}/{outer_step}"
 
 
-def _save_tar(tree: Any, workdir: Path) -> Path:
-    ckpt = workdir / "state"
-    with ocp.StandardCheckpointer() as c:
-        c.save(ckpt, tree)
-        c.wait_until_finished()
-    tar_path = workdir / "state.tar"
-    with tarfile.open(tar_path, "w") as tar:
-        tar.add(ckpt, arcname="state")
-    return tar_path
+def leaf_specs(tree: Any) -> list[list[Any]]:
+    return [[jax.tree_util.keystr(p), np.dtype(x.dtype).str, list(x.shape)]
+            for p, x in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def send_state(net: NetNode, joiner_addr: str, joiner_id: str, meta: dict, tree: Any, *,
-               timeout: float) -> dict:
-    """Blocking send (run it in a thread); returns timing/size stats."""
-    t0 = time.monotonic()
-    workdir = Path(tempfile.mkdtemp(prefix="ij-send-"))
-    try:
-        tar_path = _save_tar(tree, workdir)
+class NetTransport:
+    """State transfer between nodes' :class:`~intellect_jax.net.comm.NetNode` endpoints."""
+
+    def __init__(self, net: NetNode, node_id: str, *, clock: Clock = REAL, log: Callable[[str], None] = print,
+                 watch_interval: float = 1.0, chunk_bytes: int = 8 << 20) -> None:
+        self.net, self.node_id, self.clock, self.log = net, node_id, clock, log
+        self.watch_interval, self.chunk_bytes = watch_interval, chunk_bytes
+        self.last: dict[str, Any] = {}  # stats of the last transfer (bytes, seconds)
+
+    def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any],
+              timeout: float = 600.0) -> Any:
+        """Stream ``snapshot`` to a joiner from a background thread; returns an event set when done."""
+        done = self.clock.Event()
+
+        def run() -> None:
+            t0, wall = time.monotonic(), time.time()
+            try:
+                n = self.send(joiner_addr, joiner_id, snapshot, meta, timeout)
+                dt = time.monotonic() - t0
+                self.log(f"served {joiner_id}: {n / 2**20:.1f} MiB in {dt:.1f}s "
+                         f"(wall {wall:.3f} -> {time.time():.3f})")
+            except Exception as e:  # noqa: BLE001 - the joiner died or stalled: it gets re-queued
+                self.log(f"serving {joiner_id} failed: {e}")
+            finally:
+                done.set()
+
+        self.clock.spawn(run, name=f"serve-{joiner_id}")
+        return done
+
+    def send(self, joiner_addr: str, joiner_id: str, snapshot: DilocoState, meta: dict[str, Any],
+             timeout: float) -> int:
+        arrays = snapshot.arrays()
+        leaves = jax.tree.leaves(arrays)
         deadline = time.monotonic() + timeout
-        with net.connect(joiner_addr, channel(joiner_id, meta["outer_step"]), timeout=timeout,
-                         name=f"joiner {joiner_id}") as conn:
-            conn.send(MsgType.META, json.dumps(meta).encode(), deadline=deadline)
-            size = send_blob(conn, tar_path, name="state.tar", deadline=deadline)
+        sent = 0
+        with self.net.connect(joiner_addr, channel(joiner_id, meta["outer_step"]), timeout=timeout,
+                              name=f"joiner {joiner_id}") as conn:
+            head = {**meta, "leaves": leaf_specs(arrays)}
+            conn.send(MsgType.META, json.dumps(head).encode(), deadline=deadline)
+            for x in leaves:
+                sent += send_blob(conn, np.ascontiguousarray(x), chunk_bytes=self.chunk_bytes, deadline=deadline)
             conn.recv(MsgType.META, deadline=deadline, max_len=1 << 12)  # the joiner's receipt
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return {"bytes": size, "seconds": time.monotonic() - t0}
+        self.last = {"bytes": sent, "seconds": time.monotonic() - (deadline - timeout)}
+        return sent
 
-
-def serve_in_background(net: NetNode, joiner_addr: str, joiner_id: str, meta: dict, tree: Any, *,
-                        timeout: float, log) -> threading.Thread:
-    """Stream `tree` (a host snapshot) to a joiner from a daemon thread; the caller trains on."""
-
-    def run() -> None:
-        t = time.time()
-        log(f"serving state of outer step {meta['outer_step']} to {joiner_id} ({joiner_addr})")
-        try:
-            st = send_state(net, joiner_addr, joiner_id, meta, tree, timeout=timeout)
-            log(f"served {joiner_id}: {st['bytes'] / 2**20:.1f} MiB in {st['seconds']:.1f}s "
-                f"(wall {t:.3f} -> {time.time():.3f})")
-        except Exception as e:  # the joiner died or stalled: it will be re-queued
-            log(f"serving {joiner_id} failed: {e}")
-
-    th = threading.Thread(target=run, name=f"serve-{joiner_id}", daemon=True)
-    th.start()
-    return th
-
-
-def recv_state(net: NetNode, joiner_id: str, outer_step: int, abstract: Any, *,
-               timeout: float) -> tuple[dict, Any]:
-    """Wait for the donor, receive and restore the state; returns (meta, tree)."""
-    deadline = time.monotonic() + timeout
-    workdir = Path(tempfile.mkdtemp(prefix="ij-recv-"))
-    try:
-        with net.accept(channel(joiner_id, outer_step), timeout=timeout, name="donor") as conn:
-            _, raw = conn.recv(MsgType.META, deadline=deadline, max_len=1 << 16)
-            meta = json.loads(raw)
-            with open(workdir / "state.tar", "wb") as f:
-                recv_blob(conn, f, max_bytes=MAX_STATE_BYTES, deadline=deadline)
-            with tarfile.open(workdir / "state.tar") as tar:
-                tar.extractall(workdir, filter="data")
-            with ocp.StandardCheckpointer() as c:
-                tree = c.restore(workdir / "state", abstract)
-            conn.send(MsgType.META, b'{"ok": true}', deadline=deadline)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return meta, tree
+    def receive(self, adm: Admission, template: DilocoState, cancelled: Callable[[], bool],
+                timeout: float) -> tuple[dict[str, Any], DilocoState]:
+        """Wait for the donor (giving up when ``cancelled()``), receive and return (meta, state)."""
+        clock = self.clock
+        t0 = time.monotonic()
+        deadline = clock.now() + timeout
+        while True:
+            if cancelled():
+                raise TransferFailed(f"admission of outer step {adm.outer_step} from {adm.donor_id} revoked "
+                                     "(donor gone, or re-queued)")
+            try:
+                conn = self.net.accept(channel(self.node_id, adm.outer_step),
+                                       timeout=max(0.01, min(self.watch_interval, deadline - clock.now())),
+                                       name=f"donor {adm.donor_id}")
+                break
+            except PeerTimeout:
+                if clock.now() >= deadline:
+                    raise TransferFailed(f"donor {adm.donor_id} did not connect within {timeout:.0f}s") from None
+        arrays = template.arrays()
+        treedef = jax.tree.structure(arrays)
+        want = leaf_specs(arrays)
+        with conn, abort_when(clock, cancelled, conn.abort, self.watch_interval):
+            end = time.monotonic() + timeout
+            head = json.loads(conn.recv(MsgType.META, deadline=end, max_len=MAX_HEADER)[1])
+            if head.get("leaves") != want:
+                raise TransferFailed(f"donor {adm.donor_id} sent a state of another shape "
+                                     f"({len(head.get('leaves', []))} arrays, expected {len(want)})")
+            bufs = [np.empty(shape, np.dtype(dt)) for _, dt, shape in want]
+            for b in bufs:
+                recv_blob(conn, into=b, max_bytes=b.nbytes, deadline=end)
+            conn.send(MsgType.META, b'{"ok": true}', deadline=end)
+        self.last = {"bytes": sum(b.nbytes for b in bufs), "seconds": time.monotonic() - t0}
+        meta = {k: v for k, v in head.items() if k != "leaves"}
+        return meta, template.with_arrays(jax.tree.unflatten(treedef, bufs))

@@ -1,0 +1,61 @@
+"""The real inner trainer as the outer loop sees it (:class:`~.loop.Inner` over `Trainer`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from intellect_jax.diloco.state import DilocoState, MomentumState, host_copy, init_state
+from intellect_jax.trainer.loop import Trainer
+
+
+class TrainerInner:
+    def __init__(self, trainer: Trainer) -> None:
+        self.t = trainer
+
+    @property
+    def step(self) -> int:
+        return self.t.step
+
+    def train(self, until: int) -> dict[str, Any]:
+        return self.t.train(until=until)
+
+    def params(self) -> Any:
+        return self.t.state.params
+
+    def init_state(self, tx: Any) -> DilocoState:
+        return init_state(self.t.state.params, tx, None, self.t.step)
+
+    def set_params(self, params: Any) -> None:
+        self.t.set_params(params)
+
+    def snapshot(self) -> Any:
+        return host_copy(self.t.state.opt_state)
+
+    def live_opt_state(self) -> Any:
+        return self.t.state.opt_state
+
+    def data_state(self) -> dict | None:
+        return self.t.data.get_state()
+
+    def adopt(self, s: DilocoState) -> None:
+        """Params := the outer params; the optimizer state, step and data position when given."""
+        opt = s.inner_opt_state if s.inner_opt_state is not None else self.t.state.opt_state
+        self.t.set_state(s.inner_step, s.outer_params, opt)
+        if s.data is not None:
+            self.t.data.set_state(s.data)
+
+    def template(self) -> DilocoState:
+        """Shapes and dtypes of a transferred state (nothing allocated)."""
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, np.float32), self.t.abstract_state.params)
+        opt = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.t.abstract_state.opt_state)
+        return DilocoState(params, MomentumState(params), opt, 0, 0)
+
+    def evaluate(self) -> float:
+        return self.t.evaluate()
+
+    def record(self, step: int, metrics: dict[str, Any]) -> None:
+        if self.t.logger is not None:
+            self.t.logger.log(step, metrics)

@@ -1,0 +1,119 @@
+"""The run's durable record, kept by the coordinator: how far the run's one history has got.
+
+`RunRecord` holds the high-water mark (the newest outer step whose state hash the coordinator
+recorded, and that hash), the recorded hashes of recent outer steps, whether the run is
+complete, its length in outer steps, its model fingerprint and the next epoch id. The
+coordinator writes it to a small JSON file after every change (write to a temporary file,
+fsync, rename: a crash leaves the old or the new record, never half of one) and reloads it on
+restart, so a restarted coordinator still knows which states are behind, and a finished run
+stays finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+VERSION = 1
+
+
+class JournalError(RuntimeError):
+    pass
+
+
+@dataclass
+class RunRecord:
+    run_id: str = ""
+    fingerprint: str | None = None
+    outer_steps: int | None = None  # the run's length
+    hwm_step: int | None = None  # newest outer step with a recorded hash
+    hwm_hash: str | None = None
+    completed: bool = False
+    next_epoch: int = 1
+    hashes: dict[int, str] = field(default_factory=dict)  # outer step -> recorded hash (recent ones)
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)  # operator-requested rollbacks done
+
+    def record(self, step: int, state_hash: str, keep: int) -> None:
+        """The run's hash of outer step ``step`` (the newest one becomes the high-water mark)."""
+        self.hashes[step] = state_hash
+        for k in sorted(self.hashes)[:-keep]:
+            del self.hashes[k]
+        if self.hwm_step is None or step >= self.hwm_step:
+            self.hwm_step, self.hwm_hash = step, state_hash
+
+    def truncate(self, step: int) -> None:
+        """Forget every outer step after ``step`` (an operator-requested rollback)."""
+        self.hashes = {k: h for k, h in self.hashes.items() if k <= step}
+        self.hwm_step, self.hwm_hash = step, self.hashes.get(step)
+        self.completed = False
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["hashes"] = {str(k): h for k, h in self.hashes.items()}
+        return {"version": VERSION, **d}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RunRecord:
+        if d.get("version") != VERSION:
+            raise JournalError(f"journal version {d.get('version')} is not {VERSION}")
+        d = {k: v for k, v in d.items() if k != "version"}
+        d["hashes"] = {int(k): h for k, h in d.get("hashes", {}).items()}
+        return cls(**d)
+
+
+class Journal:
+    """A `RunRecord` persisted at ``path`` (JSON, atomic replace)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._saved: dict[str, Any] | None = None
+
+    def load(self, run_id: str) -> RunRecord:
+        """The record on disk, or a fresh one; refuses another run's journal."""
+        if not self.path.exists():
+            return RunRecord(run_id=run_id)
+        try:
+            rec = RunRecord.from_json(json.loads(self.path.read_text()))
+        except (OSError, ValueError, TypeError, JournalError) as e:
+            raise JournalError(f"journal {self.path}: unreadable ({e})") from None
+        if rec.run_id != run_id:
+            raise JournalError(f"journal {self.path} belongs to run {rec.run_id!r}, not {run_id!r}")
+        self._saved = rec.to_json()
+        return rec
+
+    def save(self, rec: RunRecord) -> bool:
+        """Write ``rec`` if it changed since the last save; True if written."""
+        d = rec.to_json()
+        if d == self._saved:
+            return False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(d, f, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._saved = d
+        return True
+
+
+class MemoryJournal(Journal):
+    """The same contract in memory (tests and in-process runs): survives a coordinator restart
+    within the process, never touches disk."""
+
+    def __init__(self) -> None:  # noqa: D107 - no path
+        self._saved = None
+
+    def load(self, run_id: str) -> RunRecord:
+        return RunRecord.from_json(self._saved) if self._saved else RunRecord(run_id=run_id)
+
+    def save(self, rec: RunRecord) -> bool:
+        d = rec.to_json()
+        if d == self._saved:
+            return False
+        self._saved = json.loads(json.dumps(d))
+        return True

@@ -1,0 +1,303 @@
+"""The DiLoCo outer loop of one node: the one implementation behind the real node
+(:mod:`.node`), the in-process sweep benchmark and the fault simulation.
+
+`NodeLoop` is handed its collaborators (:class:`NodeParts`) instead of building them: the inner
+trainer, the coordinator client, a ring factory, the state transport and the checkpoint
+store, plus a clock. A node obtains its state one of three ways: founding a fresh run, resuming
+from its own (or a shared) checkpoint, or joining and taking a live peer's state. Then, per
+round: H inner steps, pseudo-gradient, barrier, ring all-reduce (retried over new epochs),
+outer step, state streamed to the joiners this node donates to, checkpoint, evaluation.
+
+Recovery: any :class:`Evicted` (stalled, behind, diverged, a lost session) sends the node back
+to registration with the state it holds; a joiner whose transfer fails or whose donor vanishes
+asks to be admitted again. Metrics of outer step k are written once the coordinator has
+recorded step k's hash (the next barrier returned), so no node ever logs a state that the run's
+history did not keep.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from intellect_jax.diloco.client import CoordinatorClient
+from intellect_jax.diloco.clock import REAL, Clock, abort_when
+from intellect_jax.diloco.protocol import Admission, Epoch, Evicted, Resume, RunCompleted
+from intellect_jax.diloco.state import DilocoState, nesterov_sgd, outer_step, pseudo_gradient, state_hash
+from intellect_jax.net.comm import Communicator
+from intellect_jax.net.errors import NetError, PeerTimeout
+
+
+class DilocoError(RuntimeError):
+    pass
+
+
+class TransferFailed(NetError):
+    """A joiner did not get a usable state from its donor (gone, stalled, revoked, bad hash)."""
+
+
+class Inner(Protocol):
+    """The node's inner trainer, as the outer loop sees it."""
+
+    step: int
+
+    def train(self, until: int) -> dict[str, Any]: ...
+
+    def params(self) -> Any: ...  # the inner params (device or host), for the pseudo-gradient
+
+    def init_state(self, tx: Any) -> DilocoState: ...  # outer step 0 of a fresh run
+
+    def set_params(self, params: Any) -> None: ...
+
+    def snapshot(self) -> Any: ...  # a host copy of the inner optimizer state
+
+    def live_opt_state(self) -> Any: ...  # the inner optimizer state as it is (a checkpoint takes it)
+
+    def data_state(self) -> dict | None: ...
+
+    def adopt(self, s: DilocoState) -> None: ...  # params := outer params; opt state, step, data if given
+
+    def template(self) -> DilocoState: ...  # shapes and dtypes of a transferred state
+
+    def evaluate(self) -> float: ...
+
+    def record(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+
+class Transport(Protocol):
+    def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any]) -> Any: ...
+
+    def receive(self, adm: Admission, template: DilocoState, cancelled: Callable[[], bool],
+                timeout: float) -> tuple[dict[str, Any], DilocoState]: ...
+
+
+class Store(Protocol):
+    """The node's one checkpointing path."""
+
+    def latest(self) -> DilocoState | None: ...  # newest readable checkpoint to start from (or None)
+
+    def save(self, s: DilocoState, *, wait: bool = False) -> None: ...
+
+    def load(self, inner_step: int) -> DilocoState: ...
+
+
+class Outcome(str, enum.Enum):
+    FINISHED = "finished"  # this node did the run's last outer step
+    STOPPED = "stopped"  # the job ended at run.stop_at; resume later
+    COMPLETED = "completed"  # the run was already complete (another node finished it)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    inner_steps: int
+    outer_steps: int  # the run's length
+    stop_at: int | None = None  # this job ends after this many outer steps
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    max_retries: int = 5
+    transfer_timeout: float = 600.0
+    admission_timeout: float = 3600.0
+    watch_interval: float = 1.0  # how often an all-reduce or a transfer checks the coordinator's view
+    ckpt_every: int = 0  # inner steps (checkpoints at outer boundaries that are multiples, and the last)
+    eval_every: int = 0  # inner steps
+
+
+@dataclass
+class NodeParts:
+    node_id: str
+    inner: Inner
+    client: CoordinatorClient
+    ring: Callable[[Epoch], Communicator]
+    transport: Transport
+    store: Store
+    clock: Clock = REAL
+    log: Callable[[str], None] = print
+    serving: list[Any] = field(default_factory=list)
+
+
+def claim_of(s: DilocoState | None) -> Resume | None:
+    return Resume(s.outer_step, state_hash=state_hash(s)) if s is not None else None
+
+
+class NodeLoop:
+    def __init__(self, cfg: LoopConfig, parts: NodeParts) -> None:
+        self.cfg, self.p = cfg, parts
+        self.tx = nesterov_sgd(cfg.outer_lr, cfg.outer_momentum)
+        self.state: DilocoState | None = None  # the outer state this node holds
+        self._pending: dict[str, Any] | None = None  # metrics of the newest outer step, until recorded
+
+    @property
+    def stop_at(self) -> int:
+        return min(self.cfg.stop_at or self.cfg.outer_steps, self.cfg.outer_steps)
+
+    def run(self) -> Outcome:
+        """Register, obtain the state, do outer steps until the job's end, leave."""
+        p = self.p
+        held = p.store.latest()
+        if held is not None:
+            p.log(f"resuming from the checkpoint of outer step {held.outer_step} (hash {state_hash(held)[:12]})")
+        else:  # the seeded initial state: what founders start from (its hash is checked at step 0)
+            held = p.inner.init_state(self.tx)
+        try:
+            while True:
+                reply = p.client.register(claim_of(held))
+                p.log(f"registered as {'member' if reply.member else 'joiner'} at outer step {reply.outer_step}"
+                      + (f" ({reply.note})" if reply.note else ""))
+                try:
+                    if reply.member:
+                        self._adopt(held)
+                    else:
+                        self._join(held)
+                    return self._rounds()
+                except Evicted as e:
+                    p.log(f"evicted ({e}); registering again")
+                    held = self.state or held
+        except RunCompleted as e:
+            p.log(f"nothing to do: {e}")
+            return Outcome.COMPLETED
+        finally:
+            self._wait_serving()
+
+    # ---- joining -------------------------------------------------------------------------------
+    def _join(self, held: DilocoState) -> DilocoState:
+        p, cfg = self.p, self.cfg
+        requeue = False
+        deadline = p.clock.now() + cfg.admission_timeout
+        while True:
+            left = deadline - p.clock.now()
+            if left <= 0:
+                raise DilocoError(f"not admitted within {cfg.admission_timeout:.0f}s")
+            try:
+                adm = p.client.wait_admission(requeue=requeue, timeout=left)
+            except Evicted as e:  # e.g. stalled past the heartbeat timeout while waiting
+                p.log(f"evicted while waiting for admission ({e}); registering again")
+                reply = p.client.register(claim_of(held))
+                if reply.member:  # the coordinator rebuilds the run from states like ours
+                    return self._adopt(held)
+                requeue = False
+                continue
+            except PeerTimeout:
+                continue
+            if adm.donor_id == p.node_id:  # promoted: resume the run with the state we brought
+                if held.outer_step != adm.outer_step:
+                    raise Evicted(f"promoted at outer step {adm.outer_step} without that state")
+                return self._adopt(held)
+            p.log(f"admitted at boundary {adm.admitted_at}; receiving the state of outer step "
+                  f"{adm.outer_step} from {adm.donor_id}")
+            t0 = p.clock.now()
+            try:
+                s = self._receive(adm)
+            except TransferFailed as e:
+                p.log(f"state transfer from {adm.donor_id} failed ({e}); asking for another donor")
+                requeue = True
+                continue
+            if p.client.state_received(adm.outer_step):
+                p.log(f"restored the state of outer step {s.outer_step} (hash {state_hash(s)[:12]}) in "
+                      f"{p.clock.now() - t0:.1f}s")
+                return s
+            requeue = True
+
+    def _receive(self, adm: Admission) -> DilocoState:
+        p = self.p
+        try:
+            meta, got = p.transport.receive(adm, p.inner.template(), lambda: p.client.admission_revoked(adm),
+                                            self.cfg.transfer_timeout)
+        except NetError as e:
+            raise TransferFailed(str(e)) from e
+        got = got._replace(outer_step=int(meta["outer_step"]), inner_step=int(meta["inner_step"]), data=None)
+        h = state_hash(got)
+        if h != meta["hash"] or got.outer_step != adm.outer_step:
+            raise TransferFailed(f"received state of outer step {got.outer_step} hashes to {h[:12]}, the donor "
+                                 f"sent {str(meta['hash'])[:12]} for {adm.outer_step}")
+        p.store.save(got, wait=True)  # one path to a state: through the checkpoint store
+        s = p.store.load(got.inner_step)
+        if state_hash(s) != h:
+            raise TransferFailed(f"the checkpoint of the received state hashes to {state_hash(s)[:12]}, not {h[:12]}")
+        return self._adopt(s._replace(data=None))
+
+    # ---- rounds --------------------------------------------------------------------------------
+    def _rounds(self) -> Outcome:
+        p, cfg, H = self.p, self.cfg, self.cfg.inner_steps
+        s = self.state
+        assert s is not None
+        k, h = s.outer_step, state_hash(s)
+        p.client.hold(k, h)
+        while k < self.stop_at:
+            t0 = p.clock.now()
+            last = p.inner.train(until=(k + 1) * H)
+            t1 = p.clock.now()
+            pg = pseudo_gradient(s, p.inner.params())
+            avg, ep, stats, tries = self._all_reduce(k, h, pg)
+            self._confirm(k, h)
+            s = outer_step(s, avg, self.tx, inner_step=(k + 1) * H)
+            p.inner.set_params(s.outer_params)
+            self.state, k, h = s, s.outer_step, state_hash(s)
+            p.client.hold(k, h)
+            sync_s = p.clock.now() - t1
+            self._serve(ep, s)
+            step = k * H
+            due = lambda every: (every and step % every == 0) or k == self.stop_at  # noqa: E731
+            if due(cfg.ckpt_every):
+                p.store.save(s._replace(inner_opt_state=p.inner.live_opt_state(), data=p.inner.data_state()))
+            compute_s = t1 - t0
+            self._pending = {"outer_step": k, "outer_hash": h, "epoch": ep.epoch_id, "nodes": ep.world_size,
+                             "sync_s": sync_s, "compute_s": compute_s,
+                             "utilization": compute_s / max(compute_s + sync_s, 1e-9),
+                             "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
+                             "allreduce_tries": tries, **({"val_loss": p.inner.evaluate()}
+                                                          if due(cfg.eval_every) else {})}
+            p.log(f"outer step {k}: epoch {ep.epoch_id} ({ep.world_size} nodes), loss "
+                  f"{last.get('loss', float('nan')):.4f}, sync {sync_s:.2f}s, "
+                  f"sent {stats.bytes_sent / 2**20:.2f} MiB, hash {h[:12]}")
+        p.client.sync(k, h)  # the last barrier records the final hash (and completes the run)
+        self._confirm(k, h)
+        self._wait_serving()
+        p.client.leave()
+        return Outcome.FINISHED if k >= self.cfg.outer_steps else Outcome.STOPPED
+
+    def _confirm(self, k: int, h: str) -> None:
+        """Barrier ``k`` completed with us in it: the run recorded ``h`` for outer step ``k``."""
+        row = self._pending
+        if row is not None and row["outer_step"] == k and row["outer_hash"] == h:
+            self.p.inner.record(k * self.cfg.inner_steps, row)
+            self._pending = None
+
+    def _all_reduce(self, k: int, h: str, pg: Any) -> tuple[Any, Epoch, Any, int]:
+        p, cfg = self.p, self.cfg
+        retry_of = None
+        for attempt in range(cfg.max_retries + 1):
+            ep = p.client.sync(k, h, retry_of=retry_of)
+            comm = p.ring(ep)
+            try:
+                with abort_when(p.clock, lambda: p.client.epoch_broken(ep.epoch_id), comm.abort, cfg.watch_interval):
+                    avg = comm.all_reduce_mean(pg)
+                return avg, ep, comm.last_stats, attempt + 1
+            except NetError as e:
+                p.log(f"all-reduce of outer step {k + 1} failed in epoch {ep.epoch_id}: {e}; retrying")
+                retry_of = ep.epoch_id
+            finally:
+                comm.close()
+        p.client.leave()
+        raise Evicted(f"outer step {k + 1}: all-reduce failed {cfg.max_retries + 1} times; left to join again")
+
+    def _serve(self, ep: Epoch, s: DilocoState) -> None:
+        if not ep.serve:
+            return
+        snap = s._replace(inner_opt_state=self.p.inner.snapshot(), data=None)  # taken now, sent in the background
+        meta = {"outer_step": s.outer_step, "inner_step": s.inner_step, "hash": state_hash(s)}
+        for joiner_id, joiner_addr in ep.serve:
+            self.p.log(f"serving the state of outer step {s.outer_step} to {joiner_id}")
+            self.p.serving.append(self.p.transport.serve(joiner_id, joiner_addr, snap, meta))
+
+    def _wait_serving(self) -> None:
+        for done in self.p.serving:  # events set by the transport when a transfer ends
+            done.wait(self.cfg.transfer_timeout)
+        self.p.serving.clear()
+
+    def _adopt(self, s: DilocoState) -> DilocoState:
+        """Make ``s`` the node's state; the live inner optimizer state stays in the trainer."""
+        self.p.inner.adopt(s)
+        self.state = s._replace(inner_opt_state=None, data=None)
+        return self.state

@@ -1,0 +1,109 @@
+"""`DilocoState`: everything a DiLoCo node holds, as one pytree, and the outer step on it.
+
+The same structure is what a checkpoint stores, what a donor streams to a joiner, and what
+the state hash covers:
+
+* ``outer_params`` and ``outer_opt_state`` (the Nesterov momentum): fp32 numpy on the host,
+  bit-identical on every node; the state hash covers them and ``outer_step``;
+* ``inner_opt_state``: this node's AdamW moments (host numpy in a snapshot, device arrays in a
+  live trainer); a joiner takes its donor's;
+* ``outer_step``, ``inner_step``: counters; ``data``: this node's data-iterator position (its
+  own shard, so it is checkpointed but never transferred).
+
+At an outer boundary the inner params equal ``outer_params`` (cast to the param dtype), so
+they are not stored separately.
+
+The outer step runs as plain numpy elementwise ops (IEEE-exact per operation on any CPU)
+rather than through XLA, whose CPU fusion may contract `a*b+c` into an FMA on some machines
+only: every node must compute the same bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+Tree = Any
+
+
+class MomentumState(NamedTuple):
+    momentum: Tree
+
+
+class DilocoState(NamedTuple):
+    outer_params: Tree
+    outer_opt_state: MomentumState
+    inner_opt_state: Tree
+    outer_step: int
+    inner_step: int
+    data: dict | None = None
+
+    def arrays(self) -> dict[str, Tree]:
+        """The array part, in the one leaf order used by checkpoints, transfers and hashes."""
+        return {"outer_params": self.outer_params, "outer_opt_state": self.outer_opt_state,
+                "inner_opt_state": self.inner_opt_state}
+
+    def with_arrays(self, arrays: dict[str, Tree]) -> DilocoState:
+        return self._replace(**{k: arrays[k] for k in ("outer_params", "outer_opt_state", "inner_opt_state")})
+
+
+def nesterov_sgd(lr: float, momentum: float) -> optax.GradientTransformation:
+    """optax-compatible SGD with Nesterov momentum, in numpy (matches `optax.sgd(lr, m, nesterov=True)`):
+    m <- momentum * m + g;  update = -lr * (g + momentum * m)."""
+    lr32, mu32 = np.float32(lr), np.float32(momentum)
+
+    def init(params: Tree) -> MomentumState:
+        return MomentumState(jax.tree.map(lambda p: np.zeros(np.shape(p), np.float32), params))
+
+    def update(grads: Tree, state: MomentumState, params: Tree | None = None):
+        del params
+        m = jax.tree.map(lambda g, m: mu32 * m + g, grads, state.momentum)
+        upd = jax.tree.map(lambda g, m: -lr32 * (g + mu32 * m), grads, m)
+        return upd, MomentumState(m)
+
+    return optax.GradientTransformation(init, update)
+
+
+def to_host(tree: Tree) -> Tree:
+    """A float32 numpy copy, pulled from the devices one leaf at a time (bounded host memory)."""
+    return jax.tree.map(lambda x: np.array(jax.device_get(x), dtype=np.float32), tree)
+
+
+def host_copy(tree: Tree) -> Tree:
+    """A numpy copy of a (device) tree that keeps each leaf's dtype."""
+    return jax.tree.map(lambda x: np.array(jax.device_get(x)), tree)
+
+
+def init_state(params: Tree, tx: optax.GradientTransformation, inner_opt_state: Tree,
+               inner_step: int = 0) -> DilocoState:
+    """Outer step 0: outer params = the (fresh, identically seeded) inner params."""
+    p = to_host(params)
+    return DilocoState(p, tx.init(p), inner_opt_state, 0, inner_step)
+
+
+def pseudo_gradient(s: DilocoState, inner_params: Tree) -> Tree:
+    """outer - inner, leaf by leaf (device -> host one leaf at a time)."""
+    return jax.tree.map(lambda o, x: o - np.asarray(jax.device_get(x), dtype=np.float32), s.outer_params,
+                        inner_params)
+
+
+def outer_step(s: DilocoState, avg_pg: Tree, tx: optax.GradientTransformation, inner_step: int) -> DilocoState:
+    """Apply the averaged pseudo-gradient (a descent direction, like a gradient)."""
+    upd, opt = tx.update(avg_pg, s.outer_opt_state, s.outer_params)
+    params = jax.tree.map(lambda p, u: (p + u).astype(np.float32), s.outer_params, upd)
+    return s._replace(outer_params=params, outer_opt_state=opt, outer_step=s.outer_step + 1, inner_step=inner_step)
+
+
+def state_hash(s: DilocoState) -> str:
+    """blake2b over the outer step, outer params and outer optimizer state (leaf paths and
+    bytes): the part of the state every node holds bit for bit."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.int64(s.outer_step).tobytes())
+    for path, leaf in jax.tree_util.tree_leaves_with_path((s.outer_params, s.outer_opt_state)):
+        h.update(jax.tree_util.keystr(path).encode())
+        h.update(np.ascontiguousarray(leaf, dtype=np.float32).tobytes())
+    return h.hexdigest()

@@ -1,0 +1,111 @@
+"""Where a DiLoCo node's states go: the node's one orbax checkpointing path.
+
+:class:`CheckpointStore` keeps `DilocoState`s in the trainer's `Checkpointer` (array item
+``diloco``: outer params, outer momentum, inner optimizer state; JSON items ``data``,
+``meta`` with the counters and the state hash, ``tokenizer``). Periodic checkpoints, the
+state a joiner received from its donor, and a resume all go through it, one operation at a
+time. A restored state must hash to what its ``meta`` says, else the checkpoint counts as
+damaged and the next older one is tried. :class:`MemoryStore` keeps states in memory (runs
+without a disk: the sweep benchmark, the simulation).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from intellect_jax.diloco.state import DilocoState, MomentumState, state_hash, to_host
+from intellect_jax.trainer.checkpoint import Checkpointer, CheckpointError
+from intellect_jax.trainer.loop import Trainer
+
+ITEM = "diloco"
+
+
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class CheckpointStore:
+    """DiLoCo states in ``trainer.ckpt``; ``latest()`` reads the node's own checkpoints when
+    ``resume``, or another node's run directory ``init_from`` (e.g. on shared storage)."""
+
+    def __init__(self, trainer: Trainer, *, resume: bool = False, init_from: str | None = None,
+                 meta: dict[str, Any] | None = None, warn: Callable[[str], None] = _warn) -> None:
+        self.t, self.resume, self.init_from, self.warn = trainer, resume, init_from, warn
+        self.meta = meta or {}
+
+    def _abstract(self) -> dict[str, Any]:
+        a, sh = self.t.abstract_state, self.t.shardings
+        fp32 = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, "float32", sharding=s), a.params, sh.params)
+        return {ITEM: {"outer_params": fp32, "outer_opt_state": MomentumState(fp32), "inner_opt_state": a.opt_state}}
+
+    def _state(self, out: dict[str, Any]) -> DilocoState:
+        arrays, meta = out[ITEM], out["meta"]
+        outer = to_host(arrays["outer_params"])
+        momentum = MomentumState(to_host(arrays["outer_opt_state"]["momentum"]
+                                         if isinstance(arrays["outer_opt_state"], dict)
+                                         else arrays["outer_opt_state"].momentum))
+        return DilocoState(outer, momentum, arrays["inner_opt_state"], int(meta["outer_step"]),
+                           int(meta["inner_step"]), out.get("data"))
+
+    def _verify(self, out: dict[str, Any]) -> str | None:
+        got, want = state_hash(self._state(out)), out["meta"].get("outer_hash")
+        return None if got == want else f"its outer state hashes to {got[:12]}, its metadata says {str(want)[:12]}"
+
+    def latest(self) -> DilocoState | None:
+        if self.init_from:
+            d = Path(self.init_from)
+            ck = Checkpointer(d / "ckpt" if (d / "ckpt").is_dir() else d, every=0, keep=10**6, async_save=False)
+            try:
+                _, out = ck.restore_newest(self._abstract(), ("meta",), self._verify, self.warn)
+            except CheckpointError as e:
+                raise CheckpointError(f"diloco.init_from {self.init_from}: {e}") from None
+            finally:
+                ck.close()
+            return self._state(out)._replace(data=None)  # another node's data shard: keep ours
+        if not self.resume or not self.t.ckpt.all_steps():
+            return None
+        _, out = self.t.ckpt.restore_newest(self._abstract(), ("meta", "data"), self._verify, self.warn)
+        return self._state(out)
+
+    def save(self, s: DilocoState, *, wait: bool = False) -> None:
+        ck, step, h = self.t.ckpt, s.inner_step, state_hash(s)
+        if step in ck.all_steps():
+            if ck.restore_json("meta", step).get("outer_hash") == h:
+                return
+            ck.delete(step)  # a state the run's history did not keep (e.g. a failed round's)
+        meta = {**self.meta, "step": step, "outer_step": s.outer_step, "inner_step": step, "outer_hash": h,
+                "config": self.t.cfg.model_dump(mode="json")}
+        json = {"meta": meta, "tokenizer": self.t.tok.state(), "data": s.data if s.data is not None else {}}
+        ck.save(step, {ITEM: s.arrays()}, json, force=True)
+        if wait:
+            ck.wait()
+
+    def load(self, inner_step: int) -> DilocoState:
+        out = self.t.ckpt.restore(inner_step, self._abstract(), ("meta", "data"))
+        why = self._verify(out)
+        if why:
+            raise CheckpointError(f"checkpoint {inner_step}: {why}")
+        return self._state(out)
+
+
+class MemoryStore:
+    """States kept in memory, keyed by inner step (``latest`` starts from ``initial``)."""
+
+    def __init__(self, initial: DilocoState | None = None) -> None:
+        self.states: dict[int, DilocoState] = {}
+        self.initial = initial
+
+    def latest(self) -> DilocoState | None:
+        return self.initial
+
+    def save(self, s: DilocoState, *, wait: bool = False) -> None:
+        self.states[s.inner_step] = copy.deepcopy(s)
+
+    def load(self, inner_step: int) -> DilocoState:
+        return copy.deepcopy(self.states[inner_step])
