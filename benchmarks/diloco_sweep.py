@@ -6,16 +6,14 @@
 
 `benchmarks/diloco_experiment.py` measures through the real system (launcher, coordinator,
 sockets, int8 ring) and so costs a process per node; tuning needs many runs, so this script
-replays the same algorithm in one process on one device: N replicas of the trainer's jitted
-`train_step`, each on its own data shard (`make_train_iter(node_rank=r, node_count=N)`), and
-every H steps the outer step of `diloco.outer` (pseudo-gradient = outer - inner, averaged in
-fp32, Nesterov SGD), then the outer params written back to every replica. Same model, data,
-schedule and validation windows as the experiment (`configs/debug_diloco.toml`, warmup 10%,
-decay 20% of the steps, 128 held-out sequences); the average is the exact fp32 mean (the
-experiment's int8 ring measured 0.9993x of fp32). Prints the train loss every 50 steps, the
-validation loss every `--eval-every` steps and at the end, then one JSON line;
-`--eval-replicas` adds, at every outer step, each node's validation loss before averaging and
-that of the averaged params.
+runs the same outer loop (`intellect_jax.diloco.loop.NodeLoop`, the real node's) on N real
+trainers in one process (`intellect_jax.diloco.local.run_local`: threads, in-process
+coordinator, the ring's arithmetic in-process), each node on its own data shard. Same model,
+data, schedule and validation windows as the experiment (`configs/debug_diloco.toml`, warmup
+10%, decay 20% of the steps, 128 held-out sequences). `--mode fp32` (default) averages in fp32,
+`--mode int8` as the experiment's wire format. Prints the validation loss of the final outer
+params (and, with `--eval-replicas`, at every outer step each node's before averaging and the
+average's), then one JSON line.
 """
 
 from __future__ import annotations
@@ -40,88 +38,88 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3, help="inner (and one-node) peak learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--mode", default="fp32", choices=["fp32", "bf16", "int8"], help="all-reduce arithmetic")
     ap.add_argument("--preset", default="debug", help="model preset (its vocab is set to the bundled BPE's)")
     ap.add_argument("--compute-dtype", default=None, help="e.g. bfloat16 (default: the config's float32)")
     ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a model field of the preset, e.g. --model hidden_size=256 (repeatable)")
     ap.add_argument("--single", action="store_true", help="one node, batch nodes x batch")
-    ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--eval-replicas", action="store_true",
                     help="at every outer step, also the val loss of each node's params before averaging")
     ap.add_argument("--eval-seqs", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="runs/sweep", help="data cache and scratch")
+    ap.add_argument("--out", default="runs/sweep", help="data cache and run directories")
     a = ap.parse_args()
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from intellect_jax import config as C
-    from intellect_jax.data import tokenizer as toklib
-    from intellect_jax.data.pipeline import make_train_iter, make_val_batches
-    from intellect_jax.diloco import outer as O
-    from intellect_jax.model import sharding as S
-    from intellect_jax.trainer import step as T
-    from intellect_jax.trainer.optim import make_schedule, make_tx
+    from intellect_jax.data.config import DataConfig
+    from intellect_jax.data.pipeline import make_val_batches
+    from intellect_jax.diloco.inner import TrainerInner
+    from intellect_jax.diloco.local import run_local
+    from intellect_jax.diloco.loop import LoopConfig
+    from intellect_jax.net.comm import RingConfig
+    from intellect_jax.trainer.loop import Trainer
 
     raw = tomllib.loads((ROOT / "configs/debug_diloco.toml").read_text())
     raw.pop("diloco")
     M = 1 if a.single else a.nodes
-    raw["run"].update(steps=a.steps, seed=a.seed, out_dir=str(ROOT / a.out))
-    raw["data"].update(batch_size=a.batch * (a.nodes if a.single else 1))
+    tag = time.strftime("%Y%m%d-%H%M%S")
+    raw["run"].update(steps=a.steps, seed=a.seed, out_dir=str(ROOT / a.out), eval_every=0, log_every=50)
+    raw["data"].update(batch_size=a.batch * (a.nodes if a.single else 1), cache_dir=str(ROOT / a.out / "cache"))
     raw["optim"].update(lr=a.lr, warmup_steps=a.steps // 10, decay_steps=a.steps // 5)
     raw["model"].update(preset=a.preset, **({"compute_dtype": a.compute_dtype} if a.compute_dtype else {}))
+    raw["ckpt"] = {"every": 0}
     for kv in a.model:
         k, sep, v = kv.partition("=")
         if not sep:
             sys.exit(f"--model {kv!r}: expected FIELD=VALUE")
         raw["model"][k] = v  # the config's validation converts and checks it
+    raw["model"].setdefault("vocab_size", raw["data"].get("bpe_vocab_size", DataConfig().bpe_vocab_size))
     try:
-        cfg = C.validate(raw)
-        mcfg = cfg.model.model_copy(update={"vocab_size": cfg.data.bpe_vocab_size}).build()  # the bundled BPE's
+        cfgs = [C.validate({**raw, "run": {**raw["run"], "name": f"{tag}/node{r}"}}) for r in range(M)]
     except C.ConfigError as e:
         sys.exit(f"error: {e}")
-    tok = toklib.load_tokenizer(cfg.data)
-    mesh = S.make_mesh(devices=jax.devices()[:1])
-    tx, sched = make_tx(cfg.optim, a.steps), make_schedule(cfg.optim, a.steps)
-    graphdef, _, sh = T.state_shardings(mcfg, tx, mesh)
-    init = jax.device_get(T.init_state(mcfg, tx, mesh, a.seed, sh))
-    step = jax.jit(T.make_train_step(graphdef, tx, sched, z_weight=cfg.optim.z_loss_weight),
-                   donate_argnums=0)
-    evaluate = jax.jit(T.make_eval_step(graphdef))
-    states = [jax.tree.map(jnp.asarray, init) for _ in range(M)]  # every node starts alike
-    data = [iter(make_train_iter(cfg.data, tok, node_rank=r, node_count=M)) for r in range(M)]
-    val = make_val_batches(cfg.data.model_copy(update={"batch_size": 8}), tok, max_batches=a.eval_seqs // 8)
+    trainers = [Trainer(c, node_rank=r, node_count=M, periodic_save=False, evaluate=False, resume=False)
+                for r, c in enumerate(cfgs)]
+    t0 = trainers[0]
+    val = make_val_batches(cfgs[0].data.model_copy(update={"batch_size": 8}), t0.tok,
+                           max_batches=a.eval_seqs // 8)
     n_val = sum(b["tokens"][:, 1:].size for b in val)
 
     def val_loss(params) -> float:
-        return sum(float(jnp.sum(evaluate(params, jnp.asarray(b["tokens"])))) for b in val) / n_val
+        return sum(float(np.sum(jax.device_get(t0._eval(params, t0._device_batch(b["tokens"])))))
+                   for b in val) / n_val
 
-    otx = O.nesterov_sgd(a.outer_lr, a.outer_momentum)
-    outer = O.init_outer(init.params, otx)
-    t0, last = time.time(), None
-    for s in range(1, a.steps + 1):
-        losses = []
-        for r in range(M):
-            states[r], m = step(states[r], jnp.asarray(next(data[r])["tokens"], jnp.int32))
-            losses.append(m["loss"])
-        if not a.single and s % a.inner_steps == 0:
-            before = [val_loss(st.params) for st in states] if a.eval_replicas else None
-            pgs = [O.pseudo_gradient(outer, st.params) for st in states]
-            avg = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *pgs)
-            outer = O.outer_step(outer, avg, otx)
-            states = [st.replace(params=jax.tree.map(jnp.asarray, outer.params)) for st in states]
-            if before:
-                print(f"outer step at {s}: val loss of the nodes "
-                      + " ".join(f"{v:.4f}" for v in before)
-                      + f", of their average {val_loss(states[0].params):.4f}", flush=True)
-        if s % 50 == 0 or s == a.steps:
-            vl = val_loss(states[0].params) if s == a.steps or (a.eval_every and s % a.eval_every == 0) else None
-            last = vl if vl is not None else last
-            print(f"step {s:5d}  train loss {float(np.mean(losses)):.4f}"
-                  + (f"  val loss {vl:.4f}" if vl is not None else "") + f"  {time.time() - t0:.0f} s", flush=True)
-    print(json.dumps({"args": vars(a), "val_loss": last, "seconds": round(time.time() - t0, 1)}))
+    start = time.time()
+    if a.single:
+        t0.train()
+    else:
+        class Inner(TrainerInner):
+            """The real inner trainer; with --eval-replicas, reports val losses around each average."""
+
+            def params(self):
+                p = super().params()
+                if a.eval_replicas:
+                    print(f"step {self.step}: val loss of {self.t.run_dir.name} before averaging "
+                          f"{val_loss(p):.4f}", flush=True)
+                return p
+
+            def set_params(self, params):
+                super().set_params(params)
+                if a.eval_replicas and self.t is t0:
+                    print(f"step {self.step}: val loss of the average {val_loss(self.t.state.params):.4f}", flush=True)
+
+        loop = LoopConfig(inner_steps=a.inner_steps, outer_steps=a.steps // a.inner_steps, outer_lr=a.outer_lr,
+                          outer_momentum=a.outer_momentum)
+        run_local(loop, [Inner(t) for t in trainers], RingConfig(mode=a.mode))
+    vl = val_loss(t0.state.params)
+    print(f"final val loss {vl:.4f} ({time.time() - start:.0f} s)", flush=True)
+    for t in trainers:
+        t.close(save=False)
+    print(json.dumps({"args": vars(a), "val_loss": vl, "seconds": round(time.time() - start, 1)}))
 
 
 if __name__ == "__main__":

@@ -348,7 +348,7 @@ def test_whole_run_restart_resumes_from_checkpoints(tmp_path):
     assert out3.count("nothing to do: the run is complete") == 2
 
 
-CHAOS = ["--run.steps", "60", "--diloco.inner_steps", "2", "--model.num_layers", "2", "--model.hidden_size", "64",
+CHAOS = ["--run.steps", "600", "--diloco.inner_steps", "20", "--model.num_layers", "2", "--model.hidden_size", "64",
          "--model.num_heads", "4", "--model.num_kv_heads", "2", "--model.ffn_size", "128", "--data.seq_len", "32",
          "--data.bpe_vocab_size", "1024", "--run.eval_every", "0", "--run.log_every", "10"]
 

@@ -91,7 +91,6 @@ class NetTransport:
                 timeout: float) -> tuple[dict[str, Any], DilocoState]:
         """Wait for the donor (giving up when ``cancelled()``), receive and return (meta, state)."""
         clock = self.clock
-        t0 = time.monotonic()
         deadline = clock.now() + timeout
         while True:
             if cancelled():
@@ -105,6 +104,7 @@ class NetTransport:
             except PeerTimeout:
                 if clock.now() >= deadline:
                     raise TransferFailed(f"donor {adm.donor_id} did not connect within {timeout:.0f}s") from None
+        t0 = time.monotonic()  # the transfer itself, from the donor's connection
         arrays = template.arrays()
         treedef = jax.tree.structure(arrays)
         want = leaf_specs(arrays)

@@ -1,0 +1,104 @@
+"""A whole DiLoCo run in one process: N nodes as threads running the one outer loop
+(:class:`~.loop.NodeLoop`) against an in-process coordinator, the in-process ring (the socket
+ring's exact arithmetic, :class:`~intellect_jax.net.local.LocalGroup`) and an in-process state
+transport. The sweep benchmark replays DiLoCo this way, on real trainers, without sockets.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from intellect_jax.diloco.client import CoordinatorClient
+from intellect_jax.diloco.loop import Inner, LoopConfig, NodeLoop, NodeParts, Outcome, TransferFailed
+from intellect_jax.diloco.protocol import Admission, CoordinatorConfig, Epoch
+from intellect_jax.diloco.service import LocalCoordinator
+from intellect_jax.diloco.state import DilocoState
+from intellect_jax.diloco.store import MemoryStore
+from intellect_jax.net.comm import RingConfig
+from intellect_jax.net.local import LocalCommunicator, LocalGroup
+
+
+class LocalRing:
+    """Ring factory: one :class:`LocalGroup` per (epoch, boundary), shared by its ranks."""
+
+    def __init__(self, config: RingConfig) -> None:
+        self.config = config
+        self._groups: dict[tuple[int, int], LocalGroup] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, ep: Epoch) -> LocalCommunicator:
+        with self._lock:
+            g = self._groups.setdefault((ep.epoch_id, ep.outer_step),
+                                        LocalGroup(ep.world_size, self.config, epoch=ep.epoch_id))
+        return g.communicator(ep.rank)
+
+
+class LocalTransport:
+    """In-process state transfer: the donor hands a copy of its snapshot to the joiner."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._boxes: dict[tuple[str, int], tuple[dict, DilocoState]] = {}
+
+    def endpoint(self, node_id: str) -> _Endpoint:
+        return _Endpoint(self, node_id)
+
+
+class _Endpoint:
+    def __init__(self, hub: LocalTransport, node_id: str) -> None:
+        self.hub, self.node_id = hub, node_id
+
+    def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any]) -> Any:
+        done = threading.Event()
+        with self.hub._cond:
+            self.hub._boxes[(joiner_id, meta["outer_step"])] = (dict(meta), copy.deepcopy(snapshot))
+            self.hub._cond.notify_all()
+        done.set()
+        return done
+
+    def receive(self, adm: Admission, template: DilocoState, cancelled: Callable[[], bool],
+                timeout: float) -> tuple[dict[str, Any], DilocoState]:
+        key = (self.node_id, adm.outer_step)
+        with self.hub._cond:
+            if not self.hub._cond.wait_for(lambda: key in self.hub._boxes or cancelled(), timeout):
+                raise TransferFailed(f"no state from {adm.donor_id} within {timeout:.0f}s")
+            if key not in self.hub._boxes:
+                raise TransferFailed(f"admission from {adm.donor_id} revoked")
+            return self.hub._boxes.pop(key)
+
+
+def run_local(loop_cfg: LoopConfig, inners: list[Inner], ring: RingConfig, *,
+              coordinator: CoordinatorConfig | None = None, log: Callable[[str], None] | None = None,
+              heartbeat_interval: float = 1.0) -> list[Outcome]:
+    """Run every node to the end in threads; returns their outcomes (raises a node's error)."""
+    coord = LocalCoordinator(coordinator or CoordinatorConfig(min_nodes=len(inners), join_window=0.0,
+                                                              outer_steps=loop_cfg.outer_steps))
+    rings, transport = LocalRing(ring), LocalTransport()
+    outcomes: list[Any] = [None] * len(inners)
+
+    def node(i: int) -> None:
+        name = f"node{i}"
+        client = CoordinatorClient(None, None, name, f"local://{name}", wire=coord.wire(),
+                                   heartbeat_interval=heartbeat_interval, outer_steps=loop_cfg.outer_steps)
+        parts = NodeParts(name, inners[i], client, rings, transport.endpoint(name), MemoryStore(),
+                          log=(lambda line: log(f"[{name}] {line}")) if log else (lambda line: None))
+        try:
+            outcomes[i] = NodeLoop(loop_cfg, parts).run()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            outcomes[i] = e
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=node, args=(i,), name=f"node{i}") for i in range(len(inners))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    coord.crash()
+    for o in outcomes:
+        if isinstance(o, BaseException):
+            raise o
+    return outcomes
