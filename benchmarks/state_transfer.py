@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import secrets
+import statistics
 import subprocess
 import sys
 import time
@@ -53,28 +55,43 @@ def donor(a: argparse.Namespace) -> None:
     from intellect_jax.net.comm import NetNode
     from intellect_jax.net.transport import TransportConfig
 
+    os.sched_setaffinity(0, {0})  # training (and every thread it starts) on core 0
     t = _trainer(a, f"donor-{os.getpid()}")
     inner = TrainerInner(t)
-    s = inner.init_state(nesterov_sgd(0.7, 0.9))
+    s = inner.init_state(nesterov_sgd(0.7, 0.9))._replace(outer_step=1)  # as after a first outer step
     t.train(until=2)  # compiled and warm
     snap = s._replace(inner_opt_state=inner.snapshot(), data=None)
     meta = {"outer_step": 1, "inner_step": 0, "hash": state_hash(s)}
     net = NetNode(TransportConfig(run_id="xfer", secret=os.environb[b"XFER_SECRET"], io_timeout=120.0), a.addr, 0)
-    xfer = NetTransport(net, "donor", log=lambda line: print(f"[donor] {line}", flush=True))
 
-    def rate(until) -> tuple[float, int]:
-        n, t0 = 0, time.perf_counter()
+    class Pinned(NetTransport):
+        def send(self, *args, **kw):  # runs in the serve thread
+            if a.transfer_cpu is not None:
+                os.sched_setaffinity(0, {a.transfer_cpu})
+            return super().send(*args, **kw)
+
+    xfer = Pinned(net, "donor", log=lambda line: print(f"[donor] {line}", flush=True))
+
+    def steps(until) -> list[float]:
+        """Durations of the inner steps that ran entirely before ``until()`` turned true."""
+        out = []
         while not until():
+            t0 = time.perf_counter()
             t.train(until=t.step + 1)
-            n += 1
-        return n / (time.perf_counter() - t0), n
+            if not until():
+                out.append(time.perf_counter() - t0)
+        return out
 
     t_base = time.perf_counter() + a.baseline_s
-    base, n_base = rate(lambda: time.perf_counter() >= t_base)
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    alone = steps(lambda: time.perf_counter() >= t_base)
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
     done = xfer.serve("joiner", a.joiner, snap, meta, timeout=3600)
-    during, n_during = rate(done.is_set)
-    print(json.dumps({"role": "donor", "steps_per_s_alone": base, "steps_alone": n_base,
-                      "steps_per_s_during": during, "steps_during": n_during, "sent": xfer.last}), flush=True)
+    during = steps(done.is_set)
+    r2 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = [[round(b.ru_utime - a_.ru_utime, 2), round(b.ru_stime - a_.ru_stime, 2)] for a_, b in ((r0, r1), (r1, r2))]
+    print(json.dumps({"role": "donor", "step_s_alone": alone, "step_s_during": during, "sent": xfer.last,
+                      "process_cpu_user_sys": cpu}), flush=True)
     net.close()
     t.close(save=False)
 
@@ -111,9 +128,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="150m")
     ap.add_argument("--mbit", type=float, default=500.0)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--baseline-s", type=float, default=40.0)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--baseline-s", type=float, default=60.0)
+    ap.add_argument("--transfer-cpu", type=int, default=None,
+                    help="run the donor's sending thread on this core (default: with its training, on core 0)")
     ap.add_argument("--out", default="/tmp/ij-state-transfer")
     ap.add_argument("--role", choices=["donor", "joiner"], help=argparse.SUPPRESS)
     ap.add_argument("--addr", default="127.0.0.1", help=argparse.SUPPRESS)
@@ -132,15 +151,22 @@ def main() -> None:
     env = dict(os.environ, XFER_SECRET=secrets.token_hex(32), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                XLA_FLAGS="--xla_force_host_platform_device_count=1")
     base = [sys.executable, __file__, "--preset", a.preset, "--batch", str(a.batch), "--seq", str(a.seq),
-            "--baseline-s", str(a.baseline_s), "--out", a.out]
+            "--baseline-s", str(a.baseline_s), "--out", a.out,
+            *(["--transfer-cpu", str(a.transfer_cpu)] if a.transfer_cpu is not None else [])]
     with netns.ShapedNet(2, a.mbit) as net:
+        # Receive processing of each direction on the receiving machine's core (RPS), as it is
+        # between two machines: without this, the kernel runs the joiner's receive path (and
+        # the bridge hop) in the donor's softirq, on the donor's core.
+        net.steer_receive(1, peer=0, cpu=1)
+        net.steer_receive(0, peer=1, cpu=0 if a.transfer_cpu is None else a.transfer_cpu)
         j = subprocess.Popen(["taskset", "-c", "1", *net.exec_prefix(1), *base, "--role", "joiner",
                               "--addr", net.addr(1)], env=env, stdout=subprocess.PIPE, text=True)
         assert j.stdout is not None
         for line in j.stdout:
             if line.strip() == "ready":
                 break
-        d = subprocess.Popen(["taskset", "-c", "0", *net.exec_prefix(0), *base, "--role", "donor",
+        d = subprocess.Popen(["taskset", "-c", "0" if a.transfer_cpu is None else f"0,{a.transfer_cpu}",
+                              *net.exec_prefix(0), *base, "--role", "donor",
                               "--addr", net.addr(0), "--joiner", f"{net.addr(1)}:{PORT}"], env=env,
                              stdout=subprocess.PIPE, text=True)
         outs = {}
@@ -154,12 +180,15 @@ def main() -> None:
     dn, jn = outs["donor"], outs["joiner"]
     nbytes, secs = jn["received"]["bytes"], jn["received"]["seconds"]
     bound = nbytes * 8 / (a.mbit * 1e6)
-    print(json.dumps({"preset": a.preset, "mbit": a.mbit, "state_bytes": nbytes, "transfer_s": round(secs, 2),
+    alone, during = statistics.mean(dn["step_s_alone"]), statistics.mean(dn["step_s_during"])
+    print(json.dumps({"preset": a.preset, "mbit": a.mbit, "transfer_cpu": a.transfer_cpu, "state_bytes": nbytes, "transfer_s": round(secs, 2),
                       "line_rate_s": round(bound, 2), "transfer_over_line_rate": round(secs / bound, 3),
-                      "donor_steps_per_s_alone": round(dn["steps_per_s_alone"], 3),
-                      "donor_steps_per_s_during": round(dn["steps_per_s_during"], 3),
-                      "donor_rate_during_over_alone": round(dn["steps_per_s_during"] / dn["steps_per_s_alone"], 3),
-                      "donor_steps": [dn["steps_alone"], dn["steps_during"]], "hash_ok": jn["hash_ok"],
+                      "donor_step_s_alone": round(alone, 4), "donor_step_s_during": round(during, 4),
+                      "donor_step_s_stdev": [round(statistics.stdev(dn[k]), 4) for k in ("step_s_alone", "step_s_during")],
+                      "donor_rate_during_over_alone": round(alone / during, 3),
+                      "donor_steps": [len(dn["step_s_alone"]), len(dn["step_s_during"])], "hash_ok": jn["hash_ok"],
+                      "donor_send_thread_cpu_s": round(dn["sent"]["cpu_s"], 2),
+                      "donor_process_cpu_user_sys_alone_during": dn["process_cpu_user_sys"],
                       "joiner_checkpoint_write_and_restore_s": round(jn["checkpoint_write_and_restore_s"], 1)}))
 
 

@@ -316,7 +316,7 @@ def test_completed_run_stays_completed_and_admits_no_joiner_for_the_last_step() 
     r.reg("a"), r.reg("b")
     for k in range(2):
         r.barrier(k, ["a", "b"], f"h{k}")
-    j = r.reg("j")
+    r.reg("j")
     r.barrier(2, ["a", "b"], "h2")  # boundary 2 = the last step's: nobody is admitted for it
     assert r.m.admission_for("j", r.s["j"]) is None
     r.barrier(3, ["a", "b"], "h3")  # the final barrier completes the run
@@ -541,6 +541,7 @@ def _restart_mid_barrier(start: Any, kill: Any) -> None:
             c.register()
         with ThreadPoolExecutor(4) as ex:
             assert {f.result(10).epoch_id for f in [ex.submit(c.sync, 0, "h0") for c in clients]} == {1}
+            clients[2].hold(1, "h1")  # c applied outer step 1 and trains on (what it claims if it re-registers)
             assert not joiner.register().member
             fj = ex.submit(joiner.wait_admission)
             fa, fb = ex.submit(clients[0].sync, 1, "h1"), ex.submit(clients[1].sync, 1, "h1")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import time
 
-import pytest
 
 from intellect_jax.diloco.clock import Hang, SimClock
 from intellect_jax.diloco.loop import Outcome

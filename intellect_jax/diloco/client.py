@@ -25,12 +25,11 @@ in-process :class:`~.service.LocalWire`.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import asdict, fields, replace
-from typing import Any, Protocol, Self
+from typing import Any, Self
 
 from intellect_jax.diloco.clock import REAL, Clock
-from intellect_jax.diloco.coordinator import CHANNEL, Address, recv_msg, send_msg
+from intellect_jax.diloco.coordinator import Address
 from intellect_jax.diloco.protocol import (
     PROTOCOL,
     Admission,
@@ -45,89 +44,14 @@ from intellect_jax.diloco.protocol import (
     RunCompleted,
     StaleSession,
 )
-from intellect_jax.net import AuthError, Connection, NetError, PeerTimeout, TransportConfig, connect
-from intellect_jax.net.comm import parse_address
+from intellect_jax.diloco.wire import TRANSIENT, SocketWire, Wire, coordinator_status, reply_error
+from intellect_jax.net import AuthError, PeerTimeout, TransportConfig
 
 __all__ = ["Admission", "CoordinatorClient", "CoordinatorError", "CoordinatorUnavailable", "Epoch", "Evicted",
            "ProtocolError", "RegisterReply", "RegistrationRefused", "RunCompleted", "SocketWire",
            "coordinator_status"]
 
 log = logging.getLogger("intellect_jax.coordinator.client")
-_ERRORS = {c.__name__: c for c in (RegistrationRefused, Evicted, ProtocolError, StaleSession, CoordinatorUnavailable,
-                                   RunCompleted)}
-_TRANSIENT = (NetError, OSError, ValueError)  # connection trouble (AuthError is handled before)
-
-
-def _error(reply: dict[str, Any]) -> CoordinatorError:
-    cls = _ERRORS.get(str(reply.get("error")), CoordinatorError)
-    return cls(str(reply.get("message", reply)), reply.get("reason"))
-
-
-class Wire(Protocol):
-    """How a client reaches its coordinator: a session (register, heartbeats, close = leave
-    abruptly) and one-off requests. Transport trouble raises a ``NetError``/``OSError``."""
-
-    name: str
-
-    def open(self, msg: dict[str, Any], timeout: float) -> tuple[Any, dict[str, Any]]: ...
-
-    def beat(self, handle: Any, msg: dict[str, Any]) -> dict[str, Any]: ...
-
-    def close(self, handle: Any) -> None: ...
-
-    def request(self, msg: dict[str, Any], deadline: float | None, connect_timeout: float) -> dict[str, Any]: ...
-
-
-class SocketWire:
-    """The coordinator over the authenticated transport (see :mod:`.coordinator`)."""
-
-    def __init__(self, address: Address | str, cfg: TransportConfig) -> None:
-        self.address, self.cfg = parse_address(address), cfg
-        self.name = f"coordinator {self.address[0]}:{self.address[1]}"
-
-    def _connect(self, timeout: float) -> Connection:
-        return connect(self.cfg, self.address, CHANNEL, timeout=timeout, name=self.name)
-
-    def open(self, msg: dict[str, Any], timeout: float) -> tuple[Connection | None, dict[str, Any]]:
-        conn = self._connect(timeout)
-        try:
-            deadline = time.monotonic() + max(timeout, self.cfg.handshake_timeout)
-            send_msg(conn, msg, deadline)
-            reply = recv_msg(conn, deadline)
-        except BaseException:
-            conn.close()
-            raise
-        if not reply.get("ok"):
-            conn.close()
-            return None, reply
-        return conn, reply
-
-    def beat(self, handle: Connection, msg: dict[str, Any]) -> dict[str, Any]:
-        send_msg(handle, msg)
-        return recv_msg(handle)
-
-    def close(self, handle: Connection) -> None:
-        handle.close()
-
-    def request(self, msg: dict[str, Any], deadline: float | None, connect_timeout: float) -> dict[str, Any]:
-        """One request on a fresh connection; skips the server's keepalive frames."""
-        conn = self._connect(connect_timeout)
-        try:
-            send_msg(conn, msg, deadline)
-            while True:
-                reply = recv_msg(conn, deadline)
-                if not reply.get("wait"):
-                    return reply
-        finally:
-            conn.close()
-
-
-def coordinator_status(address: Address | str, cfg: TransportConfig, timeout: float = 10.0) -> dict[str, Any]:
-    """Membership, epoch, joiners, hash records and eviction log of a running coordinator."""
-    reply = SocketWire(address, cfg).request({"op": "status"}, time.monotonic() + timeout, timeout)
-    if not reply.get("ok"):
-        raise _error(reply)
-    return reply["status"]
 
 
 class CoordinatorClient:
@@ -216,19 +140,26 @@ class CoordinatorClient:
     def register(self, claim: Resume | None = None) -> RegisterReply:
         """Join the run: as a founding member of a fresh run, as a member with the state ``claim``
         describes (only while the coordinator rebuilds the run), else as a joiner (``reply.member``
-        False, ``reply.note`` says why a claim was not taken). Registering again while registered
-        as a joiner returns that registration. Raises :class:`RegistrationRefused` (wrong secret,
-        model fingerprint, run length, protocol, duplicate live node id) and
-        :class:`RunCompleted`.
+        False, ``reply.note`` says why a claim was not taken). If the client is registered and
+        healthy (e.g. it re-registered by itself after losing the coordinator), that registration
+        is returned. Raises :class:`RegistrationRefused` (wrong secret, model fingerprint, run
+        length, protocol, a live node with this id) and :class:`RunCompleted`.
         """
-        with self._lock:
-            if self._session is not None and self._fatal is None:
-                if not self._has_state and self._reply is not None:
+        with self._recover_lock:  # never two registrations at once (the heartbeat thread recovers too)
+            with self._lock:
+                if self._session is not None and self._fatal is None and self._reply is not None:
                     return self._reply
-                raise ProtocolError(f"node {self.node_id} is already registered")
-            self._fatal, self._has_state = None, False
-            self._claim = claim if claim is not None else self._claim
-        return self._register(self.connect_timeout)
+                self._fatal, self._has_state = None, False
+                self._claim = claim if claim is not None else self._claim
+            deadline, delay = self.clock.now() + self.reconnect_timeout, 0.05
+            while True:
+                try:
+                    return self._register(self.connect_timeout)
+                except RegistrationRefused as e:  # our own previous session, not yet seen gone
+                    if e.reason != "duplicate" or self.clock.now() >= deadline:
+                        raise
+                self.clock.sleep(delay)
+                delay = min(2 * delay, 1.0)
 
     def sync(self, k: int, state_hash: str | None = None, retry_of: int | None = None,
              timeout: float | None = None) -> Epoch:
@@ -280,7 +211,7 @@ class CoordinatorClient:
     def status(self) -> dict[str, Any]:
         reply = self.wire.request({"op": "status"}, self.clock.now() + self.connect_timeout, self.connect_timeout)
         if not reply.get("ok"):
-            raise _error(reply)
+            raise reply_error(reply)
         return reply["status"]
 
     def close(self) -> None:
@@ -308,7 +239,7 @@ class CoordinatorClient:
             raise RegistrationRefused(f"{self._name} refused node {self.node_id}'s handshake (wrong run secret "
                                       f"or run id?): {e}", "auth") from e
         if not reply.get("ok"):
-            raise _error(reply)
+            raise reply_error(reply)
         r = RegisterReply(**{f.name: reply[f.name] for f in fields(RegisterReply)})
         with self._lock:
             self._conn, self._session, self._gen, self._fatal, self._reply = conn, r.session, self._gen + 1, None, r
@@ -324,7 +255,7 @@ class CoordinatorClient:
         with self._io_lock:
             reply = self.wire.beat(conn, {"op": "hb"})
         if not reply.get("ok"):
-            raise _error(reply)
+            raise reply_error(reply)
         self._view = reply.get("view") or {}
 
     def _heartbeat_loop(self) -> None:
@@ -336,8 +267,8 @@ class CoordinatorClient:
             try:
                 self._beat(conn)
             except CoordinatorError as e:
-                self._fail(e)
-            except _TRANSIENT:
+                self._fail(e, gen)
+            except TRANSIENT:
                 if self._stop.is_set():
                     return
                 try:
@@ -345,9 +276,13 @@ class CoordinatorClient:
                 except CoordinatorError:
                     pass  # recorded by _fail; the next request raises it
 
-    def _fail(self, e: CoordinatorError) -> None:
-        """Record a fatal error (eviction, refusal, coordinator gone) and drop the session."""
+    def _fail(self, e: CoordinatorError, gen: int | None = None) -> None:
+        """Record a fatal error (eviction, refusal, coordinator gone) and drop the session; with
+        ``gen``, only if the session that failed is still the current one (a heartbeat that was
+        stuck while the node registered again reports on the old session)."""
         with self._lock:
+            if gen is not None and gen != self._gen:
+                return
             self._fatal = e
             if isinstance(e, Evicted):
                 self._has_state = False
@@ -395,7 +330,7 @@ class CoordinatorClient:
                 except CoordinatorError as e:
                     self._fail(e)
                     raise
-                except _TRANSIENT as e:
+                except TRANSIENT as e:
                     last = e
                 if clock.now() >= deadline:
                     break
@@ -425,7 +360,7 @@ class CoordinatorClient:
                 reply = self.wire.request(msg, deadline, self.connect_timeout)
             except AuthError:
                 raise
-            except _TRANSIENT as e:
+            except TRANSIENT as e:
                 if not recover:
                     raise CoordinatorUnavailable(f"node {self.node_id}: {op} to {self._name} failed ({e})") from e
                 if deadline is not None and clock.now() >= deadline:
@@ -440,7 +375,7 @@ class CoordinatorClient:
                 continue
             if reply.get("ok"):
                 return reply
-            err = _error(reply)
+            err = reply_error(reply)
             if isinstance(err, StaleSession):
                 self._recover(gen)
                 continue
@@ -461,7 +396,7 @@ class CoordinatorClient:
             self._beat(conn)
             self.clock.sleep(0.1)
         except CoordinatorError as e:
-            self._fail(e)
+            self._fail(e, gen)
             raise
-        except _TRANSIENT:
+        except TRANSIENT:
             self._recover(gen)

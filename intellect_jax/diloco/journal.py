@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,24 @@ class RunRecord:
             del self.hashes[k]
         if self.hwm_step is None or step >= self.hwm_step:
             self.hwm_step, self.hwm_hash = step, state_hash
+
+    def judge(self, step: int, state_hash: str | None, floor: int) -> str:
+        """Why a state of outer step ``step`` cannot resume a rebuilt run whose lowest acceptable
+        step is ``floor`` ('' if it can): behind, or other bytes than the recorded ones."""
+        if step < floor:
+            return f"behind: state from outer step {step}, the run has reached {floor}"
+        recorded = self.hashes.get(step)
+        if recorded and state_hash and state_hash != recorded:
+            return f"diverged: state hash {state_hash[:16]} at outer step {step}, the run's is {recorded[:16]}"
+        return ""
+
+    def reference(self, step: int, hashes: list[str]) -> str | None:
+        """The run's hash of outer step ``step``: the recorded one, else the most common of
+        ``hashes`` (ties: the first), else None."""
+        if step in self.hashes or not hashes:
+            return self.hashes.get(step)
+        counts = Counter(hashes)
+        return max(hashes, key=lambda h: (counts[h], -hashes.index(h)))
 
     def truncate(self, step: int) -> None:
         """Forget every outer step after ``step`` (an operator-requested rollback)."""

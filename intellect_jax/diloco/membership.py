@@ -15,7 +15,6 @@ a joiner and takes a live peer's state. See ``docs/coordinator.md``.
 from __future__ import annotations
 
 import enum
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -331,17 +330,10 @@ class Membership:
     def _judge_claim(self, claim: Resume) -> str:
         """Why state from ``claim`` cannot resume the run ('' if it can): it must not be behind
         the run's history, nor differ from the hash recorded for its step."""
-        rec = self.record
         if self.started:
             return (f"the run is in progress at outer step {self.outer_step}; state from step "
                     f"{claim.outer_step} joins")
-        if claim.outer_step < self._floor:
-            return f"behind: state from outer step {claim.outer_step}, the run has reached {self._floor}"
-        recorded = rec.hashes.get(claim.outer_step)
-        if recorded and claim.state_hash and claim.state_hash != recorded:
-            return (f"diverged: state hash {claim.state_hash[:16]} at outer step {claim.outer_step}, "
-                    f"the run's is {recorded[:16]}")
-        return ""
+        return self.record.judge(claim.outer_step, claim.state_hash, self._floor)
 
     def _get(self, node_id: str, session: str) -> Node:
         node = self._nodes.get(node_id)
@@ -441,10 +433,7 @@ class Membership:
         members' majority, ties to ring order) and evict the members whose state differs."""
         rec = self.record
         hashes = {n.node_id: n.arrival.state_hash for n in members if n.arrival.state_hash}  # type: ignore[union-attr]
-        recorded = rec.hashes.get(step)
-        if recorded is None and hashes:
-            counts = Counter(hashes.values())
-            recorded = max(hashes.values(), key=lambda h: (counts[h], -list(hashes.values()).index(h)))
+        recorded = rec.reference(step, list(hashes.values()))
         mismatch = tuple(sorted(hashes.items())) if len(set(hashes.values()) | {recorded} - {None}) > 1 else ()
         rec_step = self._hashes.setdefault(step, {"hashes": {}, "mismatch": []})
         rec_step["hashes"].update(hashes)

@@ -76,6 +76,7 @@ class NetTransport:
         arrays = snapshot.arrays()
         leaves = jax.tree.leaves(arrays)
         deadline = time.monotonic() + timeout
+        cpu0 = time.thread_time()
         sent = 0
         with self.net.connect(joiner_addr, channel(joiner_id, meta["outer_step"]), timeout=timeout,
                               name=f"joiner {joiner_id}") as conn:
@@ -84,7 +85,8 @@ class NetTransport:
             for x in leaves:
                 sent += send_blob(conn, np.ascontiguousarray(x), chunk_bytes=self.chunk_bytes, deadline=deadline)
             conn.recv(MsgType.META, deadline=deadline, max_len=1 << 12)  # the joiner's receipt
-        self.last = {"bytes": sent, "seconds": time.monotonic() - (deadline - timeout)}
+        self.last = {"bytes": sent, "seconds": time.monotonic() - (deadline - timeout),
+                     "cpu_s": time.thread_time() - cpu0}  # this thread's CPU time (hashing, syscalls)
         return sent
 
     def receive(self, adm: Admission, template: DilocoState, cancelled: Callable[[], bool],

@@ -86,6 +86,15 @@ class ShapedNet:
                 _run("tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
                      "burst", burst, "latency", "50ms")
 
+    def steer_receive(self, i: int, peer: int, cpu: int) -> None:
+        """Process the packets that ``peer`` sends to node ``i`` on CPU ``cpu`` (RPS on the
+        bridge port where they enter and on node ``i``'s interface), as if node ``i`` were its
+        own machine: otherwise the sender's core runs the receiver's stack in its softirq."""
+        mask = format(1 << cpu, "x")
+        hub = f"{self.prefix}hub"
+        for ns, dev in ((hub, f"p{peer}"), (self.ns(i), IFNAME)):
+            _run("ip", "netns", "exec", ns, "sh", "-c", f"echo {mask} > /sys/class/net/{dev}/queues/rx-0/rps_cpus")
+
     def close(self) -> None:
         """Delete every namespace this object created (their veths and bridge go with them)."""
         while self.created:

@@ -1,0 +1,97 @@
+"""How a coordinator client reaches its coordinator: the :class:`Wire` protocol (a session
+connection for registration and heartbeats, one-off connections for requests) and its socket
+implementation over the authenticated transport; ``coordinator_status`` for tools."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from intellect_jax.diloco.coordinator import CHANNEL, Address, recv_msg, send_msg
+from intellect_jax.diloco.protocol import (
+    CoordinatorError,
+    CoordinatorUnavailable,
+    Evicted,
+    ProtocolError,
+    RegistrationRefused,
+    RunCompleted,
+    StaleSession,
+)
+from intellect_jax.net import Connection, NetError, TransportConfig, connect
+from intellect_jax.net.comm import parse_address
+
+_ERRORS = {c.__name__: c for c in (RegistrationRefused, Evicted, ProtocolError, StaleSession, CoordinatorUnavailable,
+                                   RunCompleted)}
+TRANSIENT = (NetError, OSError, ValueError)  # connection trouble (AuthError is handled before)
+
+
+def reply_error(reply: dict[str, Any]) -> CoordinatorError:
+    cls = _ERRORS.get(str(reply.get("error")), CoordinatorError)
+    return cls(str(reply.get("message", reply)), reply.get("reason"))
+
+
+class Wire(Protocol):
+    """How a client reaches its coordinator: a session (register, heartbeats, close = leave
+    abruptly) and one-off requests. Transport trouble raises a ``NetError``/``OSError``."""
+
+    name: str
+
+    def open(self, msg: dict[str, Any], timeout: float) -> tuple[Any, dict[str, Any]]: ...
+
+    def beat(self, handle: Any, msg: dict[str, Any]) -> dict[str, Any]: ...
+
+    def close(self, handle: Any) -> None: ...
+
+    def request(self, msg: dict[str, Any], deadline: float | None, connect_timeout: float) -> dict[str, Any]: ...
+
+
+class SocketWire:
+    """The coordinator over the authenticated transport (see :mod:`.coordinator`)."""
+
+    def __init__(self, address: Address | str, cfg: TransportConfig) -> None:
+        self.address, self.cfg = parse_address(address), cfg
+        self.name = f"coordinator {self.address[0]}:{self.address[1]}"
+
+    def _connect(self, timeout: float) -> Connection:
+        return connect(self.cfg, self.address, CHANNEL, timeout=timeout, name=self.name)
+
+    def open(self, msg: dict[str, Any], timeout: float) -> tuple[Connection | None, dict[str, Any]]:
+        conn = self._connect(timeout)
+        try:
+            deadline = time.monotonic() + max(timeout, self.cfg.handshake_timeout)
+            send_msg(conn, msg, deadline)
+            reply = recv_msg(conn, deadline)
+        except BaseException:
+            conn.close()
+            raise
+        if not reply.get("ok"):
+            conn.close()
+            return None, reply
+        return conn, reply
+
+    def beat(self, handle: Connection, msg: dict[str, Any]) -> dict[str, Any]:
+        send_msg(handle, msg)
+        return recv_msg(handle)
+
+    def close(self, handle: Connection) -> None:
+        handle.close()
+
+    def request(self, msg: dict[str, Any], deadline: float | None, connect_timeout: float) -> dict[str, Any]:
+        """One request on a fresh connection; skips the server's keepalive frames."""
+        conn = self._connect(connect_timeout)
+        try:
+            send_msg(conn, msg, deadline)
+            while True:
+                reply = recv_msg(conn, deadline)
+                if not reply.get("wait"):
+                    return reply
+        finally:
+            conn.close()
+
+
+def coordinator_status(address: Address | str, cfg: TransportConfig, timeout: float = 10.0) -> dict[str, Any]:
+    """Membership, epoch, joiners, hash records and eviction log of a running coordinator."""
+    reply = SocketWire(address, cfg).request({"op": "status"}, time.monotonic() + timeout, timeout)
+    if not reply.get("ok"):
+        raise reply_error(reply)
+    return reply["status"]
