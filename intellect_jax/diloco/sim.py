@@ -85,10 +85,12 @@ class Sim:
         self.log.append(f"{self.clock.now():9.3f} [{who}] {line}")
 
     # ---- processes -----------------------------------------------------------------------------
-    def _faults(self) -> list[Fault]:
+    def _faults(self, joining: bool) -> list[Fault]:
         if self.rng.random() >= self.p.fault_prob:
             return []
-        hook = str(self.rng.choice(HOOKS))
+        # a process that will join mostly faults where joiners are; founders also while donating
+        weights = dict(zip(HOOKS, (1, 1, 1, 0, 3, 3) if joining else (2, 2, 2, 2, 0, 0)))
+        hook = str(self.rng.choice(HOOKS, p=[weights[h] / sum(weights.values()) for h in HOOKS]))
         kind = str(self.rng.choice(["kill", "kill", "stall", "stall"]
                                    + (["partial", "partial-outage"] if hook == "allreduce" else [])))
         when = str(self.rng.choice(["before", "during", "after"] if hook in ("train", "serve", "receive")
@@ -103,7 +105,8 @@ class Sim:
     def start(self, node_id: str, start_from: str) -> Proc:
         disk = self.disks.setdefault(node_id, {})
         number = sum(1 for q in self.procs if q.node_id == node_id)
-        faults = list(self.script.faults.get(f"{node_id}#{number}", [])) if self.script else self._faults()
+        faults = (list(self.script.faults.get(f"{node_id}#{number}", [])) if self.script
+                  else self._faults(joining=start_from != "fresh" or self.clock.now() > 0))
         proc = Proc(node_id, number, faults, disk, start_from)
         self.procs.append(proc)
         self.by_addr[proc.addr] = proc
