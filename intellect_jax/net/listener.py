@@ -1,15 +1,23 @@
 """The accepting side: a listener that stays up and routes authenticated connections.
 
 It authenticates every incoming connection in its own thread (a slow or hostile client
-cannot block others; at most ``max_handshakes`` at once) and files it under the channel
-the client asked for (e.g. ``ring/<epoch>/<src>><dst>/<stream>`` or ``blob/<name>``), so
-rings for new epochs, or a background blob transfer, cost only new connections.
-Unclaimed connections are closed after ``pending_ttl`` seconds.
+cannot block others) and files it under the channel the client asked for (e.g.
+``ring/<epoch>/<src>><dst>/<stream>`` or ``blob/<name>``), so rings for new epochs, or a
+background blob transfer, cost only new connections. Unclaimed connections are closed after
+``pending_ttl`` seconds.
+
+Before authentication a connection is a stranger's, so strangers get little: at most
+``handshakes_per_source`` connections per source address in handshake at once (the rest are
+closed on arrival, and counted), at most ``max_handshakes`` in all, and ``first_bytes_timeout``
+to start the handshake, ``handshake_timeout`` to finish it. One address holding hundreds of idle
+connections occupies a few slots for a couple of seconds each; peers from other addresses
+(every node, every member of the run) keep getting served.
 """
 
 from __future__ import annotations
 
 import collections
+import select
 import socket
 import threading
 import time
@@ -23,7 +31,7 @@ class Listener:
     """Accepts and authenticates connections in the background; :meth:`accept` by channel."""
 
     def __init__(self, cfg: TransportConfig, host: str = "127.0.0.1", port: int = 0,
-                 max_handshakes: int = 64) -> None:
+                 max_handshakes: int = 256) -> None:
         self.cfg = cfg
         self._srv = socket.create_server((host, port), backlog=128)
         self.address: Address = self._srv.getsockname()[:2]
@@ -32,6 +40,8 @@ class Listener:
         self._pending: dict[str, collections.deque[tuple[float, Connection]]] = {}
         self._rejections: collections.deque[tuple[float, str]] = collections.deque(maxlen=16)
         self._slots = threading.BoundedSemaphore(max_handshakes)
+        self._per_source: collections.Counter[str] = collections.Counter()  # handshakes in progress
+        self.refused: collections.Counter[str] = collections.Counter()  # connections turned away, per reason
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name=f"net-listen-{self.address[1]}", daemon=True)
         self._thread.start()
@@ -45,19 +55,35 @@ class Listener:
                     return
                 time.sleep(0.01)
                 continue
-            if not self._slots.acquire(blocking=False):
-                self._note(f"{addr[0]}:{addr[1]}: too many concurrent handshakes")
+            with self._cond:
+                busy = self._per_source[addr[0]] >= self.cfg.handshakes_per_source
+                if not busy:
+                    self._per_source[addr[0]] += 1
+            if busy or not self._slots.acquire(blocking=False):
+                if not busy:
+                    self._release_source(addr[0])
+                why = "source over its handshake budget" if busy else "too many concurrent handshakes"
+                self._note(f"{addr[0]}:{addr[1]}: {why}", why)
                 sock.close()
                 continue
             threading.Thread(target=self._handshake, args=(sock, addr), daemon=True).start()
 
-    def _note(self, msg: str) -> None:
+    def _release_source(self, ip: str) -> None:
+        with self._cond:
+            self._per_source[ip] -= 1
+            if self._per_source[ip] <= 0:
+                del self._per_source[ip]
+
+    def _note(self, msg: str, why: str = "handshake failed") -> None:
         with self._cond:
             self._rejections.append((time.monotonic(), msg))
+            self.refused[why] += 1
 
     def _handshake(self, sock: socket.socket, addr: tuple) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         try:
+            if not select.select([sock], [], [], self.cfg.first_bytes_timeout)[0]:
+                raise PeerTimeout(f"{peer}: no handshake within {self.cfg.first_bytes_timeout:.1f}s")
             _tune(sock, self.cfg)
             sock.settimeout(self.cfg.handshake_timeout)
             if self._ctx is not None:
@@ -68,11 +94,13 @@ class Listener:
             conn.set_keys(send_key, recv_key)
             conn.channel = channel
         except Exception as e:  # noqa: BLE001 - any failure rejects this client only
-            self._note(str(e) if peer in str(e) else f"{peer}: {e}")
+            self._note(str(e) if peer in str(e) else f"{peer}: {e}",
+                       "no handshake in time" if isinstance(e, PeerTimeout) else "handshake failed")
             sock.close()
             return
         finally:
             self._slots.release()
+            self._release_source(addr[0])
         with self._cond:
             if self._closed:
                 conn.close()

@@ -53,14 +53,18 @@ class TransportConfig:
     sock_buf_bytes: int | None = None
     tls: auth.TLSConfig | None = None
     pending_ttl: float = 300.0
+    first_bytes_timeout: float = 2.0  # an unauthenticated client must start its handshake this soon
+    handshakes_per_source: int = 8  # unauthenticated connections in handshake at once, per source address
 
     def __post_init__(self) -> None:
         if len(self.secret) < auth.MIN_SECRET_BYTES:
             raise AuthError(f"run secret is {len(self.secret)} bytes; need at least {auth.MIN_SECRET_BYTES}")
         if self.integrity not in INTEGRITY:
             raise ValueError(f"unknown integrity {self.integrity!r}; expected one of {list(INTEGRITY)}")
-        if min(self.io_timeout, self.connect_timeout, self.handshake_timeout) <= 0:
+        if min(self.io_timeout, self.connect_timeout, self.handshake_timeout, self.first_bytes_timeout) <= 0:
             raise ValueError("timeouts must be positive")
+        if self.handshakes_per_source < 1:
+            raise ValueError("handshakes_per_source must be >= 1")
         if self.max_frame_bytes < 1 << 16:
             raise ValueError("max_frame_bytes must be at least 64 KiB")
 
