@@ -162,14 +162,17 @@ class CoordinatorClient:
                 delay = min(2 * delay, 1.0)
 
     def sync(self, k: int, state_hash: str | None = None, retry_of: int | None = None,
-             timeout: float | None = None) -> Epoch:
+             timeout: float | None = None, sits_out: str | None = None, report: dict | None = None) -> Epoch:
         """Barrier at boundary ``k`` (``k`` completed outer steps); returns the epoch of step ``k+1``.
 
-        ``retry_of``: the epoch whose all-reduce just failed. Raises :class:`Evicted` if the node
-        was dropped (register again), :class:`CoordinatorUnavailable`.
+        ``retry_of``: the epoch whose all-reduce just failed. ``sits_out``: why this node will
+        contribute zeros. ``report``: on the all-reduce before (``{"avg_failed": bool,
+        "accused": [node, why] | None}``). Raises :class:`Evicted` if the node was dropped
+        (register again), :class:`CoordinatorUnavailable`.
         """
         self.hold(k, state_hash)
-        reply = self._call("sync", {"step": k, "state_hash": state_hash, "retry_of": retry_of}, timeout)
+        reply = self._call("sync", {"step": k, "state_hash": state_hash, "retry_of": retry_of, "sits_out": sits_out,
+                                    "report": report}, timeout)
         ep = Epoch.from_json(reply["epoch"])
         with self._lock:
             self._epoch, self._rank, self._has_state, self._seen_run = ep.epoch_id, ep.rank, True, True

@@ -11,14 +11,89 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from intellect_jax.diloco.client import CoordinatorClient
+from intellect_jax.diloco.clock import REAL, Clock
 from intellect_jax.diloco.loop import Inner, LoopConfig, NodeLoop, NodeParts, Outcome, TransferFailed
 from intellect_jax.diloco.protocol import Admission, CoordinatorConfig, Epoch
 from intellect_jax.diloco.service import LocalCoordinator
-from intellect_jax.diloco.state import DilocoState
+from intellect_jax.diloco.state import DilocoState, MomentumState, init_state
 from intellect_jax.diloco.store import MemoryStore
 from intellect_jax.net.comm import RingConfig
 from intellect_jax.net.local import LocalCommunicator, LocalGroup
+
+
+class NumpyInner:
+    """A numpy stand-in for the trainer (tests, the simulation): each inner step pulls the
+    weights toward this node's ``target`` with momentum and a little noise, deterministically per
+    (node, data position); ``step_time`` seconds of the clock per step. ``evaluate`` is the
+    expected squared error on held-out data: targets ``goal`` (e.g. the mean of every node's
+    target) plus unit noise, i.e. 1 + the mean squared distance to ``goal``."""
+
+    def __init__(self, target: np.ndarray, init: dict[str, np.ndarray], goal: np.ndarray, *,
+                 step_time: float = 0.0, clock: Clock = REAL) -> None:
+        self.target, self.goal, self.step_time, self.clock = target, goal, step_time, clock
+        self.weights = copy.deepcopy(init)
+        self.opt = {"m": np.zeros_like(init["w"])}
+        self.step = 0
+        self.data = {"pos": 0}
+        self.records: list[tuple[int, dict[str, Any]]] = []
+
+    def _pause(self, seconds: float, phase: str) -> None:
+        """Compute time (a subclass puts fault points here)."""
+        self.clock.sleep(seconds)
+
+    def train(self, until: int) -> dict[str, Any]:
+        n = max(0, until - self.step)
+        self._pause(n * self.step_time / 2, "before")
+        self._pause(n * self.step_time / 2, "during")
+        w = self.weights
+        for _ in range(self.step, until):
+            seed = [self.data["pos"], int(abs(float(self.target[0])) * 1e6)]
+            noise = np.random.default_rng(seed).standard_normal(w["w"].shape).astype(np.float32)
+            g = w["w"] - self.target + np.float32(0.1) * noise
+            self.opt["m"] = (np.float32(0.9) * self.opt["m"] + g).astype(np.float32)
+            w["w"] = (w["w"] - np.float32(0.05) * self.opt["m"]).astype(np.float32)
+            w["u"] = (w["u"] + np.float32(0.01)).astype(np.float32)
+            self.data["pos"] += 1
+        self.step = until
+        return {"loss": float(np.mean((w["w"] - self.target) ** 2))}
+
+    def params(self) -> Any:
+        return copy.deepcopy(self.weights)
+
+    def init_state(self, tx: Any) -> DilocoState:
+        return init_state(self.weights, tx, None, self.step)
+
+    def set_params(self, params: Any) -> None:
+        self.weights = copy.deepcopy(params)
+
+    def snapshot(self) -> Any:
+        return copy.deepcopy(self.opt)
+
+    def live_opt_state(self) -> Any:
+        return copy.deepcopy(self.opt)
+
+    def data_state(self) -> dict | None:
+        return dict(self.data)
+
+    def adopt(self, s: DilocoState) -> None:
+        self.weights = copy.deepcopy(s.outer_params)
+        if s.inner_opt_state is not None:
+            self.opt = copy.deepcopy(s.inner_opt_state)
+        if s.data is not None:
+            self.data = dict(s.data)
+        self.step = s.inner_step
+
+    def template(self) -> DilocoState:
+        return DilocoState(self.weights, MomentumState(self.weights), self.opt, 0, 0)
+
+    def evaluate(self) -> float:
+        return 1.0 + float(np.mean((self.weights["w"] - self.goal) ** 2))
+
+    def record(self, step: int, metrics: dict[str, Any]) -> None:
+        self.records.append((step, dict(metrics)))
 
 
 class LocalRing:

@@ -22,8 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import jax
+import numpy as np
+
 from intellect_jax.diloco.client import CoordinatorClient
 from intellect_jax.diloco.clock import REAL, Clock, abort_when
+from intellect_jax.diloco.guard import GuardConfig, OwnGuard, check_average, inspect, remember, tree_norm
 from intellect_jax.diloco.protocol import Admission, Epoch, Evicted, Resume, RunCompleted
 from intellect_jax.diloco.state import DilocoState, nesterov_sgd, outer_step, pseudo_gradient, state_hash
 from intellect_jax.net.comm import Communicator
@@ -102,6 +106,7 @@ class LoopConfig:
     watch_interval: float = 1.0  # how often an all-reduce or a transfer checks the coordinator's view
     ckpt_every: int = 0  # inner steps (checkpoints at outer boundaries that are multiples, and the last)
     eval_every: int = 0  # inner steps
+    guard: GuardConfig = GuardConfig()
 
 
 @dataclass
@@ -125,6 +130,8 @@ class NodeLoop:
     def __init__(self, cfg: LoopConfig, parts: NodeParts) -> None:
         self.cfg, self.p = cfg, parts
         self.tx = nesterov_sgd(cfg.outer_lr, cfg.outer_momentum)
+        self.guard = cfg.guard
+        self.own = OwnGuard(cfg.guard)  # this node's own pseudo-gradient norms
         self.state: DilocoState | None = None  # the outer state this node holds
         self._pending: dict[str, Any] | None = None  # metrics of the newest outer step, until recorded
 
@@ -206,7 +213,8 @@ class NodeLoop:
                                             self.cfg.transfer_timeout)
         except NetError as e:
             raise TransferFailed(str(e)) from e
-        got = got._replace(outer_step=int(meta["outer_step"]), inner_step=int(meta["inner_step"]), data=None)
+        got = got._replace(outer_step=int(meta["outer_step"]), inner_step=int(meta["inner_step"]), data=None,
+                           norms=tuple(float(x) for x in meta.get("norms", ())))
         h = state_hash(got)
         if h != meta["hash"] or got.outer_step != adm.outer_step:
             raise TransferFailed(f"received state of outer step {got.outer_step} hashes to {h[:12]}, the donor "
@@ -224,14 +232,29 @@ class NodeLoop:
         assert s is not None
         k, h = s.outer_step, state_hash(s)
         p.client.hold(k, h)
+        report = None  # on the last all-reduce, for the coordinator (sent with the next barrier)
         while k < self.stop_at:
             t0 = p.clock.now()
             last = p.inner.train(until=(k + 1) * H)
             t1 = p.clock.now()
             pg = pseudo_gradient(s, p.inner.params())
-            avg, ep, stats, tries = self._all_reduce(k, h, pg)
+            scale = tree_norm(s.outer_params) if len(s.norms) < self.guard.min_history else None
+            pg_norm, sits_out = self.own.check(pg, scale)
+            if sits_out:  # a broken contribution stays home: zeros, and the others are told
+                p.log(f"WARNING sitting out outer step {k + 1}: this node's pseudo-gradient has {sits_out}")
+                pg = jax.tree.map(np.zeros_like, pg)
+            avg, ep, stats, tries, suspect = self._all_reduce(k, h, pg, sits_out, report)
             self._confirm(k, h)
-            s = outer_step(s, avg, self.tx, inner_step=(k + 1) * H)
+            avg, avg_norm, skip = self._vet(s, avg, ep, scale)
+            if skip:  # every node holds the same bits, so every node skips
+                p.log(f"WARNING outer step {k + 1} skipped: the average has {skip}")
+                s = s._replace(outer_step=k + 1, inner_step=(k + 1) * H)
+            else:
+                s = outer_step(s, avg, self.tx, inner_step=(k + 1) * H)._replace(
+                    norms=remember(s.norms, avg_norm, self.guard))
+            report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None}
+            if suspect:
+                p.log(f"WARNING {ep.node_ids[suspect[0]]}'s contribution to outer step {k + 1} had {suspect[1]}")
             p.inner.set_params(s.outer_params)
             self.state, k, h = s, s.outer_step, state_hash(s)
             p.client.hold(k, h)
@@ -246,12 +269,13 @@ class NodeLoop:
                              "sync_s": sync_s, "compute_s": compute_s,
                              "utilization": compute_s / max(compute_s + sync_s, 1e-9),
                              "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
-                             "allreduce_tries": tries, **({"val_loss": p.inner.evaluate()}
-                                                          if due(cfg.eval_every) else {})}
+                             "allreduce_tries": tries, "pg_norm": pg_norm, "avg_norm": avg_norm,
+                             "sat_out": sits_out, "skipped": skip, "contributors": ep.world_size - len(ep.sitting_out),
+                             **({"val_loss": p.inner.evaluate()} if due(cfg.eval_every) else {})}
             p.log(f"outer step {k}: epoch {ep.epoch_id} ({ep.world_size} nodes), loss "
                   f"{last.get('loss', float('nan')):.4f}, sync {sync_s:.2f}s, "
                   f"sent {stats.bytes_sent / 2**20:.2f} MiB, hash {h[:12]}")
-        p.client.sync(k, h)  # the last barrier records the final hash (and completes the run)
+        p.client.sync(k, h, report=report)  # the last barrier records the final hash (and completes the run)
         self._confirm(k, h)
         self._wait_serving()
         p.client.leave()
@@ -264,16 +288,30 @@ class NodeLoop:
             self.p.inner.record(k * self.cfg.inner_steps, row)
             self._pending = None
 
-    def _all_reduce(self, k: int, h: str, pg: Any) -> tuple[Any, Epoch, Any, int]:
+    def _vet(self, s: DilocoState, avg: Any, ep: Epoch, scale: float | None) -> tuple[Any, float, str | None]:
+        """The average of the nodes that contributed (the ring's mean counts zeros for those that
+        sat out), its norm, and why it must not be applied (None: fine)."""
+        n = ep.world_size - len(ep.sitting_out)
+        if n <= 0:
+            return avg, 0.0, "no contribution (every node sat out)"
+        if n < ep.world_size:
+            scale = np.float32(ep.world_size / n)
+            avg = jax.tree.map(lambda a: (a * scale).astype(np.float32), avg)
+        norm, why = check_average(avg, s.norms, self.guard, scale)
+        return avg, norm, why
+
+    def _all_reduce(self, k: int, h: str, pg: Any, sits_out: str | None,
+                    report: dict | None) -> tuple[Any, Epoch, Any, int, tuple[int, str] | None]:
         p, cfg = self.p, self.cfg
         retry_of = None
         for attempt in range(cfg.max_retries + 1):
-            ep = p.client.sync(k, h, retry_of=retry_of)
+            ep = p.client.sync(k, h, retry_of=retry_of, sits_out=sits_out, report=report if attempt == 0 else None)
             comm = p.ring(ep)
+            comm.inspect = lambda theirs, ours: inspect(theirs, ours, self.guard)
             try:
                 with abort_when(p.clock, lambda: p.client.epoch_broken(ep.epoch_id), comm.abort, cfg.watch_interval):
                     avg = comm.all_reduce_mean(pg)
-                return avg, ep, comm.last_stats, attempt + 1
+                return avg, ep, comm.last_stats, attempt + 1, getattr(comm, "suspect", None)
             except NetError as e:
                 p.log(f"all-reduce of outer step {k + 1} failed in epoch {ep.epoch_id}: {e}; retrying")
                 retry_of = ep.epoch_id
@@ -286,7 +324,7 @@ class NodeLoop:
         if not ep.serve:
             return
         snap = s._replace(inner_opt_state=self.p.inner.snapshot(), data=None)  # taken now, sent in the background
-        meta = {"outer_step": s.outer_step, "inner_step": s.inner_step, "hash": state_hash(s)}
+        meta = {"outer_step": s.outer_step, "inner_step": s.inner_step, "hash": state_hash(s), "norms": list(s.norms)}
         for joiner_id, joiner_addr in ep.serve:
             self.p.log(f"serving the state of outer step {s.outer_step} to {joiner_id}")
             self.p.serving.append(self.p.transport.serve(joiner_id, joiner_addr, snap, meta))

@@ -47,6 +47,8 @@ class Arrival:
     time: float
     state_hash: str | None
     retry: bool
+    sits_out: str | None = None  # why this node contributes zeros to the next all-reduce
+    report: dict | None = None  # on the all-reduce before: {"avg_failed": bool, "accused": [node, why] | None}
 
 
 @dataclass(eq=False)  # identity semantics: nodes go in sets
@@ -64,6 +66,8 @@ class Node:
     admission: Admission | None = None
     received: bool = False  # admitted joiner reported state_received
     claim: Resume | None = None  # the state the node brought (a joiner's may resume a rebuild)
+    sit_outs: int = 0  # barriers in a row at which it sat out
+    strikes: int = 0  # failed rounds in which its ring successor blamed it
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ class Barrier:
     serve: dict[str, tuple[Peer, ...]] = field(default_factory=dict)
     hash_mismatch: tuple[Peer, ...] = ()
     changed: bool = True
+    sitting_out: tuple[str, ...] = ()
 
 
 class Membership:
@@ -216,7 +221,7 @@ class Membership:
                 "donor": adm.donor_id if adm else None, "epoch_id": self.epoch_id, "epoch_broken": broken}
 
     def arrive(self, node_id: str, session: str, step: int, now: float, state_hash: str | None = None,
-               retry_of: int | None = None) -> Epoch | None:
+               retry_of: int | None = None, sits_out: str | None = None, report: dict | None = None) -> Epoch | None:
         """A node reached boundary ``step``; returns its epoch once the barrier completes (else None)."""
         node = self._get(node_id, session)
         node.last_seen = now
@@ -251,7 +256,9 @@ class Membership:
         again = node.arrival is not None and node.arrival.step == step  # a re-issued request
         t0 = node.arrival.time if again else now  # type: ignore[union-attr]
         retry = retry or (again and node.arrival.retry)  # type: ignore[union-attr]
-        node.arrival, node.outbox = Arrival(step, t0, state_hash, retry), None
+        if again:  # a re-issued or retried sync keeps the first one's report (counted once)
+            report = report or node.arrival.report  # type: ignore[union-attr]
+        node.arrival, node.outbox = Arrival(step, t0, state_hash, retry, sits_out, report), None
         self._advance(now)
         return node.outbox
 
@@ -422,11 +429,31 @@ class Membership:
                 return
             if not self._resumed and len(arrived) < self.config.min_nodes:
                 return
-        members = self._agree(step, self._sorted(arrived), now)
+        members = self._police(self._agree(step, self._sorted(arrived), now), now)
         if members:
             self._complete(step, members)
         else:
             self._advance(now)
+
+    def _police(self, members: list[Node], now: float) -> list[Node]:
+        """Evict members whose own checks failed at ``sit_out_limit`` barriers in a row, and members
+        their ring successor blamed in ``strikes`` rounds whose average most members found bad."""
+        reports = [n.arrival.report or {} for n in members]  # type: ignore[union-attr]
+        failed = sum(1 for r in reports if r.get("avg_failed")) * 2 > len(members)
+        blamed = {r["accused"][0]: r["accused"][1] for r in reports if r.get("accused")}
+        keep = []
+        for n in members:
+            n.sit_outs = n.sit_outs + 1 if n.arrival.sits_out else 0  # type: ignore[union-attr]
+            n.strikes += int(failed and n.node_id in blamed)
+            if n.sit_outs >= self.config.sit_out_limit:
+                self._remove(n, now, f"its own pseudo-gradient checks failed at {n.sit_outs} barriers in a row "
+                                     f"({n.arrival.sits_out})")  # type: ignore[union-attr]
+            elif n.strikes >= self.config.strikes:
+                self._remove(n, now, f"poisoned contributions: blamed by its ring successor in {n.strikes} "
+                                     f"rounds whose average failed ({blamed.get(n.node_id)})")
+            else:
+                keep.append(n)
+        return keep
 
     def _agree(self, step: int, members: list[Node], now: float) -> list[Node]:
         """Record the run's hash of outer step ``step`` (the one already recorded, else the
@@ -480,6 +507,7 @@ class Membership:
         else:
             epoch_id = prev.epoch_id  # type: ignore[union-attr]
         mismatch = tuple(tuple(p) for p in self._hashes.get(step, {}).get("mismatch", ()))
+        sitting_out = tuple(n.node_id for n in members if n.arrival.sits_out)  # type: ignore[union-attr]
         for n in members:
             n.arrival, n.fresh = None, False
             if n.role is Role.ADMITTED:
@@ -499,7 +527,7 @@ class Membership:
             if j.role is Role.ADMITTED and not j.received and j.admission and j.admission.outer_step == step + 1:
                 serve.setdefault(j.admission.donor_id, []).append((j.node_id, j.addr))
         self._last = Barrier(step, epoch_id, pairs, tuple(n.session for n in members),
-                             {d: tuple(s) for d, s in serve.items()}, mismatch, changed)  # type: ignore[arg-type]
+                             {d: tuple(s) for d, s in serve.items()}, mismatch, changed, sitting_out)  # type: ignore[arg-type]
         for n in members:
             n.outbox = self._view(self._last, n.node_id)
         if changed:
@@ -511,4 +539,5 @@ class Membership:
 
     def _view(self, b: Barrier, node_id: str) -> Epoch:
         rank = [p[0] for p in b.members].index(node_id)
-        return Epoch(b.epoch_id, b.step, b.members, rank, b.serve.get(node_id, ()), b.hash_mismatch, b.changed)
+        return Epoch(b.epoch_id, b.step, b.members, rank, b.serve.get(node_id, ()), b.hash_mismatch, b.changed,
+                     b.sitting_out)

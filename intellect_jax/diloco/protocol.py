@@ -57,6 +57,8 @@ class CoordinatorConfig:
     tick_interval: float = 0.1  # how often timeouts are checked
     history: int = 200  # per-step hash records and eviction log entries kept
     outer_steps: int | None = None  # the run's length in outer steps (None: the first registrant's)
+    sit_out_limit: int = 3  # a node whose own checks fail at this many barriers in a row is evicted
+    strikes: int = 2  # a node blamed by its ring successor in this many failed rounds is evicted
     allow_rollback_to: int | None = None  # operator: the run may restart from this outer step or later
 
     def __post_init__(self) -> None:
@@ -105,6 +107,7 @@ class Epoch:
     serve: tuple[Peer, ...] = ()  # joiners this node streams its state to after outer step k+1
     hash_mismatch: tuple[Peer, ...] = ()  # (node_id, state hash) of every member when they disagree
     changed: bool = True  # membership differs from the previous epoch (or a retry)
+    sitting_out: tuple[str, ...] = ()  # members that contribute zeros to this all-reduce (failed own checks)
 
     @property
     def world_size(self) -> int:
@@ -122,7 +125,8 @@ class Epoch:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Epoch:
         pairs = {k: tuple(tuple(p) for p in d[k]) for k in ("members", "serve", "hash_mismatch")}
-        return cls(d["epoch_id"], d["outer_step"], rank=d["rank"], changed=d["changed"], **pairs)  # type: ignore[arg-type]
+        return cls(d["epoch_id"], d["outer_step"], rank=d["rank"], changed=d["changed"],  # type: ignore[arg-type]
+                   sitting_out=tuple(d.get("sitting_out", ())), **pairs)
 
 
 @dataclass(frozen=True)

@@ -154,9 +154,11 @@ class CoordinatorService:
         first: Callable[[float], Any]
         poll: Callable[[], Any]
         if req["op"] == "sync":
-            h, retry = req.get("state_hash"), req.get("retry_of")
+            h, retry, out, report = req.get("state_hash"), req.get("retry_of"), req.get("sits_out"), req.get("report")
             retry = None if retry is None else int(retry)
-            first = lambda now: m.arrive(node, sess, int(req["step"]), now, h, retry)  # noqa: E731
+            first = lambda now: m.arrive(node, sess, int(req["step"]), now, h, retry,  # noqa: E731
+                                         None if out is None else str(out)[:200],
+                                         report if isinstance(report, dict) else None)
             poll = lambda: m.epoch_for(node, sess)  # noqa: E731
             key = "epoch"
         else:

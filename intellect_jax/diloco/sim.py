@@ -40,7 +40,7 @@ from intellect_jax.diloco.loop import LoopConfig, NodeLoop, NodeParts, Outcome
 from intellect_jax.diloco.protocol import CoordinatorConfig
 from intellect_jax.diloco.service import LocalCoordinator
 from intellect_jax.diloco.sim_parts import (HOOKS, Fault, Killed, Proc, Script, SimInner, SimParams, _Comm, _Disk,
-                                            _Gated, _Group, _StallWire, _Transport)
+                                            _Gated, _Group, _StallWire, _Transport, corrupt)
 from intellect_jax.diloco.state import DilocoState, state_hash
 from intellect_jax.net.comm import RingConfig
 
@@ -62,8 +62,8 @@ class Sim:
                                            tick_interval=0.1, outer_steps=p.outer_steps)
         self.journal = MemoryJournal()
         self.coord: LocalCoordinator | None = None  # started by the driver, in virtual time
-        self.loop_cfg = LoopConfig(inner_steps=p.inner_steps, outer_steps=p.outer_steps, outer_lr=0.7,
-                                   outer_momentum=0.9, transfer_timeout=p.transfer_timeout,
+        self.loop_cfg = LoopConfig(inner_steps=p.inner_steps, outer_steps=p.outer_steps, outer_lr=p.outer_lr,
+                                   outer_momentum=p.outer_momentum, transfer_timeout=p.transfer_timeout,
                                    admission_timeout=p.max_time, watch_interval=p.heartbeat_interval,
                                    ckpt_every=p.inner_steps, eval_every=0)
         self.ring_cfg = RingConfig(mode="int8", block_size=32, piece_numel=64, deadline=p.ring_deadline)
@@ -173,6 +173,16 @@ class Sim:
                     self.say(proc.name, f"resumes after a {f.seconds:.2f}s stall")
                 return f
         return None
+
+    def poison(self, proc: Proc, where: str, step: int, tree: Any) -> Any:
+        """``tree`` as the node's pseudo-gradient of outer step ``step`` (``where``: "own" before its
+        own check, "wire" on its way into the ring), corrupted if a poison fault says so."""
+        for f in proc.faults:
+            if f.hook == "poison" and f.when == where and f.nth == step:
+                self.injected[f"poison {f.value} ({where})"] += 1
+                self.say(proc.name, f"FAULT poison ({f.value}, {where}) at outer step {step}")
+                return corrupt(tree, f.value)
+        return tree
 
     def _wait_unstalled(self, proc: Proc) -> None:
         left = proc.stalled_until - self.clock.now()

@@ -15,9 +15,10 @@ import numpy as np
 
 from intellect_jax.diloco.client import CoordinatorClient
 from intellect_jax.diloco.clock import SimClock
+from intellect_jax.diloco.local import NumpyInner
 from intellect_jax.diloco.loop import Outcome, TransferFailed
 from intellect_jax.diloco.protocol import Admission, Epoch
-from intellect_jax.diloco.state import DilocoState, MomentumState, init_state
+from intellect_jax.diloco.state import DilocoState
 from intellect_jax.net.comm import CommStats
 from intellect_jax.net.errors import PeerClosed, PeerTimeout
 from intellect_jax.net.local import LocalGroup
@@ -49,6 +50,8 @@ class SimParams:
     max_time: float = 900.0  # virtual seconds before the run counts as not completing
     dim: int = 96
     fault_prob: float = 0.6  # chance that an incarnation gets a fault
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     coordinator_restarts: int = 2  # at most
     outage_prob: float = 0.3  # chance of one event that kills several nodes at once
     late_joiners: int = 1  # at most
@@ -56,11 +59,13 @@ class SimParams:
 
 @dataclass(frozen=True)
 class Fault:
-    hook: str  # one of HOOKS
+    hook: str  # one of HOOKS, or "poison" (nth = the outer step's all-reduce to poison)
     nth: int  # on this node process's nth call of that hook
-    kind: str  # "kill" | "stall" | "partial" (allreduce: some ranks finish, the victim dies)
-    when: str = "before"  # "before" | "during" | "after"
+    kind: str  # "kill" | "stall" | "partial" (allreduce: some ranks finish, the victim dies) | "poison"
+    when: str = "before"  # "before" | "during" | "after"; poison: "own" (a broken host: its own
+    #                       pseudo-gradient is bad) | "wire" (malicious: it sends bad values anyway)
     seconds: float = 0.0  # stall length
+    value: str = ""  # poison: "nan" | "inf" | "x1000"
 
 
 @dataclass
@@ -158,75 +163,47 @@ class _Gated:
         return call
 
 
-class SimInner:
-    """A numpy stand-in for the trainer: each inner step pulls the weights toward this node's
-    target, deterministically per (node data, step); compute costs virtual time."""
+class SimInner(NumpyInner):
+    """The numpy trainer in virtual time, with fault points around its compute; its records go
+    to the simulation's log of every row any node wrote."""
 
     def __init__(self, sim: Sim, proc: Proc, target: np.ndarray) -> None:
-        self.sim, self.proc, self.target = sim, proc, target
-        self.weights = copy.deepcopy(sim.init)
-        self.opt = {"m": np.zeros(sim.p.dim, np.float32)}
-        self.step = 0
-        self.data = {"pos": 0}
+        super().__init__(target, sim.init, np.mean(sim.targets[: sim.p.nodes], axis=0), step_time=sim.p.step_time,
+                         clock=sim.clock)
+        self.sim, self.proc = sim, proc
 
-    def train(self, until: int) -> dict[str, Any]:
-        sim, n = self.sim, max(0, until - self.step)
-        sim.gate(self.proc, "train", "before")
-        sim.clock.sleep(n * sim.p.step_time / 2)
-        sim.gate(self.proc, "train", "during")
-        sim.clock.sleep(n * sim.p.step_time / 2)
+    def _pause(self, seconds: float, phase: str) -> None:
+        self.sim.gate(self.proc, "train", phase)
+        self.clock.sleep(seconds)
         if self.proc.dead:
             raise Killed()
-        w = self.weights
-        for _ in range(self.step, until):
-            noise = np.random.default_rng([self.data["pos"], int(abs(self.target[0]) * 1e6)]).standard_normal(
-                sim.p.dim).astype(np.float32)
-            g = w["w"] - self.target + np.float32(0.1) * noise
-            self.opt["m"] = (np.float32(0.9) * self.opt["m"] + g).astype(np.float32)
-            w["w"] = (w["w"] - np.float32(0.05) * self.opt["m"]).astype(np.float32)
-            w["u"] = (w["u"] + np.float32(0.01)).astype(np.float32)
-            self.data["pos"] += 1
-        self.step = until
-        sim.gate(self.proc, "train", "after")
-        return {"loss": float(np.mean((w["w"] - self.target) ** 2))}
 
-    def params(self) -> Any:
-        return copy.deepcopy(self.weights)
-
-    def init_state(self, tx: Any) -> DilocoState:
-        return init_state(self.weights, tx, None, self.step)
-
-    def set_params(self, params: Any) -> None:
-        self.weights = copy.deepcopy(params)
-
-    def snapshot(self) -> Any:
-        return copy.deepcopy(self.opt)
-
-    def live_opt_state(self) -> Any:
-        return copy.deepcopy(self.opt)
-
-    def data_state(self) -> dict | None:
-        return dict(self.data)
-
-    def adopt(self, s: DilocoState) -> None:
-        self.weights = copy.deepcopy(s.outer_params)
-        if s.inner_opt_state is not None:
-            self.opt = copy.deepcopy(s.inner_opt_state)
-        if s.data is not None:
-            self.data = dict(s.data)
-        self.step = s.inner_step
-
-    def template(self) -> DilocoState:
-        return DilocoState(self.weights, MomentumState(self.weights), self.opt, 0, 0)
-
-    def evaluate(self) -> float:
-        target = np.mean(self.sim.targets[: self.sim.p.nodes], axis=0)
-        return float(np.mean((self.weights["w"] - target) ** 2))
+    def train(self, until: int) -> dict[str, Any]:
+        out = super().train(until)
+        self.sim.gate(self.proc, "train", "after")
+        return out
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:
         if self.proc.dead:
             raise Killed()
         self.sim.rows.append((self.proc.name, step, dict(metrics)))
+
+    def set_params(self, params: Any) -> None:
+        super().set_params(params)
+        self._outer = copy.deepcopy(params)
+
+    def adopt(self, s: DilocoState) -> None:
+        super().adopt(s)
+        self._outer = copy.deepcopy(s.outer_params)
+
+    def params(self) -> Any:
+        """A broken host: the inner params come out so that outer - inner is poisoned."""
+        p, outer = super().params(), getattr(self, "_outer", None)
+        if outer is None:
+            return p
+        pg = {k: outer[k] - p[k] for k in p}
+        bad = self.sim.poison(self.proc, "own", self.step // self.sim.p.inner_steps, pg)
+        return p if bad is pg else {k: (outer[k] - bad[k]).astype(np.float32) for k in p}
 
 
 class _Group:
@@ -244,12 +221,16 @@ class _Comm:
 
     def __init__(self, sim: Sim, proc: Proc, ep: Epoch) -> None:
         self.sim, self.proc, self.rank, self.world_size, self.epoch = sim, proc, ep.rank, ep.world_size, ep.epoch_id
+        self.step = ep.outer_step + 1
         self.group = sim.groups.setdefault((ep.epoch_id, ep.outer_step), _Group(ep.world_size))
         self.last_stats = CommStats(world_size=ep.world_size, mode="int8")
+        self.inspect: Any = None  # as the socket ring's: shown the predecessor's own contribution
+        self.suspect: tuple[int, str] | None = None
 
     def all_reduce_mean(self, tree: Any) -> Any:
         sim, g, clock = self.sim, self.group, self.sim.clock
         f = sim.gate(self.proc, "allreduce", "before")
+        tree = sim.poison(self.proc, "wire", self.step, tree)
         deadline = clock.now() + sim.p.ring_deadline
         with sim.cond:
             g.inputs[self.rank], g.members[self.rank] = tree, self.proc
@@ -283,6 +264,10 @@ class _Comm:
         if g.results is None or self.rank in g.fail_ranks:
             raise PeerClosed(f"sim ring epoch {self.epoch}: {g.error or 'a peer died before passing it on'}")
         sim.gate(self.proc, "allreduce", "after")
+        if self.inspect is not None and self.world_size > 1:
+            prev = (self.rank - 1) % self.world_size
+            why = self.inspect(_flat(g.inputs[prev]), _flat(tree))
+            self.suspect = (prev, why) if why else None
         return copy.deepcopy(g.results[self.rank])
 
     def abort(self) -> None:
@@ -293,6 +278,26 @@ class _Comm:
 
     def close(self) -> None:
         pass
+
+
+def _flat(tree: Any) -> np.ndarray:
+    import jax
+
+    return np.concatenate([np.asarray(x, np.float32).reshape(-1) for x in jax.tree.leaves(tree)])
+
+
+def corrupt(tree: Any, value: str) -> Any:
+    """A copy of a pseudo-gradient tree with NaN, Inf, or every value x1000."""
+    import jax
+
+    def bad(x: np.ndarray) -> np.ndarray:
+        y = np.array(x, np.float32, copy=True)
+        if value == "x1000":
+            return y * np.float32(1000)
+        y.reshape(-1)[: max(1, y.size // 100)] = np.nan if value == "nan" else np.inf
+        return y
+
+    return jax.tree.map(bad, tree)
 
 
 class _Transport:

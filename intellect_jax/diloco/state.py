@@ -8,7 +8,8 @@ the state hash covers:
 * ``inner_opt_state``: this node's AdamW moments (host numpy in a snapshot, device arrays in a
   live trainer); a joiner takes its donor's;
 * ``outer_step``, ``inner_step``: counters; ``data``: this node's data-iterator position (its
-  own shard, so it is checkpointed but never transferred).
+  own shard, so it is checkpointed but never transferred); ``norms``: the norms of recent
+  averages, which the average check (:mod:`.guard`) compares against (shared, hashed).
 
 At an outer boundary the inner params equal ``outer_params`` (cast to the param dtype), so
 they are not stored separately.
@@ -41,6 +42,7 @@ class DilocoState(NamedTuple):
     outer_step: int
     inner_step: int
     data: dict | None = None
+    norms: tuple[float, ...] = ()  # recent accepted average pseudo-gradient norms (the average check)
 
     def arrays(self) -> dict[str, Tree]:
         """The array part, in the one leaf order used by checkpoints, transfers and hashes."""
@@ -99,10 +101,11 @@ def outer_step(s: DilocoState, avg_pg: Tree, tx: optax.GradientTransformation, i
 
 
 def state_hash(s: DilocoState) -> str:
-    """blake2b over the outer step, outer params and outer optimizer state (leaf paths and
-    bytes): the part of the state every node holds bit for bit."""
+    """blake2b over the outer step, the recent average norms, the outer params and the outer
+    optimizer state (leaf paths and bytes): the part of the state every node holds bit for bit."""
     h = hashlib.blake2b(digest_size=16)
     h.update(np.int64(s.outer_step).tobytes())
+    h.update(np.asarray(s.norms, np.float64).tobytes())
     for path, leaf in jax.tree_util.tree_leaves_with_path((s.outer_params, s.outer_opt_state)):
         h.update(jax.tree_util.keystr(path).encode())
         h.update(np.ascontiguousarray(leaf, dtype=np.float32).tobytes())

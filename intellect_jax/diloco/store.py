@@ -51,7 +51,7 @@ class CheckpointStore:
                                          if isinstance(arrays["outer_opt_state"], dict)
                                          else arrays["outer_opt_state"].momentum))
         return DilocoState(outer, momentum, arrays["inner_opt_state"], int(meta["outer_step"]),
-                           int(meta["inner_step"]), out.get("data"))
+                           int(meta["inner_step"]), out.get("data"), tuple(meta.get("norms", ())))
 
     def _verify(self, out: dict[str, Any]) -> str | None:
         got, want = state_hash(self._state(out)), out["meta"].get("outer_hash")
@@ -80,6 +80,7 @@ class CheckpointStore:
                 return
             ck.delete(step)  # a state the run's history did not keep (e.g. a failed round's)
         meta = {**self.meta, "step": step, "outer_step": s.outer_step, "inner_step": step, "outer_hash": h,
+                "norms": list(s.norms),
                 "config": self.t.cfg.model_dump(mode="json")}
         json = {"meta": meta, "tokenizer": self.t.tok.state(), "data": s.data if s.data is not None else {}}
         ck.save(step, {ITEM: s.arrays()}, json, force=True)

@@ -196,6 +196,8 @@ class SocketCommunicator:
                              f"max_frame_bytes={node.cfg.max_frame_bytes}; lower piece_numel")
         self._owns_node = owns_node
         self._aborted = False
+        self.inspect: Any = None  # (theirs, ours) -> reason | None, shown the predecessor's own pieces
+        self.suspect: tuple[int, str] | None = None  # (predecessor rank, reason) after a call
         self._links: Links | None = None
         self._workspace = Workspace()
         self._closed = False
@@ -287,13 +289,18 @@ class SocketCommunicator:
                 meta.pop("deadline")
                 self._check_meta(links, meta, deadline)
 
+            findings: list[str] = []
+
             def flat_reduce(flat: np.ndarray, bi: int, o: np.ndarray | None) -> np.ndarray:
                 return ring_all_reduce(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                        block=cfg.block_size, piece_numel=cfg.piece_numel, seed=seed,
                                        call=bucket_call(call, bi), deadline=deadline, out=o,
-                                       workspace=self._workspace)
+                                       workspace=self._workspace, inspect=self.inspect, findings=findings)
 
+            self.suspect = None
             result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out)
+            if findings:
+                self.suspect = ((self.rank - 1) % self.world_size, findings[0])
         except BaseException:
             self._teardown()  # neighbours see the connections close and fail fast too
             raise

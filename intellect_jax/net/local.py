@@ -53,6 +53,7 @@ class LocalGroup:
         self._generation = 0
         self._calls = 0
         self._fail: str | None = None
+        self.last_inputs: list[Any] = []  # every rank's input of the last collective
         self.comms = [LocalCommunicator(self, r) for r in range(world)]
 
     def communicator(self, rank: int) -> LocalCommunicator:
@@ -93,6 +94,7 @@ class LocalGroup:
             self._inputs[rank] = tree
             if len(self._inputs) == self.world:
                 inputs, self._inputs = [self._inputs[r] for r in range(self.world)], {}
+                self.last_inputs = inputs
                 try:
                     self._results, self._error = self.all_reduce_mean_all(inputs), None
                 except Exception as e:  # noqa: BLE001 - re-raised on every rank
@@ -118,6 +120,8 @@ class LocalCommunicator:
     def __init__(self, group: LocalGroup, rank: int) -> None:
         self.group, self.rank, self.world_size = group, rank, group.world
         self._stats = CommStats(world_size=group.world, mode=group.config.mode)
+        self.inspect: Any = None  # as SocketCommunicator.inspect, shown the predecessor's whole input
+        self.suspect: tuple[int, str] | None = None
 
     @property
     def last_stats(self) -> CommStats:
@@ -129,6 +133,13 @@ class LocalCommunicator:
         t0 = time.monotonic()
         cfg = self.group.config
         result = self.group._submit(self.rank, tree, cfg.deadline)
+        self.suspect = None
+        if self.inspect is not None and self.world_size > 1:
+            prev = (self.rank - 1) % self.world_size
+            theirs = np.concatenate([x.reshape(-1) for x in treelib.flatten(self.group.last_inputs[prev])[0]])
+            ours = np.concatenate([x.reshape(-1) for x in treelib.flatten(tree)[0]])
+            why = self.inspect(theirs, ours)
+            self.suspect = (prev, why) if why else None
         if out is not None:
             for o, r in zip(treelib.flatten(out)[0], treelib.flatten(result)[0]):
                 np.copyto(o, r)

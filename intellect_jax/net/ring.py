@@ -93,8 +93,9 @@ class _RingRun:
 
     def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str,
                  block: int, piece_numel: int, seed: int | None, call: int, deadline: float,
-                 ws: Workspace) -> None:
+                 ws: Workspace, inspect: Inspect | None = None) -> None:
         self.links, self.x, self.out, self.rank, self.world = links, x, out, rank, world
+        self.inspect, self.findings = inspect, []  # what inspect() said of the predecessor's own pieces
         self.mode, self.block, self.seed, self.call, self.deadline = mode, block, seed, call, deadline
         self.plan: RingPlan = make_plan(x.shape[0], world, block, piece_numel)
         self.ws = ws
@@ -198,9 +199,13 @@ class _RingRun:
                 if mode == "fp32":  # receive straight into the accumulator that is sent on
                     acc = pooled[:nbytes].view(np.float32)
                     conn.recv_payload_into(hdr, acc, deadline=self.deadline)
+                    if s == 0 and self.inspect is not None:
+                        self._inspect(acc, a, b)
                     np.add(acc, self.x[a:b], out=acc)
                 else:
                     conn.recv_payload_into(hdr, rbuf[:nbytes], deadline=self.deadline)
+                    if s == 0 and self.inspect is not None:  # the predecessor's own values, unsummed
+                        self._inspect(quant.decode(rbuf[:nbytes], n, mode, block), a, b)
                     acc = rs_hop(rbuf[:nbytes], self.x[a:b], mode, block, acc_buf)
                 if s < world - 2:
                     rng = piece_rng(self.seed, self.call, seg, j, s + 1)
@@ -229,6 +234,12 @@ class _RingRun:
                 elif pooled is not None:
                     ws.release(pooled)
 
+    def _inspect(self, theirs: np.ndarray, a: int, b: int) -> None:
+        why = self.inspect(theirs, self.x[a:b])  # type: ignore[misc]
+        if why:
+            with self.cond:
+                self.findings.append(why)
+
     def run(self) -> np.ndarray:
         threads = [threading.Thread(target=self.guarded(self.encoder), name="ring-enc", daemon=True)]
         for k in range(self.streams):
@@ -248,12 +259,18 @@ class _RingRun:
         return self.out
 
 
+Inspect = Callable[[np.ndarray, np.ndarray], "str | None"]
+
+
 def ring_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, mode: str, block: int,
                     piece_numel: int, seed: int | None, call: int, deadline: float,
-                    out: np.ndarray | None = None, workspace: Workspace | None = None) -> np.ndarray:
+                    out: np.ndarray | None = None, workspace: Workspace | None = None,
+                    inspect: Inspect | None = None, findings: list[str] | None = None) -> np.ndarray:
     """Mean of ``x`` (flat float32) over the ring, bit-identical on every rank.
 
-    Written to ``out`` (flat float32, must not overlap ``x``) or a new array.
+    Written to ``out`` (flat float32, must not overlap ``x``) or a new array. ``inspect(theirs,
+    ours)`` is shown each piece of the predecessor's own contribution (its first messages,
+    before any sum) next to ours; what it returns (a reason, or None) goes to ``findings``.
     """
     out = np.empty(x.shape[0], np.float32) if out is None else out
     if out.shape != x.shape or out.dtype != np.float32:
@@ -264,4 +281,9 @@ def ring_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, mode:
         np.copyto(out, x)
         return out
     ws = workspace or Workspace()
-    return _RingRun(links, x, out, rank, world, mode, block, piece_numel, seed, call, deadline, ws).run()
+    run = _RingRun(links, x, out, rank, world, mode, block, piece_numel, seed, call, deadline, ws, inspect)
+    try:
+        return run.run()
+    finally:
+        if findings is not None:
+            findings.extend(run.findings)

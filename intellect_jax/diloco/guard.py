@@ -1,0 +1,109 @@
+"""Checks that keep a broken or poisoned pseudo-gradient out of the outer state.
+
+Three lines of defence, all cheap next to the all-reduce:
+
+* **Own check** (:class:`OwnGuard`): before contributing, a node checks its own
+  pseudo-gradient: every value finite, its norm within ``factor`` x the median of its recent
+  accepted norms. If it fails (a bf16 overflow, a bad host), the node contributes zeros and
+  says so at the barrier; every member then divides the ring's sum by the number of nodes that
+  did contribute, so the round's average is that of the healthy nodes.
+* **Average check** (:func:`check_average`): before the outer step every node checks the
+  average the same way against the norms of recent averages, which travel in the
+  ``DilocoState`` (so a joiner decides like everyone else). Every node holds the same bits,
+  so every node reaches the same verdict; a failing round is skipped (outer params and
+  momentum unchanged), never applied.
+* **Blame** (:func:`inspect`): in a ring, a rank's first message to its successor is its own
+  contribution, unsummed; the successor looks at it and, when it is non-finite or far larger
+  than its own, reports the predecessor with its next barrier. The coordinator evicts a node
+  that is reported in rounds whose average failed (see ``docs/security.md``).
+
+Norms are rounded to 6 significant digits before they are compared or stored, so nodes whose
+CPUs sum in a different order still agree.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    factor: float = 10.0  # a norm above factor x the recent median fails
+    history: int = 8  # recent norms kept
+    min_history: int = 3  # no magnitude check before this many norms are known
+    suspect_factor: float = 30.0  # a predecessor's piece this many times our own RMS is reported
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+def tree_norm(tree: Any) -> float:
+    """L2 norm over every leaf (float64 sums), rounded to 6 significant digits; inf if any value
+    is not finite."""
+    total = 0.0
+    for leaf in jax.tree.leaves(tree):
+        a = np.asarray(leaf, dtype=np.float32).reshape(-1)
+        if not np.isfinite(a).all():
+            return math.inf
+        total += float(np.dot(a.astype(np.float64), a.astype(np.float64)))
+    return _round(math.sqrt(total))
+
+
+def judge(norm: float, history: tuple[float, ...] | list[float], cfg: GuardConfig,
+          scale: float | None = None) -> str | None:
+    """Why a pseudo-gradient (or an average) of this norm must not be used (None: fine). Until
+    ``min_history`` norms are known, the bound is ``factor`` x ``scale`` (the outer params' own
+    norm: no sane outer step moves the weights by many times their whole size)."""
+    if not math.isfinite(norm):
+        return "non-finite values"
+    if len(history) >= cfg.min_history:
+        med = statistics.median(history)
+        if med > 0 and norm > cfg.factor * med:
+            return f"norm {norm:.4g} is {norm / med:.0f}x the recent median {med:.4g}"
+    elif scale is not None and norm > cfg.factor * scale:
+        return f"norm {norm:.4g} is {norm / scale:.0f}x the outer params' own norm {scale:.4g}"
+    return None
+
+
+def remember(history: tuple[float, ...], norm: float, cfg: GuardConfig) -> tuple[float, ...]:
+    return (*history, norm)[-cfg.history:]
+
+
+class OwnGuard:
+    """A node's check of its own pseudo-gradients (its history stays local)."""
+
+    def __init__(self, cfg: GuardConfig | None = None) -> None:
+        self.cfg = cfg or GuardConfig()
+        self.history: tuple[float, ...] = ()
+
+    def check(self, pg: Any, scale: float | None = None) -> tuple[float, str | None]:
+        norm = tree_norm(pg)
+        why = judge(norm, self.history, self.cfg, scale)
+        if why is None:
+            self.history = remember(self.history, norm, self.cfg)
+        return norm, why
+
+
+def check_average(avg: Any, history: tuple[float, ...], cfg: GuardConfig,
+                  scale: float | None = None) -> tuple[float, str | None]:
+    norm = tree_norm(avg)
+    return norm, judge(norm, history, cfg, scale)
+
+
+def inspect(theirs: np.ndarray, ours: np.ndarray, cfg: GuardConfig) -> str | None:
+    """A predecessor's raw piece against ours at the same positions: non-finite, or an RMS
+    ``suspect_factor`` times ours (only when ours is not all zeros)."""
+    if not np.isfinite(theirs).all():
+        return "non-finite values"
+    ours_rms = float(np.sqrt(np.mean(np.square(ours, dtype=np.float64)))) if ours.size else 0.0
+    theirs_rms = float(np.sqrt(np.mean(np.square(theirs, dtype=np.float64)))) if theirs.size else 0.0
+    if ours_rms > 0 and theirs_rms > cfg.suspect_factor * ours_rms:
+        return f"values {theirs_rms / ours_rms:.0f}x ours"
+    return None
