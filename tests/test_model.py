@@ -5,18 +5,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_train import ref_loss
 
 from intellect_jax.model import sharding as S
 from intellect_jax.model.config import ConfigError, ModelConfig
 from intellect_jax.model.llama import Llama, build, rope_inv_freq
-from intellect_jax.trainer.loss import head_loss, lm_loss
+from intellect_jax.trainer.loss import head_loss
 
 CFG = ModelConfig.preset("debug", compute_dtype="float32")
 
 
 def _loss_and_grads(model, tokens):
     def f(m):
-        return lm_loss(m(tokens[:, :-1]), tokens[:, 1:], z_weight=1e-4)[0]
+        return ref_loss(m(tokens[:, :-1]), tokens[:, 1:], z_weight=1e-4)[0]
 
     return nnx.value_and_grad(f)(model)
 

@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from intellect_jax import config as C
 from intellect_jax.model.config import ConfigError
-from intellect_jax.trainer.loss import chunk_len, head_loss, lm_loss
+from intellect_jax.trainer.loss import chunk_len, head_loss, row_nll
 from intellect_jax.trainer.optim import OptimConfig, make_schedule
 
 TINY_MODEL = {"preset": "debug", "hidden_size": 64, "num_layers": 2, "num_heads": 4,
@@ -151,10 +152,19 @@ def test_wsd_sqrt_schedule_values():
     assert float(floor(5)) == pytest.approx(0.2 + 1.8 * 0.5) and float(floor(10)) == pytest.approx(0.2)
 
 
+def ref_loss(logits_BxLxV, targets_BxL, z_weight=0.0):
+    """The plain reference the fused loss is checked against: from the whole logits array."""
+    logits = logits_BxLxV.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]
+    ce, z = jnp.mean(lse - tgt), jnp.mean(jnp.square(jnp.max(logits, axis=-1)))
+    return ce + z_weight * z, {"ce": ce, "z": z}
+
+
 def test_z_loss_hand_computed():
     logits = jnp.array([[[1.0, 2.0, 0.0], [3.0, -1.0, 0.5]]])  # B=1, L=2, V=3
     targets = jnp.array([[1, 0]])
-    total, aux = lm_loss(logits, targets, z_weight=0.5)
+    total, aux = head_loss(logits, jnp.eye(3), targets, z_weight=0.5)  # x @ I = the logits
     lse0 = math.log(math.e**1 + math.e**2 + 1)
     lse1 = math.log(math.e**3 + math.e**-1 + math.e**0.5)
     ce = ((lse0 - 2.0) + (lse1 - 3.0)) / 2
@@ -166,8 +176,8 @@ def test_z_loss_hand_computed():
 
 @pytest.mark.parametrize("chunk", [1, 4, 12])
 def test_fused_head_loss_matches_logits_path(chunk):
-    """head_loss == lm_loss(x @ w): value, aux and gradients, including cotangents on the aux
-    outputs (differentiating ce alone or z alone) and a bf16 input."""
+    """head_loss == the reference on x @ w: value, aux and gradients, including cotangents on
+    the aux outputs (differentiating ce alone or z alone) and a bf16 input."""
     kx, kw, kt = jax.random.split(jax.random.key(0), 3)
     B, L, D, V = 3, 12, 16, 50
     x = jax.random.normal(kx, (B, L, D))
@@ -176,7 +186,7 @@ def test_fused_head_loss_matches_logits_path(chunk):
     zw = 0.05
 
     def ref(x, w):
-        return lm_loss(jnp.einsum("bld,dv->blv", x, w), t, zw)
+        return ref_loss(jnp.einsum("bld,dv->blv", x, w), t, zw)
 
     def fused(x, w):
         return head_loss(x, w, t, zw, chunk=chunk)
@@ -195,6 +205,43 @@ def test_fused_head_loss_matches_logits_path(chunk):
     gb = jax.grad(lambda x: fused(x, w)[0])(x.astype(jnp.bfloat16))
     assert gb.dtype == jnp.bfloat16
     np.testing.assert_allclose(gb.astype(jnp.float32), jax.grad(lambda x: ref(x, w)[0])(x), atol=2e-3)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, None])
+def test_row_nll_matches_the_reference(chunk):
+    kx, kw, kt = jax.random.split(jax.random.key(1), 3)
+    B, L, D, V = 4, 10, 8, 37
+    x, w = jax.random.normal(kx, (B, L, D)), jax.random.normal(kw, (D, V))
+    t = jax.random.randint(kt, (B, L), 0, V)
+    logits = jnp.einsum("bld,dv->blv", x, w)
+    want = jnp.sum(jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, t[..., None], -1)[..., 0], axis=1)
+    np.testing.assert_allclose(row_nll(x, w, t, chunk=chunk), want, rtol=1e-5)
+    assert np.mean(row_nll(x, w, t)) / L == pytest.approx(float(ref_loss(logits, t)[1]["ce"]), rel=1e-5)
+
+
+def test_eval_never_builds_the_logits():
+    """A long-sequence, large-vocabulary eval: the compiled eval step needs over 10x less memory
+    than evaluating through the [B, L, V] logits did."""
+    from intellect_jax.model.config import ModelConfig
+    from intellect_jax.model.llama import abstract
+    from intellect_jax.trainer import step as T
+
+    cfg = ModelConfig.preset("debug", compute_dtype="float32", vocab_size=131072, max_seq_len=512,
+                             hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, ffn_size=128)
+    graphdef, params = abstract(cfg)
+    params = nnx.to_pure_dict(params)
+    tok = jax.ShapeDtypeStruct((4, 513), jnp.int32)
+
+    def old_eval(params, tok_BxL1):  # what evaluation did before: the whole logits
+        logits = T.apply_model(graphdef, params, tok_BxL1[:, :-1]).astype(jnp.float32)
+        tgt = jnp.take_along_axis(logits, tok_BxL1[:, 1:, None], -1)[..., 0]
+        return jnp.sum(jax.nn.logsumexp(logits, -1) - tgt, axis=1)
+
+    def temp_bytes(fn):
+        return jax.jit(fn).lower(params, tok).compile().memory_analysis().temp_size_in_bytes
+
+    new, old = temp_bytes(T.make_eval_step(graphdef)), temp_bytes(old_eval)
+    assert old > 1e9 and new * 10 < old, (new, old)  # 4 x 512 x 131072 fp32 logits = 1 GiB
 
 
 def test_chunk_len():

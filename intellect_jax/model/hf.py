@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from intellect_jax.model.config import ModelConfig
-from intellect_jax.model.llama import Llama
+from intellect_jax.model.llama import Llama, abstract
 from intellect_jax.model.sharding import state_shardings
 
 SINGLE = "model.safetensors"
@@ -89,10 +89,6 @@ def _to_hf(x: np.ndarray, n_in: int) -> np.ndarray:
 
 def _from_hf(y: np.ndarray, shape: tuple[int, ...], n_in: int) -> np.ndarray:
     return y if not n_in else y.T.reshape(shape)
-
-
-def _abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    return nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(params=0))))
 
 
 def _fmt(path: Path_) -> str:
@@ -226,7 +222,7 @@ def load_hf_state(hf_dir: str | Path, cfg: ModelConfig, *, mesh: Mesh | None = N
         if names:
             more = f" (+{len(names) - 1} more)" if len(names) > 1 else ""
             raise HFFormatError(f"{d}: {what} {names[0]}{more}")
-    _, abs_state = _abstract(cfg)
+    _, abs_state = abstract(cfg)
     flat = dict(nnx.to_flat_state(abs_state))
     shard = dict(nnx.to_flat_state(state_shardings(abs_state, mesh))) if mesh is not None else {}
     for name, path, n_in in spec:  # check every shape before reading any data
@@ -260,7 +256,7 @@ def import_hf(
     """
     cfg = read_hf_config(hf_dir, **(overrides or {}))
     state = load_hf_state(hf_dir, cfg, mesh=mesh)
-    graphdef, _ = _abstract(cfg)
+    graphdef, _ = abstract(cfg)
     return nnx.merge(graphdef, state), cfg
 
 
@@ -280,7 +276,7 @@ def _param_arrays(model_or_params: Any, cfg: ModelConfig) -> dict[Path_, Any]:
         tuple(_key(k) for k in path): v.get_value() if is_var(v) else v
         for path, v in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_var)[0]
     }
-    want = dict(nnx.to_flat_state(_abstract(cfg)[1]))
+    want = dict(nnx.to_flat_state(abstract(cfg)[1]))
     for p, v in want.items():
         if p not in got:
             raise ValueError(f"export_hf: params lack {_fmt(p)} required by cfg")

@@ -174,3 +174,10 @@ class Llama(nnx.Module):
 def build(cfg: ModelConfig, seed: int = 0) -> Llama:
     """An unsharded model (tests, tools). Training uses `sharding.init_sharded`."""
     return Llama(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract state) of the model: what restores, imports and shardings start from."""
+    from intellect_jax.model.sharding import abstract as abstract_of
+
+    return abstract_of(lambda: Llama(cfg, rngs=nnx.Rngs(params=0)))

@@ -103,10 +103,15 @@ def state_shardings(abs_state: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda p: NamedSharding(mesh, p), specs)
 
 
+def abstract(make_model: Any) -> tuple[nnx.GraphDef, Any]:
+    """(graphdef, abstract nnx.State) of `make_model()`: shapes, dtypes and axes, nothing allocated."""
+    return nnx.split(nnx.eval_shape(make_model))
+
+
 def init_sharded(make_model: Any, mesh: Mesh) -> nnx.Module:
-    """Create `make_model()` with every parameter born sharded (eval_shape -> specs -> jit)."""
-    abstract = nnx.eval_shape(make_model)
-    graphdef, abs_state = nnx.split(abstract)
+    """Create `make_model()` with every parameter born sharded (eval_shape -> specs -> jit):
+    the one way parameters are initialized (training, tests, tools)."""
+    graphdef, abs_state = abstract(make_model)
     shardings = state_shardings(abs_state, mesh)
 
     @jax.jit(out_shardings=shardings)
@@ -123,7 +128,7 @@ def memory_report(
 ) -> dict[str, float]:
     """Parameter count and worst-device bytes for params + `opt_states` fp32 moments (AdamW: 2),
     computed from abstract shapes only: nothing is allocated."""
-    _, abs_state = nnx.split(nnx.eval_shape(make_model))
+    _, abs_state = abstract(make_model)
     specs = state_specs(abs_state, mesh_shape)
     n_params = 0
     param_bytes = 0.0

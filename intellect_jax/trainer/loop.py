@@ -115,7 +115,7 @@ class Trainer:
         step_fn = T.make_train_step(self.graphdef, tx, self.schedule,
                                     z_weight=cfg.optim.z_loss_weight, micro_steps=B // micro)
         self._train, self._eval = T.compile_steps(
-            step_fn, T.make_eval_step(self.graphdef), self.shardings, self.batch_sh
+            step_fn, T.make_eval_step(self.graphdef, B // micro), self.shardings, self.batch_sh
         )
         self.compile_s: float | None = None  # the train step is compiled ahead of its first call
         self._unreported: dict = {}  # metrics waiting for the next logged row (compile_s)

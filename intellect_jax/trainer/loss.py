@@ -1,11 +1,12 @@
-"""Next-token cross-entropy with INTELLECT-1's max-z-loss auxiliary term.
+"""Next-token cross-entropy with INTELLECT-1's max-z-loss auxiliary term: the one loss path.
 
-`lm_loss` takes logits (reference form, used by eval and tests). `head_loss` is what the
-train step runs: the output projection fused with the loss. It never holds the [B, L, V]
-logits (a single 8192-token sequence with Llama-3's vocab is 4.2 GB of fp32 logits): it walks
-the sequence in chunks and, since the loss is the end of the graph, computes the gradients
-w.r.t. the features and the head weight inside the forward pass (a custom VJP), so each chunk's
-logits are made, used and dropped while they are still in cache.
+The output projection is fused with the loss and never holds the [B, L, V] logits (a single
+8192-token sequence with Llama-3's vocab is 4.2 GB of fp32 logits): the sequence is walked in
+chunks (`_logit_stats` makes one chunk's logits and reduces them). `head_loss` is what the
+train step runs: since the loss is the end of the graph, it computes the gradients w.r.t. the
+features and the head weight inside the forward pass (a custom VJP), so each chunk's logits
+are made, used and dropped while they are still in cache. `row_nll` is what evaluation runs:
+the same chunks, summed per row, no gradients.
 """
 
 from __future__ import annotations
@@ -16,21 +17,6 @@ import jax
 import jax.numpy as jnp
 
 CHUNK_ELEMS = 1 << 20  # logits per chunk (4 MiB fp32): measured best on CPU, bounded memory on GPU
-
-
-def lm_loss(
-    logits_BxLxV: jax.Array, targets_BxL: jax.Array, z_weight: float = 0.0
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean cross-entropy + z_weight x mean(max logit ** 2), all in float32.
-
-    Returns (total, {"ce": ..., "z": ...}) where z is the unweighted mean squared max logit.
-    """
-    logits = logits_BxLxV.astype(jnp.float32)
-    lse_BxL = jax.nn.logsumexp(logits, axis=-1)
-    tgt_BxL = jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]
-    ce = jnp.mean(lse_BxL - tgt_BxL)
-    z = jnp.mean(jnp.square(jnp.max(logits, axis=-1)))
-    return ce + z_weight * z, {"ce": ce, "z": z}
 
 
 def chunk_len(B: int, L: int, V: int, elems: int = CHUNK_ELEMS) -> int:
@@ -46,7 +32,8 @@ def head_loss(
     x_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array, z_weight: float = 0.0,
     chunk: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`lm_loss(x @ w, targets, z_weight)` without materializing the logits.
+    """Mean cross-entropy of ``x @ w`` against ``targets`` + ``z_weight`` x mean(max logit ** 2),
+    returned as (total, {"ce": ..., "z": ...}), without materializing the logits.
 
     The matmul runs in x's dtype with fp32 accumulation and fp32 softmax, like `Llama.__call__`.
     Differentiable in x and w, through the total and through the aux values; the max-logit
@@ -76,6 +63,33 @@ def _head(x, w, targets, z_weight, c):
     return _head_fwd(x, w, targets, z_weight, c)[0]
 
 
+def _logit_stats(x_BxCxD, wc_DxV, t_BxC):
+    """One chunk's logits (fp32) and what the loss needs of them: max, exp(logits - max), their
+    sum, the one-hot of the targets and the target logits."""
+    lg = jnp.einsum("bcd,dv->bcv", x_BxCxD, wc_DxV, preferred_element_type=jnp.float32)
+    m = jnp.max(lg, axis=-1)
+    e = jnp.exp(lg - m[..., None])
+    s = jnp.sum(e, axis=-1)
+    iota = jax.lax.broadcasted_iota(jnp.int32, lg.shape, 2)
+    is_t = iota == t_BxC[..., None]
+    tgt = jnp.sum(jnp.where(is_t, lg, 0.0), axis=-1)
+    return lg, m, e, s, iota, is_t, tgt
+
+
+def row_nll(x_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array, chunk: int | None = None) -> jax.Array:
+    """Summed next-token cross-entropy of each row, [B] float32, without the [B, L, V] logits."""
+    B, L, _ = x_BxLxD.shape
+    c = chunk or chunk_len(B, L, w_DxV.shape[1])
+    wc = w_DxV.astype(x_BxLxD.dtype)
+
+    def body(acc_B, inp):
+        _, m, _, s, _, _, tgt = _logit_stats(*inp[:1], wc, inp[1])
+        return acc_B + jnp.sum(m + jnp.log(s) - tgt, axis=-1), None
+
+    acc, _ = jax.lax.scan(body, jnp.zeros((B,), jnp.float32), (_chunks(x_BxLxD, c), _chunks(targets_BxL, c)))
+    return acc
+
+
 def _head_fwd(x, w, targets, z_weight, c):
     B, L, _ = x.shape
     n = B * L
@@ -84,14 +98,8 @@ def _head_fwd(x, w, targets, z_weight, c):
     def body(carry, inp):
         dw, ce, z = carry
         x_BxCxD, t_BxC = inp
-        lg = jnp.einsum("bcd,dv->bcv", x_BxCxD, wc, preferred_element_type=jnp.float32)
-        m = jnp.max(lg, axis=-1)
+        lg, m, e, s, iota, is_t, tgt = _logit_stats(x_BxCxD, wc, t_BxC)
         am = jnp.argmax(lg, axis=-1)
-        e = jnp.exp(lg - m[..., None])
-        s = jnp.sum(e, axis=-1)
-        iota = jax.lax.broadcasted_iota(jnp.int32, lg.shape, 2)
-        is_t = iota == t_BxC[..., None]
-        tgt = jnp.sum(jnp.where(is_t, lg, 0.0), axis=-1)
         # d(total)/d(logits) = (softmax - onehot(target) + z_weight * 2m * onehot(argmax)) / n
         d = (e / s[..., None] - is_t + jnp.where(iota == am[..., None], (2 * z_weight) * m[..., None], 0.0)) / n
         d = d.astype(x.dtype)

@@ -15,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from intellect_jax.model import sharding as S
 from intellect_jax.model.config import ModelConfig
-from intellect_jax.model.llama import Llama
-from intellect_jax.trainer.loss import head_loss
+from intellect_jax.model.llama import Llama, abstract
+from intellect_jax.trainer.loss import head_loss, row_nll
 
 Params = dict[str, Any]  # nnx "pure dict" of parameter arrays
 
@@ -26,11 +26,6 @@ class TrainState:
     step: jax.Array  # int32 scalar: optimizer updates applied so far
     params: Params
     opt_state: optax.OptState
-
-
-def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
-    return graphdef, state
 
 
 def apply_model(graphdef: nnx.GraphDef, params: Params, tokens_BxL: jax.Array) -> jax.Array:
@@ -49,7 +44,7 @@ def _like_params(tree: Any, params_def: Any, params_sh: Any, replicated: NamedSh
 def state_shardings(cfg: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh) -> tuple[nnx.GraphDef, Any, TrainState]:
     """(graphdef, abstract TrainState carrying its shardings, TrainState of NamedShardings):
     nothing is allocated; the abstract state is what orbax restores into."""
-    graphdef, abs_vars = abstract_model(cfg)
+    graphdef, abs_vars = abstract(cfg)
     params_sh = nnx.to_pure_dict(S.state_shardings(abs_vars, mesh))
     abs_params = nnx.to_pure_dict(abs_vars)
     abs_opt = jax.eval_shape(tx.init, abs_params)
@@ -68,10 +63,11 @@ def init_state(
     """State born sharded on `mesh` (jitted init with out_shardings): fresh random parameters,
     or the given (already placed) `params` with a fresh optimizer state."""
 
+    if params is None:  # the one sharded init (sharding.init_sharded), then the optimizer's state
+        params = nnx.to_pure_dict(nnx.state(S.init_sharded(lambda: Llama(cfg, rngs=nnx.Rngs(params=seed)), mesh)))
+
     @jax.jit(out_shardings=shardings)
-    def init(params: Params | None) -> TrainState:
-        if params is None:
-            params = nnx.to_pure_dict(nnx.state(Llama(cfg, rngs=nnx.Rngs(params=seed))))
+    def init(params: Params) -> TrainState:
         return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
     with jax.set_mesh(mesh):
@@ -129,13 +125,22 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[Params, jax.Array], jax.Array]:
-    """Summed next-token loss of each row of a batch [B, L+1] -> [B] (L tokens per row)."""
+def make_eval_step(graphdef: nnx.GraphDef, micro_steps: int = 1) -> Callable[[Params, jax.Array], jax.Array]:
+    """Summed next-token loss of each row of a batch [B, L+1] -> [B] (L tokens per row): the
+    train step's chunked head (no [B, L, V] logits), over `micro_steps` micro-batches like it."""
+
+    def rows(params: Params, tok_BxL1: jax.Array) -> jax.Array:
+        x_BxLxD, w_DxV = nnx.merge(graphdef, params).features(tok_BxL1[:, :-1])
+        return row_nll(x_BxLxD, w_DxV, tok_BxL1[:, 1:])
 
     def eval_step(params: Params, tok_BxL1: jax.Array) -> jax.Array:
-        logits = apply_model(graphdef, params, tok_BxL1[:, :-1]).astype(jnp.float32)
-        tgt = jnp.take_along_axis(logits, tok_BxL1[:, 1:, None], -1)[..., 0]
-        return jnp.sum(jax.nn.logsumexp(logits, -1) - tgt, axis=1)
+        if micro_steps == 1:
+            return rows(params, tok_BxL1)
+        B, L1 = tok_BxL1.shape
+        micro_MxBxL1 = S.constrain(tok_BxL1.reshape(B // micro_steps, micro_steps, L1).swapaxes(0, 1),
+                                   (None, "batch", "seq"))
+        out_MxB = jax.lax.map(lambda tok: rows(params, tok), micro_MxBxL1)
+        return out_MxB.swapaxes(0, 1).reshape(B)  # row m*M + j came from micro-batch j
 
     return eval_step
 
