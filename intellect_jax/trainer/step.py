@@ -3,6 +3,7 @@ shardings and the state donated. DiLoCo drives it H steps at a time."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -148,13 +149,26 @@ def make_eval_step(graphdef: nnx.GraphDef, micro_steps: int = 1) -> Callable[[Pa
 def compile_steps(
     train_step: Callable, eval_step: Callable, shardings: TrainState, batch_sh: NamedSharding
 ) -> tuple[Callable, Callable]:
-    """jit both steps once with explicit in/out shardings; the train state is donated."""
-    rep = NamedSharding(batch_sh.mesh, PartitionSpec())
+    """jit both steps once with explicit in/out shardings; the train state is donated. Both are
+    traced with the mesh set, so the activations' sharding constraints (`sharding.constrain`)
+    hold: without it they are no-ops, and XLA replicated a micro-batch's whole computation
+    on every device (seen: 10x the memory per device of the 10B step)."""
+    mesh = batch_sh.mesh
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def on_mesh(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def traced(*args: Any) -> Any:
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return fn(*args)
+
+        return traced
+
     train = jax.jit(
-        train_step,
+        on_mesh(train_step),
         in_shardings=(shardings, batch_sh),
         out_shardings=(shardings, rep),
         donate_argnums=0,
     )
-    evaluate = jax.jit(eval_step, in_shardings=(shardings.params, batch_sh), out_shardings=rep)
+    evaluate = jax.jit(on_mesh(eval_step), in_shardings=(shardings.params, batch_sh), out_shardings=rep)
     return train, evaluate
