@@ -124,3 +124,21 @@ def test_eval_bad_step_and_data(run_dir, tmp_path, capsys):
     assert "--step 3" in capsys.readouterr().err
     assert run_main(lambda: eval_tool.main(["--checkpoint", str(run_dir), "--data", str(tmp_path / "nope.txt")])) == 2
     assert "nope.txt" in capsys.readouterr().err
+
+
+def test_gpu_check_smoke_on_cpu():
+    """The GPU node's first script runs end to end here (debug preset, XLA attention)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    p = subprocess.run([sys.executable, str(script), "--preset", "debug", "--attention", "xla", "--seq", "128",
+                        "--steps", "8"], capture_output=True, text=True, timeout=300, check=False,
+                       env={**os.environ, "XLA_FLAGS": ""})
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["ok"] and r["loss_falls"] and r["loss_last"] < r["loss_first"]
+    q = r["quantize"]
+    assert q["scales_equal"] and q["codes_differing"] == 0 and q["numel"] > 0
