@@ -57,6 +57,7 @@ class ModelSection(BaseModel):
     param_dtype: DType | None = None
     compute_dtype: DType | None = None
     remat: bool | None = None
+    scan_unroll: PositiveInt | None = None
     attention_impl: Literal["auto", "xla", "cudnn"] | None = None
 
     def build(self) -> ModelConfig:

@@ -123,8 +123,8 @@ def test_bf16_export(tmp_path):
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert all(a.dtype == np.dtype("bfloat16") for _, a in hf.hf_tensors(out))
     back, _ = import_hf(out)
-    q = np.asarray(model.blocks[1].attn.wq_DxNxH[...])
-    np.testing.assert_array_equal(np.asarray(back.blocks[1].attn.wq_DxNxH[...]),
+    q = np.asarray(model.layers.attn.wq_DxNxH[1])
+    np.testing.assert_array_equal(np.asarray(back.layers.attn.wq_DxNxH[1]),
                                   q.astype("bfloat16").astype(np.float32))
     theirs, info = _theirs(out)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -305,9 +305,9 @@ def test_export_accepts_state_and_pure_dict(tmp_path):
     model = _randomize(build(cfg))
     state = nnx.state(model, nnx.Param)
     pure = nnx.to_pure_dict(state)
-    strkeys = {**pure, "blocks": {str(i): b for i, b in pure["blocks"].items()}}  # as restored
+    host = jax.tree.map(np.asarray, pure)  # as restored to host memory
     ref = export_hf(model, cfg, tmp_path / "m")
-    for i, params in enumerate([state, pure, strkeys]):
+    for i, params in enumerate([state, pure, host]):
         out = export_hf(params, cfg, tmp_path / f"p{i}")
         assert (out / hf.SINGLE).read_bytes() == (ref / hf.SINGLE).read_bytes()
 

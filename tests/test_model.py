@@ -51,9 +51,10 @@ def test_sharded_equals_unsharded(fsdp, tp, fused):
     with jax.set_mesh(mesh):
         loss, grads = nnx.jit(_fused_loss_and_grads if fused else _loss_and_grads)(sharded, tok)
     # parameters really are distributed: the q projection is split over both mesh axes
-    q = sharded.blocks[0].attn.wq_DxNxH[...]
-    assert q.sharding.spec == jax.P("fsdp", "tp" if tp > 1 else None, None)
-    assert q.addressable_shards[0].data.shape[0] == CFG.hidden_size // fsdp
+    q = sharded.layers.attn.wq_DxNxH[...]  # [layers, D, N, H], the layers stacked
+    want = jax.sharding.NamedSharding(mesh, jax.P(None, "fsdp", "tp" if tp > 1 else None, None))
+    assert q.sharding.is_equivalent_to(want, q.ndim), q.sharding.spec
+    assert q.addressable_shards[0].data.shape[:2] == (CFG.num_layers, CFG.hidden_size // fsdp)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     flat_ref = jax.tree.leaves(ref_grads)
     flat = jax.tree.leaves(grads)
@@ -71,10 +72,10 @@ def test_init_sharded_places_every_param():
     for path, v in got.items():
         x = v[...]
         assert isinstance(x.sharding, jax.sharding.NamedSharding), path
-        if x.ndim >= 2:  # every matrix really is split, not replicated
+        if path[-1] != "scale":  # every matrix (stacked or not) really is split, not replicated
             assert x.addressable_shards[0].data.size < x.size, (path, x.sharding.spec)
-        if x.ndim == 2 and path[-1] in ("gate_DxF", "up_DxF"):
-            assert x.addressable_shards[0].data.shape == (CFG.hidden_size // 4, CFG.ffn_size // 2)
+        if path[-1] in ("gate_DxF", "up_DxF"):
+            assert x.addressable_shards[0].data.shape == (CFG.num_layers, CFG.hidden_size // 4, CFG.ffn_size // 2)
         # born sharded, with the same values as an unsharded init
         np.testing.assert_allclose(np.asarray(x), np.asarray(ref[path][...]), atol=1e-6, err_msg=str(path))
 
@@ -198,3 +199,17 @@ def test_mesh_errors():
     with pytest.raises(ValueError, match="fsdp x tp = 3 x 1"):
         S.make_mesh(fsdp=3, tp=1)
     assert dict(S.make_mesh(fsdp=-1, tp=2).shape) == {"fsdp": 4, "tp": 2}
+
+
+def test_layers_are_scanned_not_unrolled():
+    """The program holds one layer's matmuls whatever the depth; unrolling changes nothing but speed."""
+    def n_dots(cfg):
+        m = build(cfg, seed=0)
+        return jax.jit(lambda t: m(t)).lower(_tokens(cfg, B=2, L=8)).compile().as_text().count(" dot(")
+
+    two, six = (CFG.model_copy(update={"num_layers": n}) for n in (2, 6))
+    assert n_dots(two) == n_dots(six)
+    assert n_dots(six.model_copy(update={"scan_unroll": 3})) > n_dots(six)
+    tok = _tokens(six, B=2, L=16)
+    np.testing.assert_allclose(build(six.model_copy(update={"scan_unroll": 6}), seed=3)(tok),
+                               build(six, seed=3)(tok), rtol=1e-5, atol=1e-5)

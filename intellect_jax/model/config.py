@@ -56,6 +56,9 @@ class ModelConfig(BaseModel):
     param_dtype: DType = "float32"
     compute_dtype: DType = "bfloat16"
     remat: bool = False
+    # layers per iteration of the scan over the blocks: 1 compiles one layer and keeps one
+    # layer's temporaries (large models); a tiny model on CPU runs ~8% faster fully unrolled
+    scan_unroll: PositiveInt = 1
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
 
     @model_validator(mode="after")
@@ -122,7 +125,7 @@ class ModelConfig(BaseModel):
 
     def fingerprint(self) -> str:
         """Hash of the architecture (not of dtypes/remat), to refuse mismatched DiLoCo peers."""
-        arch = self.model_dump(exclude={"param_dtype", "compute_dtype", "remat", "attention_impl"})
+        arch = self.model_dump(exclude={"param_dtype", "compute_dtype", "remat", "scan_unroll", "attention_impl"})
         return hashlib.blake2b(json.dumps(arch, sort_keys=True).encode(), digest_size=8).hexdigest()
 
     # ---- Hugging Face ---------------------------------------------------------------------

@@ -54,29 +54,35 @@ class HFFormatError(ValueError):
 
 
 # ---- name mapping --------------------------------------------------------------------------
-def weight_names(cfg: ModelConfig) -> list[tuple[str, Path_, int]]:
-    """(HF name, nnx param path, n_in) in HF file order.
+def weight_names(cfg: ModelConfig) -> list[tuple[str, Path_, int | None, int]]:
+    """(HF name, nnx param path, layer, n_in) in HF file order.
 
-    `n_in` is how many leading dims of our param are the Linear's input (0: copied as is).
+    `layer` indexes the leading axis of a stacked (scanned) block parameter (None: not stacked);
+    `n_in` is how many leading dims of one layer's param are the Linear's input (0: copied as is).
     """
-    out: list[tuple[str, Path_, int]] = [("model.embed_tokens.weight", ("embed_VxD",), 0)]
+    out: list[tuple[str, Path_, int | None, int]] = [("model.embed_tokens.weight", ("embed_VxD",), None, 0)]
     for i in range(cfg.num_layers):
-        p, b = f"model.layers.{i}.", ("blocks", i)
+        p = f"model.layers.{i}."
         out += [
-            (p + "self_attn.q_proj.weight", (*b, "attn", "wq_DxNxH"), 1),
-            (p + "self_attn.k_proj.weight", (*b, "attn", "wk_DxKxH"), 1),
-            (p + "self_attn.v_proj.weight", (*b, "attn", "wv_DxKxH"), 1),
-            (p + "self_attn.o_proj.weight", (*b, "attn", "wo_NxHxD"), 2),
-            (p + "mlp.gate_proj.weight", (*b, "mlp", "gate_DxF"), 1),
-            (p + "mlp.up_proj.weight", (*b, "mlp", "up_DxF"), 1),
-            (p + "mlp.down_proj.weight", (*b, "mlp", "down_FxD"), 1),
-            (p + "input_layernorm.weight", (*b, "attn_norm", "scale"), 0),
-            (p + "post_attention_layernorm.weight", (*b, "mlp_norm", "scale"), 0),
+            (p + "self_attn.q_proj.weight", ("layers", "attn", "wq_DxNxH"), i, 1),
+            (p + "self_attn.k_proj.weight", ("layers", "attn", "wk_DxKxH"), i, 1),
+            (p + "self_attn.v_proj.weight", ("layers", "attn", "wv_DxKxH"), i, 1),
+            (p + "self_attn.o_proj.weight", ("layers", "attn", "wo_NxHxD"), i, 2),
+            (p + "mlp.gate_proj.weight", ("layers", "mlp", "gate_DxF"), i, 1),
+            (p + "mlp.up_proj.weight", ("layers", "mlp", "up_DxF"), i, 1),
+            (p + "mlp.down_proj.weight", ("layers", "mlp", "down_FxD"), i, 1),
+            (p + "input_layernorm.weight", ("layers", "attn_norm", "scale"), i, 0),
+            (p + "post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), i, 0),
         ]
-    out.append(("model.norm.weight", ("final_norm", "scale"), 0))
+    out.append(("model.norm.weight", ("final_norm", "scale"), None, 0))
     if not cfg.tie_embeddings:
-        out.append(("lm_head.weight", ("head_DxV",), 1))
+        out.append(("lm_head.weight", ("head_DxV",), None, 1))
     return out
+
+
+def _one(shape: tuple[int, ...], layer: int | None) -> tuple[int, ...]:
+    """Shape of one HF tensor's part of a param: a stacked param loses its `layers` axis."""
+    return shape if layer is None else shape[1:]
 
 
 def _hf_shape(shape: tuple[int, ...], n_in: int) -> tuple[int, ...]:
@@ -214,9 +220,9 @@ def load_hf_state(hf_dir: str | Path, cfg: ModelConfig, *, mesh: Mesh | None = N
         raise HFFormatError(f"{d}: not a directory")
     index = _tensor_index(d)
     spec = weight_names(cfg)
-    want = {name for name, _, _ in spec}
+    want = {e[0] for e in spec}
     allowed = want | ({"lm_head.weight"} if cfg.tie_embeddings else set())
-    missing = [n for n, _, _ in spec if n not in index]
+    missing = [e[0] for e in spec if e[0] not in index]
     extra = sorted(n for n in index if n not in allowed and not n.endswith("rotary_emb.inv_freq"))
     for names, what in ((missing, "missing tensor"), (extra, "unexpected tensor")):
         if names:
@@ -225,9 +231,9 @@ def load_hf_state(hf_dir: str | Path, cfg: ModelConfig, *, mesh: Mesh | None = N
     _, abs_state = abstract(cfg)
     flat = dict(nnx.to_flat_state(abs_state))
     shard = dict(nnx.to_flat_state(state_shardings(abs_state, mesh))) if mesh is not None else {}
-    for name, path, n_in in spec:  # check every shape before reading any data
+    for name, path, layer, n_in in spec:  # check every shape before reading any data
         f, _, e = index[name]
-        exp = _hf_shape(tuple(flat[path].shape), n_in)
+        exp = _hf_shape(_one(tuple(flat[path].shape), layer), n_in)
         if tuple(e["shape"]) != exp:
             raise HFFormatError(f"{f}: tensor {name} has shape {tuple(e['shape'])}, expected {exp}")
     if cfg.tie_embeddings and "lm_head.weight" in index:
@@ -237,10 +243,16 @@ def load_hf_state(hf_dir: str | Path, cfg: ModelConfig, *, mesh: Mesh | None = N
         if head.shape != emb.shape or not np.array_equal(head, emb):
             raise HFFormatError(f"{f}: lm_head.weight differs from model.embed_tokens.weight "
                                 "but config.json ties them (tie_word_embeddings)")
+    parts: dict[Path_, list[tuple[str, int | None, int]]] = {}
+    for name, path, layer, n_in in spec:
+        parts.setdefault(path, []).append((name, layer, n_in))
     out = []
-    for name, path, n_in in spec:
+    for path, entries in parts.items():  # one param at a time: host memory holds one stack at most
         v = flat[path]
-        x = _from_hf(_read_tensor(index[name]), tuple(v.shape), n_in).astype(v.dtype)
+        x = np.empty(v.shape, v.dtype)
+        for name, layer, n_in in entries:
+            y = _from_hf(_read_tensor(index[name]), _one(tuple(v.shape), layer), n_in)
+            x[() if layer is None else layer] = y
         arr = jax.device_put(x, shard[path].get_value()) if mesh is not None else jnp.asarray(x)
         out.append((path, v.replace(arr)))
     return nnx.from_flat_state(out)
@@ -357,10 +369,11 @@ def export_hf(
     tag = _TAGS[dtype]
     itemsize = np.dtype(_DTYPES[tag]).itemsize
     items = []
-    for name, path, n_in in weight_names(cfg):
+    for name, path, layer, n_in in weight_names(cfg):
         x = arrays[path]
-        fetch = lambda x=x, n_in=n_in: _to_hf(np.asarray(jax.device_get(x)), n_in)  # noqa: E731
-        items.append((name, _hf_shape(tuple(x.shape), n_in), fetch))
+        part = lambda x=x, i=layer: x if i is None else x[i]  # noqa: E731
+        fetch = lambda part=part, n_in=n_in: _to_hf(np.asarray(jax.device_get(part())), n_in)  # noqa: E731
+        items.append((name, _hf_shape(_one(tuple(x.shape), layer), n_in), fetch))
     sizes = [math.prod(s) * itemsize for _, s, _ in items]
     shards = _plan(sizes, max_shard_bytes) if sum(sizes) > max_shard_bytes else [list(range(len(items)))]
 

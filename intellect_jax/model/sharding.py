@@ -20,6 +20,7 @@ MESH_AXES = ("fsdp", "tp")
 # logical axis -> mesh axes (None = replicated). Parameters are FSDP-sharded on `embed`
 # and tensor-parallel on heads / mlp / vocab; activations keep `batch` on fsdp.
 RULES: dict[str, tuple[str, ...] | None] = {
+    "layers": None,  # the stacked blocks' leading axis (scanned)
     "batch": ("fsdp",),
     "seq": None,
     "embed": ("fsdp",),
