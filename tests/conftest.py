@@ -6,6 +6,8 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] == "cpu":  # Triton kernels run in Triton's CPU interpreter (set before import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -15,3 +17,12 @@ _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_root, ".cache", "jax-tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """One tokenizer/data cache for the session's small trainers."""
+    return str(tmp_path_factory.mktemp("cache"))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from intellect_jax.net import quant
 from intellect_jax.net.plan import simulate
@@ -134,64 +135,3 @@ def test_fp32_ring_is_exact_up_to_summation_order() -> None:
     got = simulate(xs, "fp32", 64, 1000)
     ref = np.mean(np.stack(xs).astype(np.float64), axis=0)
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
-
-
-# -- the Pallas kernel -------------------------------------------------------------------
-
-
-def _assert_kernel_matches(x: np.ndarray, scale: np.ndarray, codes: np.ndarray, block: int) -> None:
-    s_ref, q_ref = quant.quantize_int8(x, block)
-    assert np.array_equal(scale.view(np.uint32), s_ref.view(np.uint32)), "scales differ"
-    diff = np.nonzero(codes != q_ref)[0]
-    assert np.all(np.abs(codes[diff].astype(int) - q_ref[diff]) <= 1)
-    # Only values within an ulp of a rounding tie may round the other way: zero-pad to whole
-    # blocks (|0| never raises a block max) so the check covers every size, tail block included.
-    padded = np.zeros(quant.num_blocks(x.size, block) * block, np.float32)
-    padded[: x.size] = np.abs(x)
-    inv = quant.scales_from_amax(padded.reshape(-1, block).max(axis=1))
-    y = x[diff] * inv[diff // block]
-    assert np.all(np.abs(np.abs(y - np.trunc(y)) - 0.5) < 1e-4), f"non-tie codes differ at {diff[:10]}"
-    # Near-ties are rare: a systematic rounding difference would touch many more elements.
-    assert diff.size <= max(1, x.size // 10_000), f"{diff.size} of {x.size} codes differ"
-
-
-@pytest.mark.parametrize("n", [1, 1000, 64 * 64 + 5])
-def test_pallas_kernel_matches_numpy_in_interpreter(n: int) -> None:
-    from intellect_jax.kernels.quant_pallas import encode_int8_device, quantize_int8_pallas
-
-    x = _data(n, seed=n)
-    scale, codes = quantize_int8_pallas(x, 64, interpret=True)
-    _assert_kernel_matches(x, scale, codes, 64)
-    wire = encode_int8_device(x, 64, interpret=True)
-    assert wire.nbytes == quant.encoded_nbytes(n, "int8", 64)
-    nb = quant.num_blocks(n, 64)
-    ref = quant.encode(x, "int8", 64)
-    assert wire[: 4 * nb].tobytes() == ref[: 4 * nb].tobytes(), "wire scales differ from the numpy codec"
-    y = quant.decode(wire, n, "int8", 64)
-    step = np.repeat(ref[: 4 * nb].view(np.float32), 64)[:n]  # each value's block scale
-    assert np.all(np.abs(y - x) <= step * 1.0000001), "decoded values off by more than a scale"
-
-
-def test_device_quantizer_falls_back_to_numpy_without_gpu() -> None:
-    from intellect_jax.kernels.quant_pallas import gpu_available, quantize_int8_device
-
-    if gpu_available():
-        pytest.skip("a GPU is present")
-    x = _data(777)
-    scale, codes = quantize_int8_device(x, 64)
-    s_ref, q_ref = quant.quantize_int8(x, 64)
-    assert np.array_equal(scale, s_ref) and np.array_equal(codes, q_ref)
-
-
-@pytest.mark.gpu
-def test_pallas_kernel_matches_numpy_on_gpu() -> None:
-    from intellect_jax.kernels.quant_pallas import gpu_available, quantize_int8_pallas
-
-    if not gpu_available():
-        pytest.skip("needs a GPU")
-    import jax.numpy as jnp
-
-    for n in (1, 4096, 1_000_003):
-        x = _data(n, seed=n)
-        scale, codes = quantize_int8_pallas(jnp.asarray(x), 64)
-        _assert_kernel_matches(x, scale, codes, 64)
