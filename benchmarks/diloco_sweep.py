@@ -100,12 +100,11 @@ def main() -> None:
         class Inner(TrainerInner):
             """The real inner trainer; with --eval-replicas, reports val losses around each average."""
 
-            def params(self):
-                p = super().params()
+            def pseudo_gradient(self, outer_params):
                 if a.eval_replicas:
                     print(f"step {self.step}: val loss of {self.t.run_dir.name} before averaging "
-                          f"{val_loss(p):.4f}", flush=True)
-                return p
+                          f"{val_loss(self.t.state.params):.4f}", flush=True)
+                return super().pseudo_gradient(outer_params)
 
             def set_params(self, params):
                 super().set_params(params)

@@ -21,11 +21,6 @@ TINY_MODEL = {"preset": "debug", "hidden_size": 64, "num_layers": 2, "num_heads"
               "num_kv_heads": 2, "ffn_size": 128, "compute_dtype": "float32"}
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
-
-
 def tiny_cfg(tmp_path, cache_dir, **sections) -> C.TrainConfig:
     raw = {
         "run": {"name": "t", "out_dir": str(tmp_path / "runs"), "steps": 12, "progress": False,

@@ -16,6 +16,10 @@ class DilocoConfig(BaseModel):
     outer_momentum: float = 0.9  # Nesterov
     mode: Literal["int8", "bf16", "fp32"] = "int8"  # all-reduce wire format
     block_size: PositiveInt = 64  # int8: elements per fp32 scale
+    # where outer - inner is made: "device" quantizes it to int8 per shard on the accelerator
+    # (only codes + scales cross PCIe; the Triton kernel on a GPU, the host codec on CPU devices);
+    # "host" pulls fp32 params to the host; "auto": device on a GPU node with jax-triton
+    pseudo_gradient: Literal["auto", "device", "host"] = "auto"
     streams: PositiveInt = 1  # parallel TCP streams per ring link
     coordinator: str | None = None  # host:port; None with enabled=true hosts one in-process
     run_id: str = "intellect-jax"
@@ -34,10 +38,18 @@ class DilocoConfig(BaseModel):
     join_after: NonNegativeInt = 0  # register only once the run has done this many outer steps
     init_from: str | None = None  # another node's run dir (shared storage): start from its checkpoint
 
+    @property
+    def pow2_block(self) -> bool:
+        """The device quantizer's blocks are powers of two >= 16."""
+        return self.block_size >= 16 and not self.block_size & (self.block_size - 1)
+
     @model_validator(mode="after")
     def _check(self) -> DilocoConfig:
         if self.data_rank >= self.data_ranks:
             raise ValueError(f"data_rank ({self.data_rank}) must be < data_ranks ({self.data_ranks})")
+        if self.pseudo_gradient == "device" and not self.pow2_block:
+            raise ValueError(f"block_size ({self.block_size}) must be a power of two >= 16 for the device "
+                             "pseudo-gradient (or set pseudo_gradient = \"host\")")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         return self

@@ -1,4 +1,7 @@
-"""The real inner trainer as the outer loop sees it (:class:`~.loop.Inner` over `Trainer`)."""
+"""The real inner trainer as the outer loop sees it (:class:`~.loop.Inner` over `Trainer`).
+
+The pseudo-gradient is made on the host (fp32 pulled from the devices) or, with a
+:class:`~.device_pg.DevicePseudoGradient`, on the devices and quantized there (GPU nodes)."""
 
 from __future__ import annotations
 
@@ -7,13 +10,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from intellect_jax.diloco.state import DilocoState, MomentumState, host_copy, init_state
+from intellect_jax.diloco.device_pg import DevicePseudoGradient
+from intellect_jax.diloco.state import DilocoState, MomentumState, host_copy, init_state, pseudo_gradient
 from intellect_jax.trainer.loop import Trainer
 
 
 class TrainerInner:
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Trainer, device_pg: DevicePseudoGradient | None = None) -> None:
         self.t = trainer
+        self.device_pg = device_pg
 
     @property
     def step(self) -> int:
@@ -22,14 +27,23 @@ class TrainerInner:
     def train(self, until: int) -> dict[str, Any]:
         return self.t.train(until=until)
 
-    def params(self) -> Any:
-        return self.t.state.params
+    def pseudo_gradient(self, outer_params: Any) -> Any:
+        if self.device_pg is None:
+            return pseudo_gradient(outer_params, self.t.state.params)
+        return self.device_pg(self.t.state.params, outer_params)
+
+    def _placed(self) -> None:
+        """The outer params were just placed on the devices: the device path's anchor."""
+        if self.device_pg is not None:
+            self.device_pg.mark(self.t.state.params)
 
     def init_state(self, tx: Any) -> DilocoState:
+        self._placed()
         return init_state(self.t.state.params, tx, None, self.t.step)
 
     def set_params(self, params: Any) -> None:
         self.t.set_params(params)
+        self._placed()
 
     def snapshot(self) -> Any:
         return host_copy(self.t.state.opt_state)
@@ -44,6 +58,7 @@ class TrainerInner:
         """Params := the outer params; the optimizer state, step and data position when given."""
         opt = s.inner_opt_state if s.inner_opt_state is not None else self.t.state.opt_state
         self.t.set_state(s.inner_step, s.outer_params, opt)
+        self._placed()
         if s.data is not None:
             self.t.data.set_state(s.data)
 

@@ -18,7 +18,7 @@ from intellect_jax.diloco.clock import REAL, Clock
 from intellect_jax.diloco.loop import Inner, LoopConfig, NodeLoop, NodeParts, Outcome, TransferFailed
 from intellect_jax.diloco.protocol import Admission, CoordinatorConfig, Epoch
 from intellect_jax.diloco.service import LocalCoordinator
-from intellect_jax.diloco.state import DilocoState, MomentumState, init_state
+from intellect_jax.diloco.state import DilocoState, MomentumState, init_state, pseudo_gradient
 from intellect_jax.diloco.store import MemoryStore
 from intellect_jax.net.comm import RingConfig
 from intellect_jax.net.local import LocalCommunicator, LocalGroup
@@ -60,8 +60,8 @@ class NumpyInner:
         self.step = until
         return {"loss": float(np.mean((w["w"] - self.target) ** 2))}
 
-    def params(self) -> Any:
-        return copy.deepcopy(self.weights)
+    def pseudo_gradient(self, outer_params: Any) -> Any:
+        return pseudo_gradient(outer_params, self.weights)
 
     def init_state(self, tx: Any) -> DilocoState:
         return init_state(self.weights, tx, None, self.step)

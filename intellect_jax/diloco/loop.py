@@ -29,7 +29,7 @@ from intellect_jax.diloco.client import CoordinatorClient
 from intellect_jax.diloco.clock import REAL, Clock, abort_when
 from intellect_jax.diloco.guard import GuardConfig, OwnGuard, check_average, inspect, remember, tree_norm
 from intellect_jax.diloco.protocol import Admission, Epoch, Evicted, Resume, RunCompleted
-from intellect_jax.diloco.state import DilocoState, nesterov_sgd, outer_step, pseudo_gradient, state_hash
+from intellect_jax.diloco.state import DilocoState, nesterov_sgd, outer_step, state_hash
 from intellect_jax.net.comm import Communicator
 from intellect_jax.net.errors import NetError, PeerTimeout
 
@@ -49,7 +49,7 @@ class Inner(Protocol):
 
     def train(self, until: int) -> dict[str, Any]: ...
 
-    def params(self) -> Any: ...  # the inner params (device or host), for the pseudo-gradient
+    def pseudo_gradient(self, outer_params: Any) -> Any: ...  # outer - inner, a host fp32 tree
 
     def init_state(self, tx: Any) -> DilocoState: ...  # outer step 0 of a fresh run
 
@@ -237,7 +237,7 @@ class NodeLoop:
             t0 = p.clock.now()
             last = p.inner.train(until=(k + 1) * H)
             t1 = p.clock.now()
-            pg = pseudo_gradient(s, p.inner.params())
+            pg = p.inner.pseudo_gradient(s.outer_params)
             scale = tree_norm(s.outer_params) if len(s.norms) < self.guard.min_history else None
             pg_norm, sits_out = self.own.check(pg, scale)
             if sits_out:  # a broken contribution stays home: zeros, and the others are told

@@ -15,6 +15,7 @@ import jax
 
 from intellect_jax.config import TrainConfig
 from intellect_jax.diloco.client import CoordinatorClient
+from intellect_jax.diloco.device_pg import DevicePseudoGradient, kernel_available
 from intellect_jax.diloco.inner import TrainerInner
 from intellect_jax.diloco.loop import DilocoError, LoopConfig, NodeLoop, NodeParts, Outcome
 from intellect_jax.diloco.protocol import Epoch
@@ -82,10 +83,17 @@ class DilocoNode:
                                 meta={"node_id": self.node_id, "node_rank": d.data_rank, "node_count": d.data_ranks},
                                 warn=self._log)
         transport = NetTransport(self.net, self.node_id, log=self._log, watch_interval=d.heartbeat_interval)
-        parts = NodeParts(self.node_id, TrainerInner(self.trainer), self.client, self._ring, transport, store,
-                          log=self._log)
+        parts = NodeParts(self.node_id, TrainerInner(self.trainer, self._device_pg()), self.client, self._ring,
+                          transport, store, log=self._log)
         self.loop = NodeLoop(self.loop_cfg, parts)
         return self.loop.run()
+
+    def _device_pg(self) -> DevicePseudoGradient | None:
+        where = self.cfg.diloco.pseudo_gradient
+        if where == "auto":
+            where = "device" if kernel_available() and self.cfg.diloco.pow2_block else "host"
+        self._log(f"pseudo-gradient made on the {where}")
+        return DevicePseudoGradient(self.cfg.diloco.block_size) if where == "device" else None
 
     def _wait_for_run(self, k: int) -> None:
         """Ready (compiled, data loaded) but register only once the run has done k outer steps."""

@@ -188,22 +188,10 @@ class SimInner(NumpyInner):
             raise Killed()
         self.sim.rows.append((self.proc.name, step, dict(metrics)))
 
-    def set_params(self, params: Any) -> None:
-        super().set_params(params)
-        self._outer = copy.deepcopy(params)
-
-    def adopt(self, s: DilocoState) -> None:
-        super().adopt(s)
-        self._outer = copy.deepcopy(s.outer_params)
-
-    def params(self) -> Any:
-        """A broken host: the inner params come out so that outer - inner is poisoned."""
-        p, outer = super().params(), getattr(self, "_outer", None)
-        if outer is None:
-            return p
-        pg = {k: outer[k] - p[k] for k in p}
-        bad = self.sim.poison(self.proc, "own", self.step // self.sim.p.inner_steps, pg)
-        return p if bad is pg else {k: (outer[k] - bad[k]).astype(np.float32) for k in p}
+    def pseudo_gradient(self, outer_params: Any) -> Any:
+        """A broken host: this node's own pseudo-gradient comes out poisoned."""
+        pg = super().pseudo_gradient(outer_params)
+        return self.sim.poison(self.proc, "own", self.step // self.sim.p.inner_steps, pg)
 
 
 class _Group:

@@ -87,9 +87,9 @@ def init_state(params: Tree, tx: optax.GradientTransformation, inner_opt_state: 
     return DilocoState(p, tx.init(p), inner_opt_state, 0, inner_step)
 
 
-def pseudo_gradient(s: DilocoState, inner_params: Tree) -> Tree:
-    """outer - inner, leaf by leaf (device -> host one leaf at a time)."""
-    return jax.tree.map(lambda o, x: o - np.asarray(jax.device_get(x), dtype=np.float32), s.outer_params,
+def pseudo_gradient(outer_params: Tree, inner_params: Tree) -> Tree:
+    """outer - inner on the host, leaf by leaf (device -> host one leaf at a time, in fp32)."""
+    return jax.tree.map(lambda o, x: o - np.asarray(jax.device_get(x), dtype=np.float32), outer_params,
                         inner_params)
 
 

@@ -1,0 +1,141 @@
+"""Pseudo-gradients made on the accelerator: outer − inner there, int8-quantized shard by shard.
+
+The host path pulls the inner params to the host in fp32 (4 bytes per value over PCIe) and
+subtracts them from the host outer params. This path keeps ``anchor``, a device copy of the
+params taken when the outer params were placed (at a boundary the inner params *are* the
+outer params, cast to the param dtype), and at the next boundary:
+
+1. ``d = anchor − params`` per leaf on the devices (one jitted op, sharded like the params);
+2. every shard of ``d`` this process holds (first replica only) is quantized where it lives
+   by the Triton kernel (:mod:`intellect_jax.kernels.quant_triton`): only int8 codes and one
+   fp32 scale per block leave the device, 1 + 4/block bytes per value;
+3. :func:`assemble` decodes the pieces into the host pseudo-gradient, which then goes into the
+   int8 ring like any other. The pieces of a multi-process node travel to the process that
+   speaks for it in this same form.
+
+The decoded values are exactly what the host codec would give for the same shard (the kernel
+equals it bit for bit), so a node's contribution carries one int8 rounding more than on the
+host path: each value moves by at most half a step of its block's scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from intellect_jax.net import quant
+
+Quantize = Callable[[jax.Array, int], tuple[Any, Any]]  # flat float32 on one device -> (scales, codes)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One shard of one leaf of the pseudo-gradient, quantized: ``index`` is its place in the leaf."""
+
+    leaf: int
+    index: tuple[tuple[int, int], ...]  # (start, stop) per dimension
+    scale: np.ndarray  # float32 [blocks]
+    codes: np.ndarray  # int8 [elements]
+
+    @property
+    def nbytes(self) -> int:
+        return self.scale.nbytes + self.codes.nbytes
+
+
+def host_quantize(x: jax.Array, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The host codec on a device shard (CPU devices, where there is no kernel): the same bytes."""
+    return quant.quantize_int8(np.asarray(x, np.float32).reshape(-1), block)
+
+
+def kernel_available() -> bool:
+    """A GPU is visible and jax-triton imports (the ``[gpu]`` extra)."""
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        return False
+    try:
+        import jax_triton  # noqa: F401
+
+        from intellect_jax.kernels import quant_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_quantize() -> Quantize:
+    """The Triton kernel on a GPU node, the host codec elsewhere."""
+    if kernel_available():
+        from intellect_jax.kernels.quant_triton import quantize
+
+        return quantize
+    return host_quantize
+
+
+@jax.jit
+def _diff(a: jax.Array, p: jax.Array) -> jax.Array:
+    """One leaf at a time: the device holds one leaf's difference at most."""
+    return a.astype(jnp.float32) - p.astype(jnp.float32)
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def local_pieces(anchor: Any, params: Any, block: int, quantize: Quantize) -> list[Piece]:
+    """This process's quantized pieces of ``anchor − params`` (device trees of one structure)."""
+    out: list[Piece] = []
+    for i, (a, p) in enumerate(zip(jax.tree.leaves(anchor), jax.tree.leaves(params), strict=True)):
+        d = _diff(a, p)
+        for sh in d.addressable_shards:
+            if sh.replica_id != 0 or sh.data.size == 0:
+                continue
+            scale, codes = quantize(sh.data.reshape(-1), block)
+            out.append(Piece(i, _bounds(sh.index, d.shape), np.asarray(scale), np.asarray(codes)))
+    return out
+
+
+def assemble(pieces: list[Piece], like: Any, block: int) -> Any:
+    """The host fp32 tree (structure and shapes of ``like``) the pieces decode to; every element
+    must be covered exactly once (else ValueError naming the leaf)."""
+    leaves, treedef = jax.tree.flatten(like)
+    out = [np.empty(np.shape(x), np.float32) for x in leaves]
+    filled = [0] * len(out)
+    for p in pieces:
+        view = out[p.leaf][tuple(slice(a, b) for a, b in p.index)]
+        if p.codes.size != view.size or p.scale.size != quant.num_blocks(view.size, block):
+            raise ValueError(f"pseudo-gradient piece of leaf {p.leaf} at {p.index}: {p.codes.size} codes and "
+                             f"{p.scale.size} scales for {view.size} elements")
+        view[...] = quant.dequantize_int8(p.scale, p.codes, block).reshape(view.shape)
+        filled[p.leaf] += view.size
+    for i, (o, n) in enumerate(zip(out, filled, strict=True)):
+        if n != o.size:
+            raise ValueError(f"pseudo-gradient leaf {i} of shape {o.shape}: pieces cover {n} of {o.size} elements")
+    return jax.tree.unflatten(treedef, out)
+
+
+class DevicePseudoGradient:
+    """The anchor and the pieces of one node process (see the module docstring)."""
+
+    def __init__(self, block: int, quantize: Quantize | None = None) -> None:
+        self.block = block
+        self.quantize = quantize or default_quantize()
+        self.anchor: Any = None
+        self.last_bytes = 0  # what crossed from the devices at the last boundary
+
+    def mark(self, params: Any) -> None:
+        """Remember the params just placed (the outer params) on the devices."""
+        self.anchor = jax.tree.map(jnp.copy, params)
+
+    def pieces(self, params: Any) -> list[Piece]:
+        if self.anchor is None:
+            raise RuntimeError("device pseudo-gradient: no anchor (the outer params were never placed)")
+        pieces = local_pieces(self.anchor, params, self.block, self.quantize)
+        self.last_bytes = sum(p.nbytes for p in pieces)
+        return pieces
+
+    def __call__(self, params: Any, like: Any) -> Any:
+        """The host pseudo-gradient of a single-process node."""
+        return assemble(self.pieces(params), like, self.block)
