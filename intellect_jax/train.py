@@ -32,9 +32,15 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _diloco(cfg) -> dict:
-    from intellect_jax.diloco.node import DilocoNode
+    import jax
+
+    from intellect_jax.diloco.node import DilocoNode, run_follower
     from intellect_jax.diloco.state import state_hash
 
+    if jax.process_index() != 0:  # process 0 speaks for a multi-process node; the others follow it
+        n = run_follower(cfg)
+        print(f"done: process {jax.process_index()} of the node followed {n} commands", flush=True)
+        return {"commands": n}
     node = DilocoNode(cfg)
     try:
         outcome = node.run()

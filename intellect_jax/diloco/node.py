@@ -15,9 +15,20 @@ import jax
 
 from intellect_jax.config import TrainConfig
 from intellect_jax.diloco.client import CoordinatorClient
-from intellect_jax.diloco.device_pg import DevicePseudoGradient, kernel_available
+from intellect_jax.diloco.device_pg import (
+    DevicePseudoGradient,
+    host_quantize,
+    kernel_available,
+)
 from intellect_jax.diloco.inner import TrainerInner
-from intellect_jax.diloco.loop import DilocoError, LoopConfig, NodeLoop, NodeParts, Outcome
+from intellect_jax.diloco.loop import (
+    DilocoError,
+    LoopConfig,
+    NodeLoop,
+    NodeParts,
+    Outcome,
+)
+from intellect_jax.diloco.multihost import Follower, Followers, LeadInner, share_port
 from intellect_jax.diloco.protocol import Epoch
 from intellect_jax.diloco.store import CheckpointStore
 from intellect_jax.diloco.transfer import NetTransport
@@ -26,7 +37,7 @@ from intellect_jax.net.comm import NetNode, RingConfig, parse_address
 from intellect_jax.net.transport import TransportConfig
 from intellect_jax.trainer.loop import Trainer
 
-__all__ = ["DilocoError", "DilocoNode", "loop_config"]
+__all__ = ["DilocoError", "DilocoNode", "loop_config", "run_follower"]
 
 
 def transport_config(cfg: TrainConfig) -> TransportConfig:
@@ -44,6 +55,35 @@ def loop_config(cfg: TrainConfig) -> LoopConfig:
                       outer_momentum=d.outer_momentum, max_retries=d.max_retries,
                       transfer_timeout=d.transfer_timeout, admission_timeout=d.admission_timeout,
                       watch_interval=d.heartbeat_interval, ckpt_every=cfg.ckpt.every, eval_every=cfg.run.eval_every)
+
+
+def node_device_pg(cfg: TrainConfig, *, log=print) -> DevicePseudoGradient:
+    """The device path: the Triton kernel where it runs, else the host codec on each shard."""
+    d = cfg.diloco
+    if d.pseudo_gradient == "host" and jax.process_count() > 1:
+        raise DilocoError("diloco.pseudo_gradient = \"host\" needs a single-process node; a node of several "
+                          "processes makes it per shard (\"device\" or \"auto\")")
+    kernel = kernel_available() and d.pow2_block
+    log(f"pseudo-gradient made on the devices, quantized by {'the Triton kernel' if kernel else 'the host codec'}")
+    return DevicePseudoGradient(d.block_size, None if kernel else host_quantize)
+
+
+def run_follower(cfg: TrainConfig) -> int:
+    """A non-lead process of a multi-process DiLoCo node: returns the commands it served."""
+    d = cfg.diloco
+    port = share_port(0)
+    trainer = Trainer(cfg, node_rank=d.data_rank, node_count=d.data_ranks, periodic_save=False, evaluate=False,
+                      resume=False, ckpt_lead_only=True)
+    try:
+        lead = (parse_address(cfg.dist.coordinator_address or "")[0], port)
+        f = Follower.connect(trainer, node_device_pg(cfg, log=lambda _: None), transport_config(cfg), lead,
+                             timeout=d.transfer_timeout)
+        try:
+            return f.run()
+        finally:
+            f.close()
+    finally:
+        trainer.close(save=False)
 
 
 class DilocoNode:
@@ -68,23 +108,32 @@ class DilocoNode:
         )
         self.trainer: Trainer | None = None
         self.loop: NodeLoop | None = None
+        self.followers: Followers | None = None  # the node's other processes (lead of a multi-process node)
 
     def _ring(self, ep: Epoch):
         return self.net.ring(ep.addresses, ep.rank, epoch=ep.epoch_id, config=self.ring_cfg)
 
     def run(self) -> Outcome:
         d = self.cfg.diloco
-        if d.join_after:
-            self._wait_for_run(d.join_after)
         # checkpoints and evals happen at outer boundaries; the store restores, not the trainer
+        multi = jax.process_count() > 1
+        if multi:  # the node's other processes learn where to reach this one (before any other program)
+            share_port(self.net.address[1])
         self.trainer = Trainer(self.cfg, node_rank=d.data_rank, node_count=d.data_ranks, periodic_save=False,
-                               evaluate=False, resume=False)
+                               evaluate=False, resume=False, ckpt_lead_only=multi)
         store = CheckpointStore(self.trainer, resume=self.cfg.ckpt.resume, init_from=d.init_from,
                                 meta={"node_id": self.node_id, "node_rank": d.data_rank, "node_count": d.data_ranks},
                                 warn=self._log)
         transport = NetTransport(self.net, self.node_id, log=self._log, watch_interval=d.heartbeat_interval)
-        parts = NodeParts(self.node_id, TrainerInner(self.trainer, self._device_pg()), self.client, self._ring,
-                          transport, store, log=self._log)
+        if multi:
+            self._log(f"speaking for {jax.process_count()} processes; waiting for the others to connect")
+            self.followers = Followers(self.net, jax.process_count(), timeout=d.transfer_timeout)
+            inner: TrainerInner = LeadInner(self.trainer, node_device_pg(self.cfg, log=self._log), self.followers)
+        else:
+            inner = TrainerInner(self.trainer, self._device_pg())
+        if d.join_after:  # ready (state built, data loaded, every process connected); register later
+            self._wait_for_run(d.join_after)
+        parts = NodeParts(self.node_id, inner, self.client, self._ring, transport, store, log=self._log)
         self.loop = NodeLoop(self.loop_cfg, parts)
         return self.loop.run()
 
@@ -92,11 +141,13 @@ class DilocoNode:
         where = self.cfg.diloco.pseudo_gradient
         if where == "auto":
             where = "device" if kernel_available() and self.cfg.diloco.pow2_block else "host"
-        self._log(f"pseudo-gradient made on the {where}")
-        return DevicePseudoGradient(self.cfg.diloco.block_size) if where == "device" else None
+        if where == "host":
+            self._log("pseudo-gradient made on the host")
+            return None
+        return node_device_pg(self.cfg, log=self._log)
 
     def _wait_for_run(self, k: int) -> None:
-        """Ready (compiled, data loaded) but register only once the run has done k outer steps."""
+        """Register only once the run has done k outer steps."""
         import time
 
         self._log(f"waiting for the run to complete {k} outer steps before registering")
@@ -111,6 +162,8 @@ class DilocoNode:
         raise DilocoError(f"the run did not reach outer step {k} within {self.cfg.diloco.admission_timeout:.0f}s")
 
     def close(self) -> None:
+        if self.followers is not None:
+            self.followers.close()
         self.client.close()
         self.net.close()
         if self.trainer is not None:

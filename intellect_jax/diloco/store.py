@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from intellect_jax.diloco.state import DilocoState, MomentumState, state_hash, to_host
 from intellect_jax.trainer.checkpoint import Checkpointer, CheckpointError
@@ -40,9 +41,16 @@ class CheckpointStore:
         self.meta = meta or {}
 
     def _abstract(self) -> dict[str, Any]:
+        """Restore targets: placed like the train state, or host numpy for a lead-only
+        checkpointer (the lead of a multi-process node places the state itself)."""
         a, sh = self.t.abstract_state, self.t.shardings
-        fp32 = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, "float32", sharding=s), a.params, sh.params)
-        return {ITEM: {"outer_params": fp32, "outer_opt_state": MomentumState(fp32), "inner_opt_state": a.opt_state}}
+        if self.t.ckpt.lead_only:
+            fp32 = jax.tree.map(lambda x: np.empty(x.shape, np.float32), a.params)
+            opt = jax.tree.map(lambda x: np.empty(x.shape, x.dtype), a.opt_state)
+        else:
+            fp32 = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, "float32", sharding=s), a.params, sh.params)
+            opt = a.opt_state
+        return {ITEM: {"outer_params": fp32, "outer_opt_state": MomentumState(fp32), "inner_opt_state": opt}}
 
     def _state(self, out: dict[str, Any]) -> DilocoState:
         arrays, meta = out[ITEM], out["meta"]
@@ -60,7 +68,8 @@ class CheckpointStore:
     def latest(self) -> DilocoState | None:
         if self.init_from:
             d = Path(self.init_from)
-            ck = Checkpointer(d / "ckpt" if (d / "ckpt").is_dir() else d, every=0, keep=10**6, async_save=False)
+            ck = Checkpointer(d / "ckpt" if (d / "ckpt").is_dir() else d, every=0, keep=10**6, async_save=False,
+                              lead_only=self.t.ckpt.lead_only)
             try:
                 _, out = ck.restore_newest(self._abstract(), ("meta",), self._verify, self.warn)
             except CheckpointError as e:

@@ -66,14 +66,25 @@ def checksums(tree: Any) -> list[list[Any]]:
 class Checkpointer:
     """Save every `every` steps (and when forced), keep the last `keep`."""
 
-    def __init__(self, directory: str | Path, *, every: int, keep: int, async_save: bool = True):
+    def __init__(self, directory: str | Path, *, every: int, keep: int, async_save: bool = True,
+                 lead_only: bool = False):
+        """``lead_only``: in a runtime of several processes, process 0 alone saves and restores
+        (host numpy trees; a multi-process DiLoCo node's lead). The others must not build one."""
         self.directory = Path(directory).absolute()
+        self.lead_only = lead_only and jax.process_count() > 1
+        more = {}
+        if self.lead_only:
+            if jax.process_index() != 0:
+                raise CheckpointError("a lead-only checkpointer belongs to process 0")
+            more["multiprocessing_options"] = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0})
+            self.directory.mkdir(parents=True, exist_ok=True)  # orbax cannot create it for a subset of processes
         opts = ocp.CheckpointManagerOptions(
             save_interval_steps=max(every, 1) if every else 10**12,
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
-            create=True,
+            create=not self.lead_only,
             cleanup_tmp_directories=True,  # a save cut short by a crash is removed on the next start
+            **more,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=opts)
 

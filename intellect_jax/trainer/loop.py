@@ -64,7 +64,10 @@ class Trainer:
     """One node's inner loop. `node_rank/node_count` pick this node's data shard (DiLoCo)."""
 
     def __init__(self, cfg: TrainConfig, *, node_rank: int = 0, node_count: int = 1,
-                 periodic_save: bool = True, evaluate: bool = True, resume: bool | None = None):
+                 periodic_save: bool = True, evaluate: bool = True, resume: bool | None = None,
+                 ckpt_lead_only: bool = False):
+        """``ckpt_lead_only``: process 0 alone checkpoints (host copies; a multi-process DiLoCo
+        node), the other processes have no ``ckpt``."""
         self.cfg = cfg
         # DiLoCo checkpoints and evaluates the outer params at outer-step boundaries instead
         self.periodic_save, self.periodic_eval = periodic_save, evaluate
@@ -96,10 +99,12 @@ class Trainer:
         self.node_rank, self.node_count = node_rank, node_count
         self.run_dir = prepare_run_dir(cfg)  # after every input check: bad input writes nothing
 
-        self.ckpt = Checkpointer(self.run_dir / "ckpt", every=cfg.ckpt.every, keep=cfg.ckpt.keep,
-                                 async_save=cfg.ckpt.async_save)
+        self.ckpt: Checkpointer | None = None
+        if self.lead or not (ckpt_lead_only and nproc > 1):
+            self.ckpt = Checkpointer(self.run_dir / "ckpt", every=cfg.ckpt.every, keep=cfg.ckpt.keep,
+                                     async_save=cfg.ckpt.async_save, lead_only=ckpt_lead_only)
         resume = cfg.ckpt.resume if resume is None else resume  # (a DiLoCo node's store restores instead)
-        if resume and self.ckpt.all_steps():  # the newest readable checkpoint; damaged ones are skipped
+        if resume and self.ckpt is not None and self.ckpt.all_steps():  # the newest readable checkpoint; damaged ones are skipped
             _, out = self.ckpt.restore_newest({"state": self.abstract_state}, ("data",), warn=_warn)
             self.state = out["state"]
             self.data.set_state(out["data"])
@@ -253,8 +258,9 @@ class Trainer:
         return last
 
     def close(self, *, save: bool = True) -> None:
-        if save:
+        if save and self.ckpt is not None:
             self.save(force=True)
-        self.ckpt.close()
+        if self.ckpt is not None:
+            self.ckpt.close()
         if self.logger is not None:
             self.logger.close()

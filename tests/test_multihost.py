@@ -1,0 +1,199 @@
+"""A DiLoCo node of several processes: the shard plumbing in-process, and a real run of a node of
+2 processes x 4 CPU devices beside a node of 1 process x 8 devices."""
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from intellect_jax.diloco.multihost import (
+    build,
+    fill,
+    local_shards,
+    recv_parts,
+    send_parts,
+    slices_for,
+)
+from intellect_jax.net.comm import NetNode
+from intellect_jax.net.errors import FrameError
+from intellect_jax.net.transport import TransportConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tree():
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"))
+    sh = {"w": NamedSharding(mesh, PartitionSpec("fsdp", "tp")), "b": NamedSharding(mesh, PartitionSpec("tp")),
+          "n": NamedSharding(mesh, PartitionSpec())}
+    rng = np.random.default_rng(0)
+    host = {"w": rng.standard_normal((8, 6)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32),
+            "n": np.asarray(7, np.int32)}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host)
+    return host, sh, abstract
+
+
+def test_slices_build_the_arrays_and_shards_fill_them_back():
+    host, sh, abstract = _tree()
+    parts = slices_for(0, host, sh, abstract)  # every device is this process's here
+    # each distinct slice once: w in 4x2 blocks, b in 2 halves (replicated over fsdp), n whole
+    assert sorted((leaf, len([p for p in parts if p[0] == leaf])) for leaf in range(3)) == [(0, 2), (1, 1), (2, 8)]
+    arrays = build(parts, sh, abstract)
+    for k in host:
+        assert arrays[k].sharding == sh[k] and np.array_equal(np.asarray(arrays[k]), host[k])
+    back = fill(local_shards(arrays), abstract)
+    assert all(np.array_equal(back[k], host[k]) and back[k].dtype == host[k].dtype for k in host)
+
+
+def test_build_names_a_missing_slice_and_fill_a_gap_or_misfit():
+    host, sh, abstract = _tree()
+    parts = slices_for(0, host, sh, abstract)
+    with pytest.raises(ValueError, match="no slice .* of leaf 2"):
+        build([p for p in parts if p[0] != 2], sh, abstract)
+    shards = local_shards(build(parts, sh, abstract))
+    with pytest.raises(ValueError, match="leaf 2 of shape .8, 6.: shards cover 42 of 48"):  # leaves: b, n, w
+        fill([p for p in shards if p[:2] != (2, ((0, 2), (0, 3)))], abstract)
+    leaf, b, (a,) = shards[0]
+    with pytest.raises(ValueError, match="shape"):
+        fill([(leaf, b, [a[:1]])] + shards[1:], abstract)
+
+
+def _pair():
+    cfg = TransportConfig(run_id="mh", secret=b"multihost-test-secret-0123456789", io_timeout=5.0)
+    lead = NetNode(cfg)
+    from intellect_jax.net.transport import connect
+
+    follower = connect(cfg, lead.address, "c", timeout=5)
+    return lead, lead.accept("c", timeout=5), follower
+
+
+def test_parts_cross_a_connection_and_bad_ones_are_refused():
+    lead, a, b = _pair()
+    try:
+        parts = [(0, ((0, 2), (1, 3)), [np.arange(4, dtype=np.float32).reshape(2, 2)]),
+                 (3, (), [np.asarray(5, np.int32), np.ones(3, jnp.bfloat16)])]
+        send_parts(b, parts)
+        got = recv_parts(a, max_bytes=100)
+        assert [(leaf, bounds) for leaf, bounds, _ in got] == [(0, ((0, 2), (1, 3))), (3, ())]
+        for (_, _, x), (_, _, y) in zip(parts, got):
+            assert all(np.array_equal(u, v) and u.dtype == v.dtype for u, v in zip(x, y))
+        send_parts(b, parts)
+        with pytest.raises(FrameError, match="more than the 10 bytes"):
+            recv_parts(a, max_bytes=10)
+    finally:
+        a.close(), b.close(), lead.close()
+    lead, a, b = _pair()
+    try:
+        send_parts(b, [(0, (), [np.zeros(2, np.float64)])])
+        with pytest.raises(FrameError, match="dtype 'float64' refused"):
+            recv_parts(a, max_bytes=100)
+    finally:
+        a.close(), b.close(), lead.close()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4", "--model.num_kv_heads",
+        "2", "--model.ffn_size", "128", "--data.seq_len", "32", "--data.batch_size", "8",
+        "--data.bpe_vocab_size", "1024", "--run.log_every", "1", "--run.no-progress"]
+
+
+def _run(tmp_path, nodes, *, min_nodes, H, outer, more=()):
+    """A coordinator and the given nodes ({name: (processes, devices each, extra args)}) to the end;
+    returns every process's output by "name" / "name.i"."""
+    secret, port = secrets.token_hex(32), _free_port()
+    env = dict(os.environ, INTELLECT_NET_SECRET=secret, JAX_PLATFORMS="cpu")
+    coord = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
+                              str(port), "--min-nodes", str(min_nodes), "--heartbeat-timeout", "60"], cwd=ROOT,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = [sys.executable, "-m", "intellect_jax.train", "--config", "configs/debug_diloco.toml", *TINY,
+            "--run.out_dir", str(tmp_path / "runs"), "--data.cache_dir", str(tmp_path / "cache"),
+            "--run.steps", str(H * outer), "--diloco.inner_steps", str(H), "--diloco.coordinator",
+            f"127.0.0.1:{port}", "--diloco.data_ranks", str(len(nodes)), *more]
+    procs, early = {}, {}
+    for rank, (name, (n, devices, extra)) in enumerate(nodes.items()):
+        cmd = [*base, "--run.name", name, "--diloco.node_id", name, "--diloco.data_rank", str(rank), *extra]
+        dist = str(_free_port())
+        for i in range(n):
+            d = ["--dist.coordinator_address", f"127.0.0.1:{dist}", "--dist.num_processes", str(n),
+                 "--dist.process_id", str(i)] if n > 1 else []
+            procs[f"{name}.{i}" if n > 1 else name] = subprocess.Popen(
+                [*cmd, *d], cwd=ROOT, env=dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if "--diloco.join_after" in extra:  # the others start once this node is ready and waiting
+            lead = f"{name}.0" if n > 1 else name
+            early[lead] = ""
+            while "waiting for the run" not in early[lead]:
+                line = procs[lead].stdout.readline()
+                assert line, early[lead][-2000:]
+                early[lead] += line
+    try:
+        outs = {k: early.get(k, "") + p.communicate(timeout=540)[0] for k, p in procs.items()}
+    finally:
+        for p in [*procs.values(), coord]:
+            p.kill()
+        coord.communicate()
+    bad = {k: o[-2500:] for k, o in outs.items() if procs[k].returncode != 0}
+    assert not bad, bad
+    return outs
+
+
+def _rows(tmp_path, name):
+    return [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _hashes(rows):
+    return {r["outer_step"]: r["outer_hash"] for r in rows if "outer_hash" in r}
+
+
+@pytest.mark.slow
+def test_two_process_node_and_one_process_node_share_one_history(tmp_path):
+    """Node a: 2 processes x 4 devices (jax.distributed); node b: 1 process x 8 devices. Every outer
+    step has one hash on both, the loss falls, a's lead checkpoints and evaluates for the node."""
+    H, outer = 4, 6
+    outs = _run(tmp_path, {"a": (2, 4, []), "b": (1, 8, [])}, min_nodes=2, H=H, outer=outer,
+                more=["--run.eval_every", str(3 * H), "--ckpt.every", str(3 * H)])
+    assert "pseudo-gradient made on the devices" in outs["a.0"] and "followed" in outs["a.1"], outs["a.1"][-500:]
+    ra, rb = _rows(tmp_path, "a"), _rows(tmp_path, "b")
+    ha, hb = _hashes(ra), _hashes(rb)
+    assert sorted(ha) == list(range(1, outer + 1)) and ha == hb, (ha, hb)
+    for r in (ra, rb):
+        loss = [x["loss"] for x in r if "loss" in x]
+        assert np.mean(loss[-H:]) < np.mean(loss[:H]) - 0.3, loss
+    assert {r["outer_step"] for r in ra if "val_loss" in r} == {3, 6}
+    # the lead's checkpoint of the last outer step holds the run's final state, every process's data position
+    from intellect_jax.trainer.checkpoint import Checkpointer
+
+    ck = Checkpointer(tmp_path / "runs" / "a" / "ckpt", every=0, keep=10)
+    try:
+        assert ck.all_steps() == [3 * H, 6 * H]
+        assert ck.restore_json("meta")["outer_hash"] == ha[outer]
+        assert len(ck.restore_json("data")["processes"]) == 2
+    finally:
+        ck.close()
+
+
+@pytest.mark.slow
+def test_two_process_node_joins_late_and_takes_the_live_state(tmp_path):
+    """b founds the run alone; a (2 processes, ready first) joins after outer step 2: it receives b's state
+    (its lead restores it and hands each process its slices, optimizer state included), then
+    both hold one hash per outer step to the end."""
+    H, outer = 4, 12
+    outs = _run(tmp_path, {"a": (2, 4, ["--diloco.join_after", "2"]), "b": (1, 8, [])}, min_nodes=1, H=H,
+                outer=outer)
+    assert "receiving the state of outer step" in outs["a.0"], outs["a.0"][-2000:]
+    ha, hb = _hashes(_rows(tmp_path, "a")), _hashes(_rows(tmp_path, "b"))
+    assert sorted(hb) == list(range(1, outer + 1)) and ha and min(ha) >= 3, (ha, hb)
+    assert all(hb[k] == h for k, h in ha.items()), (ha, hb)
