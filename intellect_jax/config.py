@@ -93,6 +93,9 @@ class DistConfig(BaseModel):
     coordinator_address: str | None = None  # host:port of process 0
     num_processes: PositiveInt = 1
     process_id: NonNegativeInt = 0
+    # a process whose heartbeats stop for this long ends the node's other processes too (JAX's
+    # coordination service), so a node that lost a process leaves the DiLoCo run instead of hanging
+    heartbeat_timeout: PositiveInt = 100
 
 
 class TrainConfig(BaseModel):

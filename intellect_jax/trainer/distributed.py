@@ -25,4 +25,4 @@ def maybe_initialize(cfg: DistConfig) -> None:
     if cfg.process_id >= cfg.num_processes:
         raise ValueError(f"dist.process_id ({cfg.process_id}) must be < dist.num_processes ({cfg.num_processes})")
     jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
-                               process_id=cfg.process_id)
+                               process_id=cfg.process_id, heartbeat_timeout_seconds=cfg.heartbeat_timeout)
