@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--single", action="store_true", help="one node, batch nodes x batch")
     ap.add_argument("--eval-replicas", action="store_true",
                     help="at every outer step, also the val loss of each node's params before averaging")
+    ap.add_argument("--overlap", action="store_true", help="overlapped rounds (implies --device-pg)")
+    ap.add_argument("--device-pg", action="store_true",
+                    help="pseudo-gradients by the device path (per-shard int8, as GPU and overlapped nodes)")
     ap.add_argument("--eval-seqs", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/sweep", help="data cache and run directories")
@@ -57,6 +60,7 @@ def main() -> None:
     from intellect_jax import config as C
     from intellect_jax.data.config import DataConfig
     from intellect_jax.data.pipeline import make_val_batches
+    from intellect_jax.diloco.device_pg import DevicePseudoGradient, host_quantize
     from intellect_jax.diloco.inner import TrainerInner
     from intellect_jax.diloco.local import run_local
     from intellect_jax.diloco.loop import LoopConfig
@@ -112,8 +116,9 @@ def main() -> None:
                     print(f"step {self.step}: val loss of the average {val_loss(self.t.state.params):.4f}", flush=True)
 
         loop = LoopConfig(inner_steps=a.inner_steps, outer_steps=a.steps // a.inner_steps, outer_lr=a.outer_lr,
-                          outer_momentum=a.outer_momentum)
-        run_local(loop, [Inner(t) for t in trainers], RingConfig(mode=a.mode))
+                          outer_momentum=a.outer_momentum, overlap=a.overlap)
+        dpg = (lambda: DevicePseudoGradient(64, host_quantize)) if a.overlap or a.device_pg else (lambda: None)
+        run_local(loop, [Inner(t, dpg()) for t in trainers], RingConfig(mode=a.mode))
     vl = val_loss(t0.state.params)
     print(f"final val loss {vl:.4f} ({time.time() - start:.0f} s)", flush=True)
     for t in trainers:

@@ -1,7 +1,9 @@
-"""`python -m intellect_jax.plot runs/<name> [--out DIR]`: PNG plots from metrics.jsonl.
+"""`python -m intellect_jax.plot runs/<name> [more runs] [--out DIR]`: PNG plots from metrics.jsonl.
 
 Writes loss.png (train and validation loss), lr.png and throughput.png into the run directory
-(or --out); for a DiLoCo node also utilization.png and nodes.png (active nodes over steps)."""
+(or --out); for a DiLoCo node also utilization.png, sync.png (sync time and the inner loop's
+wait per outer step) and nodes.png (active nodes over steps). Several runs (e.g. a node of a
+synchronous and of an overlapped run) are drawn on the same axes."""
 
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ PLOTS = {
     "lr": ("learning rate", [("lr", "lr")]),
     "throughput": ("tokens / s", [("tokens_per_s", "tokens/s")]),
     # DiLoCo runs (one point per outer step)
-    "utilization": ("compute utilization", [("utilization", "compute / (compute + sync)")]),
+    "utilization": ("compute utilization", [("utilization", "compute / (compute + idle)")]),
+    "sync": ("seconds per outer step", [("sync_s", "sync"), ("overlap_wait_s", "inner loop waited")]),
     "nodes": ("active nodes", [("nodes", "nodes in the epoch")]),
 }
+MARKED = {"val_loss", "utilization", "sync_s", "overlap_wait_s"}
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -42,34 +46,38 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def main(argv: list[str] | None = None) -> list[Path]:
     ap = argparse.ArgumentParser(prog="python -m intellect_jax.plot", description=__doc__.split("\n\n")[1])
-    ap.add_argument("run_dir")
-    ap.add_argument("--out", default=None, help="where to write the PNGs (default: the run dir)")
+    ap.add_argument("run_dir", nargs="+", help="one run, or several drawn on the same axes (e.g. a synchronous "
+                    "and an overlapped DiLoCo node)")
+    ap.add_argument("--out", default=None, help="where to write the PNGs (default: the first run dir)")
     args = ap.parse_args(argv)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run = Path(args.run_dir)
-    rows = read_metrics(run / "metrics.jsonl")
-    out_dir = Path(args.out) if args.out else run
+    runs = [Path(d) for d in args.run_dir]
+    rows_of = [read_metrics(run / "metrics.jsonl") for run in runs]
+    names = [run.name if len(runs) == 1 else "/".join(run.parts[-2:]) for run in runs]
+    out_dir = Path(args.out) if args.out else runs[0]
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, (ylabel, keys) in PLOTS.items():
-        if not any(series(rows, key)[0] for key, _ in keys):
+        if not any(series(rows, key)[0] for rows in rows_of for key, _ in keys):
             continue  # e.g. no DiLoCo metrics in a single-node run
         fig, ax = plt.subplots(figsize=(7, 4))
-        for key, label in keys:
-            x, y = series(rows, key)
-            if x:
-                step_plot = key == "nodes"
-                if step_plot:
+        for run_name, rows in zip(names, rows_of, strict=True):
+            for key, label in keys:
+                x, y = series(rows, key)
+                label = label if len(runs) == 1 else f"{run_name}: {label}"
+                if not x:
+                    continue
+                if key == "nodes":
                     ax.step(x, y, where="post", label=label)
                 else:
-                    ax.plot(x, y, marker="o" if key in ("val_loss", "utilization") else None, ms=3, label=label)
+                    ax.plot(x, y, marker="o" if key in MARKED else None, ms=3, label=label)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"{run.name}: {ylabel}")
+        ax.set_title(f"{' vs '.join(names)}: {ylabel}")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()

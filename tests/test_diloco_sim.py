@@ -7,12 +7,14 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
+
 
 from intellect_jax.diloco.clock import Hang, SimClock
 from intellect_jax.diloco.loop import Outcome
 from intellect_jax.diloco.sim import Fault, Script, Sim, SimParams
 
-SEEDS = 1000  # the CI budget: about a minute on two cores
+SEEDS = {False: 700, True: 300}  # synchronous / overlapped rounds; the CI budget: about a minute on two cores
 
 
 def run(script: Script, **params) -> tuple[Sim, dict]:
@@ -168,15 +170,16 @@ def test_the_checker_sees_a_fork() -> None:
 # ---------------------------------------------------------------------------------------------
 # seeded random fault schedules
 # ---------------------------------------------------------------------------------------------
-def test_seeded_fault_schedules() -> None:
-    failed, faults = [], 0
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_seeded_fault_schedules(overlap: bool) -> None:
+    failed, faults, n = [], 0, SEEDS[overlap]
     t0 = time.monotonic()
-    for seed in range(SEEDS):
-        r = Sim(seed).run()
+    for seed in range(n):
+        r = Sim(seed, SimParams(overlap=overlap)).run()
         faults += sum(r["faults"].values())
         if not r["ok"]:
             failed.append(f"seed {seed}: {'; '.join(r['problems'])} (replay: python -m intellect_jax.diloco.sim "
-                          f"--seed {seed} -v)")
-    print(f"{SEEDS} seeds, {faults} faults, {time.monotonic() - t0:.0f}s")
+                          f"--seed {seed} -v{' --overlap' if overlap else ''})")
+    print(f"{n} seeds, {faults} faults, {time.monotonic() - t0:.0f}s")
     assert not failed, "\n".join(failed)
-    assert faults > 3 * SEEDS  # the schedules really inject faults
+    assert faults > 3 * n  # the schedules really inject faults

@@ -142,3 +142,27 @@ def test_gpu_check_smoke_on_cpu():
     assert r["ok"] and r["loss_falls"] and r["loss_last"] < r["loss_first"]
     q = r["quantize"]
     assert q["scales_equal"] and q["codes_differing"] == 0 and q["numel"] > 0
+
+
+def test_plot_draws_several_runs_on_one_axes(tmp_path, monkeypatch):
+    """A synchronous and an overlapped DiLoCo node: one utilization line each, labeled by run."""
+    import matplotlib.pyplot as plt
+
+    runs = {}
+    for mode, util in (("sync", [0.8, 0.82]), ("overlap", [0.99, 0.985])):
+        d = tmp_path / mode / "node0"
+        d.mkdir(parents=True)
+        rows = [{"step": 25 * (i + 1), "utilization": u, "sync_s": 2.0, "overlap_wait_s": 0.1 * i}
+                for i, u in enumerate(util)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs[mode] = (d, util)
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    paths = plot_tool.main([str(runs["sync"][0]), str(runs["overlap"][0]), "--out", str(tmp_path / "png")])
+    assert {p.name for p in paths} == {"utilization.png", "sync.png"}
+    by_name = {p.stem: f for p, f in zip(paths, figs)}
+    lines = by_name["utilization"].axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["sync/node0: compute / (compute + idle)",
+                                                    "overlap/node0: compute / (compute + idle)"]
+    assert [list(line.get_ydata()) for line in lines] == [runs["sync"][1], runs["overlap"][1]]
+    assert len(by_name["sync"].axes[0].get_lines()) == 4  # sync_s and overlap_wait_s of each run

@@ -20,6 +20,9 @@ class DilocoConfig(BaseModel):
     # (only codes + scales cross PCIe; the Triton kernel on a GPU, the host codec on CPU devices);
     # "host" pulls fp32 params to the host; "auto": device on a GPU node with jax-triton
     pseudo_gradient: Literal["auto", "device", "host"] = "auto"
+    # train round k+1 while round k's all-reduce and outer step run; the average is applied one
+    # outer step late, keeping the node's own progress (diloco/overlap.py)
+    overlap: bool = False
     streams: PositiveInt = 1  # parallel TCP streams per ring link
     coordinator: str | None = None  # host:port; None with enabled=true hosts one in-process
     run_id: str = "intellect-jax"
@@ -47,6 +50,8 @@ class DilocoConfig(BaseModel):
     def _check(self) -> DilocoConfig:
         if self.data_rank >= self.data_ranks:
             raise ValueError(f"data_rank ({self.data_rank}) must be < data_ranks ({self.data_ranks})")
+        if self.overlap and self.pseudo_gradient == "host":
+            raise ValueError("overlap needs the device pseudo-gradient (pseudo_gradient = \"auto\" or \"device\")")
         if self.pseudo_gradient == "device" and not self.pow2_block:
             raise ValueError(f"block_size ({self.block_size}) must be a power of two >= 16 for the device "
                              "pseudo-gradient (or set pseudo_gradient = \"host\")")

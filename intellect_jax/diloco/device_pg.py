@@ -84,11 +84,20 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
+@jax.jit
+def _merge(o: jax.Array, p: jax.Array, a: jax.Array) -> jax.Array:
+    return (o.astype(jnp.float32) + (p.astype(jnp.float32) - a.astype(jnp.float32))).astype(p.dtype)
+
+
 def local_pieces(anchor: Any, params: Any, block: int, quantize: Quantize) -> list[Piece]:
     """This process's quantized pieces of ``anchor − params`` (device trees of one structure)."""
+    return pieces_of(jax.tree.map(_diff, anchor, params), block, quantize)
+
+
+def pieces_of(diff: Any, block: int, quantize: Quantize) -> list[Piece]:
+    """This process's quantized pieces of a device tree (first replica of each shard)."""
     out: list[Piece] = []
-    for i, (a, p) in enumerate(zip(jax.tree.leaves(anchor), jax.tree.leaves(params), strict=True)):
-        d = _diff(a, p)
+    for i, d in enumerate(jax.tree.leaves(diff)):
         for sh in d.addressable_shards:
             if sh.replica_id != 0 or sh.data.size == 0:
                 continue
@@ -135,6 +144,22 @@ class DevicePseudoGradient:
         pieces = local_pieces(self.anchor, params, self.block, self.quantize)
         self.last_bytes = sum(p.nbytes for p in pieces)
         return pieces
+
+    def diff(self, params: Any) -> Any:
+        """``anchor − params`` on the devices (fp32, sharded like the params), kept for later."""
+        if self.anchor is None:
+            raise RuntimeError("device pseudo-gradient: no anchor (the outer params were never placed)")
+        return jax.tree.map(_diff, self.anchor, params)
+
+    def pull(self, diff: Any, like: Any) -> Any:
+        """The host tree of a kept ``diff`` (quantized per shard, like :meth:`__call__`)."""
+        pieces = pieces_of(diff, self.block, self.quantize)
+        self.last_bytes = sum(p.nbytes for p in pieces)
+        return assemble(pieces, like, self.block)
+
+    def merged(self, outer: Any, params: Any) -> Any:
+        """``outer + (params − anchor)`` on the devices (``outer`` placed like the params)."""
+        return jax.tree.map(_merge, outer, params, self.anchor)
 
     def __call__(self, params: Any, like: Any) -> Any:
         """The host pseudo-gradient of a single-process node."""

@@ -68,8 +68,27 @@ class TrainerInner:
         opt = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.t.abstract_state.opt_state)
         return DilocoState(params, MomentumState(params), opt, 0, 0)
 
-    def evaluate(self) -> float:
-        return self.t.evaluate()
+    def evaluate(self, params: Any = None) -> float:
+        return self.t.evaluate(params)
+
+    # ---- overlapped rounds (the device path's anchor is the round's start) --------------------
+    def _dpg(self) -> DevicePseudoGradient:
+        if self.device_pg is None:
+            raise RuntimeError("overlapped rounds need the device pseudo-gradient path")
+        return self.device_pg
+
+    def capture(self) -> Any:
+        return self._dpg().diff(self.t.state.params)
+
+    def pull(self, captured: Any, like: Any) -> Any:
+        return self._dpg().pull(captured, like)
+
+    def place(self, outer_params: Any) -> Any:
+        return jax.device_put(outer_params, self.t.shardings.params)
+
+    def merge(self, placed: Any) -> None:
+        self.t.set_params(self._dpg().merged(placed, self.t.state.params))
+        self._placed()
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:
         if self.t.logger is not None:

@@ -35,6 +35,7 @@ class NumpyInner:
                  step_time: float = 0.0, clock: Clock = REAL) -> None:
         self.target, self.goal, self.step_time, self.clock = target, goal, step_time, clock
         self.weights = copy.deepcopy(init)
+        self.anchor = copy.deepcopy(init)  # the params the current round started from (overlapped rounds)
         self.opt = {"m": np.zeros_like(init["w"])}
         self.step = 0
         self.data = {"pos": 0}
@@ -68,6 +69,19 @@ class NumpyInner:
 
     def set_params(self, params: Any) -> None:
         self.weights = copy.deepcopy(params)
+        self.anchor = copy.deepcopy(params)
+
+    def capture(self) -> Any:
+        return pseudo_gradient(self.anchor, self.weights)
+
+    def pull(self, captured: Any, like: Any) -> Any:
+        return captured
+
+    def place(self, outer_params: Any) -> Any:
+        return copy.deepcopy(outer_params)
+
+    def merge(self, placed: Any) -> None:
+        self.set_params({k: (placed[k] + (w - self.anchor[k])).astype(np.float32) for k, w in self.weights.items()})
 
     def snapshot(self) -> Any:
         return copy.deepcopy(self.opt)
@@ -79,7 +93,7 @@ class NumpyInner:
         return dict(self.data)
 
     def adopt(self, s: DilocoState) -> None:
-        self.weights = copy.deepcopy(s.outer_params)
+        self.set_params(s.outer_params)
         if s.inner_opt_state is not None:
             self.opt = copy.deepcopy(s.inner_opt_state)
         if s.data is not None:
@@ -89,8 +103,9 @@ class NumpyInner:
     def template(self) -> DilocoState:
         return DilocoState(self.weights, MomentumState(self.weights), self.opt, 0, 0)
 
-    def evaluate(self) -> float:
-        return 1.0 + float(np.mean((self.weights["w"] - self.goal) ** 2))
+    def evaluate(self, params: Any = None) -> float:
+        w = (self.weights if params is None else params)["w"]
+        return 1.0 + float(np.mean((w - self.goal) ** 2))
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:
         self.records.append((step, dict(metrics)))

@@ -65,9 +65,18 @@ class Inner(Protocol):
 
     def template(self) -> DilocoState: ...  # shapes and dtypes of a transferred state
 
-    def evaluate(self) -> float: ...
+    def evaluate(self, params: Any = None) -> float: ...  # the current params, or the given host params
 
     def record(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+    # overlapped rounds (LoopConfig.overlap): the params a round started from are its anchor
+    def capture(self) -> Any: ...  # the round's pseudo-gradient (anchor - params), taken now, cheaply
+
+    def pull(self, captured: Any, like: Any) -> Any: ...  # its host fp32 tree (may run while training)
+
+    def place(self, outer_params: Any) -> Any: ...  # a device copy of host params (may run while training)
+
+    def merge(self, placed: Any) -> None: ...  # params := placed outer + (params - anchor); anchor := params
 
 
 class Transport(Protocol):
@@ -107,6 +116,7 @@ class LoopConfig:
     ckpt_every: int = 0  # inner steps (checkpoints at outer boundaries that are multiples, and the last)
     eval_every: int = 0  # inner steps
     guard: GuardConfig = GuardConfig()
+    overlap: bool = False  # train round k+1 while round k's all-reduce and outer step run (see .overlap)
 
 
 @dataclass
@@ -122,6 +132,28 @@ class NodeParts:
     serving: list[Any] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class OuterResult:
+    """One outer step as this node saw it."""
+
+    state: DilocoState
+    ep: Epoch
+    stats: Any  # the all-reduce's CommStats
+    tries: int
+    report: dict[str, Any]  # for the coordinator, sent with the next barrier
+    pg_norm: float
+    avg_norm: float
+    sat_out: str | None
+    skipped: str | None
+
+    def row(self, h: str) -> dict[str, Any]:
+        ep = self.ep
+        return {"outer_step": self.state.outer_step, "outer_hash": h, "epoch": ep.epoch_id, "nodes": ep.world_size,
+                "bytes_sent": self.stats.bytes_sent, "bytes_received": self.stats.bytes_received,
+                "allreduce_tries": self.tries, "pg_norm": self.pg_norm, "avg_norm": self.avg_norm,
+                "sat_out": self.sat_out, "skipped": self.skipped, "contributors": ep.world_size - len(ep.sitting_out)}
+
+
 def claim_of(s: DilocoState | None) -> Resume | None:
     return Resume(s.outer_step, state_hash=state_hash(s)) if s is not None else None
 
@@ -134,6 +166,7 @@ class NodeLoop:
         self.own = OwnGuard(cfg.guard)  # this node's own pseudo-gradient norms
         self.state: DilocoState | None = None  # the outer state this node holds
         self._pending: dict[str, Any] | None = None  # metrics of the newest outer step, until recorded
+        self.t_first: float | None = None  # when this node's first round began (rows carry elapsed_s)
 
     @property
     def stop_at(self) -> int:
@@ -227,6 +260,10 @@ class NodeLoop:
 
     # ---- rounds --------------------------------------------------------------------------------
     def _rounds(self) -> Outcome:
+        if self.cfg.overlap:
+            from intellect_jax.diloco.overlap import overlapped_rounds
+
+            return overlapped_rounds(self)
         p, cfg, H = self.p, self.cfg, self.cfg.inner_steps
         s = self.state
         assert s is not None
@@ -235,51 +272,68 @@ class NodeLoop:
         report = None  # on the last all-reduce, for the coordinator (sent with the next barrier)
         while k < self.stop_at:
             t0 = p.clock.now()
+            self.t_first = self.t_first if self.t_first is not None else t0
             last = p.inner.train(until=(k + 1) * H)
             t1 = p.clock.now()
-            pg = p.inner.pseudo_gradient(s.outer_params)
-            scale = tree_norm(s.outer_params) if len(s.norms) < self.guard.min_history else None
-            pg_norm, sits_out = self.own.check(pg, scale)
-            if sits_out:  # a broken contribution stays home: zeros, and the others are told
-                p.log(f"WARNING sitting out outer step {k + 1}: this node's pseudo-gradient has {sits_out}")
-                pg = jax.tree.map(np.zeros_like, pg)
-            avg, ep, stats, tries, suspect = self._all_reduce(k, h, pg, sits_out, report)
-            self._confirm(k, h)
-            avg, avg_norm, skip = self._vet(s, avg, ep, scale)
-            if skip:  # every node holds the same bits, so every node skips
-                p.log(f"WARNING outer step {k + 1} skipped: the average has {skip}")
-                s = s._replace(outer_step=k + 1, inner_step=(k + 1) * H)
-            else:
-                s = outer_step(s, avg, self.tx, inner_step=(k + 1) * H)._replace(
-                    norms=remember(s.norms, avg_norm, self.guard))
-            report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None}
-            if suspect:
-                p.log(f"WARNING {ep.node_ids[suspect[0]]}'s contribution to outer step {k + 1} had {suspect[1]}")
+            o = self.outer(s, p.inner.pseudo_gradient(s.outer_params), report)
+            s, report = o.state, o.report
             p.inner.set_params(s.outer_params)
             self.state, k, h = s, s.outer_step, state_hash(s)
             p.client.hold(k, h)
             sync_s = p.clock.now() - t1
-            self._serve(ep, s)
-            step = k * H
-            due = lambda every: (every and step % every == 0) or k == self.stop_at  # noqa: E731
-            if due(cfg.ckpt_every):
+            self._serve(o.ep, s)
+            if self.due(cfg.ckpt_every, k):
                 p.store.save(s._replace(inner_opt_state=p.inner.live_opt_state(), data=p.inner.data_state()))
             compute_s = t1 - t0
-            self._pending = {"outer_step": k, "outer_hash": h, "epoch": ep.epoch_id, "nodes": ep.world_size,
-                             "sync_s": sync_s, "compute_s": compute_s,
-                             "utilization": compute_s / max(compute_s + sync_s, 1e-9),
-                             "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
-                             "allreduce_tries": tries, "pg_norm": pg_norm, "avg_norm": avg_norm,
-                             "sat_out": sits_out, "skipped": skip, "contributors": ep.world_size - len(ep.sitting_out),
-                             **({"val_loss": p.inner.evaluate()} if due(cfg.eval_every) else {})}
-            p.log(f"outer step {k}: epoch {ep.epoch_id} ({ep.world_size} nodes), loss "
-                  f"{last.get('loss', float('nan')):.4f}, sync {sync_s:.2f}s, "
-                  f"sent {stats.bytes_sent / 2**20:.2f} MiB, hash {h[:12]}")
+            self._pending = {**o.row(h), "sync_s": sync_s, "compute_s": compute_s,
+                             "utilization": compute_s / max(compute_s + sync_s, 1e-9), "elapsed_s": self.elapsed(),
+                             **({"val_loss": p.inner.evaluate()} if self.due(cfg.eval_every, k) else {})}
+            self._say(k, o, last, sync_s, h)
+        return self._finish(k, h, report)
+
+    def elapsed(self) -> float:
+        """Seconds since this node's first round began: Σ compute_s / elapsed_s is its utilization."""
+        return self.p.clock.now() - self.t_first if self.t_first is not None else 0.0
+
+    def due(self, every: int, k: int) -> bool:
+        """Whether a checkpoint/evaluation every ``every`` inner steps falls on outer step ``k``."""
+        return bool(every and (k * self.cfg.inner_steps) % every == 0) or k == self.stop_at
+
+    def _say(self, k: int, o: OuterResult, last: dict[str, Any], sync_s: float, h: str) -> None:
+        self.p.log(f"outer step {k}: epoch {o.ep.epoch_id} ({o.ep.world_size} nodes), loss "
+                   f"{last.get('loss', float('nan')):.4f}, sync {sync_s:.2f}s, "
+                   f"sent {o.stats.bytes_sent / 2**20:.2f} MiB, hash {h[:12]}")
+
+    def _finish(self, k: int, h: str, report: dict | None) -> Outcome:
+        p = self.p
         p.client.sync(k, h, report=report)  # the last barrier records the final hash (and completes the run)
         self._confirm(k, h)
         self._wait_serving()
         p.client.leave()
         return Outcome.FINISHED if k >= self.cfg.outer_steps else Outcome.STOPPED
+
+    def outer(self, s: DilocoState, pg: Any, report: dict | None) -> OuterResult:
+        """Outer step ``s.outer_step`` -> +1 with this node's pseudo-gradient: own check, barrier and
+        all-reduce (retried over new epochs), check of the average, Nesterov step."""
+        p, H = self.p, self.cfg.inner_steps
+        k, h = s.outer_step, state_hash(s)
+        scale = tree_norm(s.outer_params) if len(s.norms) < self.guard.min_history else None
+        pg_norm, sits_out = self.own.check(pg, scale)
+        if sits_out:  # a broken contribution stays home: zeros, and the others are told
+            p.log(f"WARNING sitting out outer step {k + 1}: this node's pseudo-gradient has {sits_out}")
+            pg = jax.tree.map(np.zeros_like, pg)
+        avg, ep, stats, tries, suspect = self._all_reduce(k, h, pg, sits_out, report)
+        self._confirm(k, h)
+        avg, avg_norm, skip = self._vet(s, avg, ep, scale)
+        if skip:  # every node holds the same bits, so every node skips
+            p.log(f"WARNING outer step {k + 1} skipped: the average has {skip}")
+            s = s._replace(outer_step=k + 1, inner_step=(k + 1) * H)
+        else:
+            s = outer_step(s, avg, self.tx, inner_step=(k + 1) * H)._replace(norms=remember(s.norms, avg_norm, self.guard))
+        if suspect:
+            p.log(f"WARNING {ep.node_ids[suspect[0]]}'s contribution to outer step {k + 1} had {suspect[1]}")
+        report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None}
+        return OuterResult(s, ep, stats, tries, report, pg_norm, avg_norm, sits_out, skip)
 
     def _confirm(self, k: int, h: str) -> None:
         """Barrier ``k`` completed with us in it: the run recorded ``h`` for outer step ``k``."""

@@ -251,7 +251,9 @@ class LeadInner(TrainerInner):
         self.f.command("train", until=until)
         return self.t.train(until=until)
 
-    def evaluate(self) -> float:
+    def evaluate(self, params: Any = None) -> float:
+        if params is not None:
+            raise NotImplementedError("a multi-process node evaluates its own params (no overlapped rounds)")
         self.f.command("eval")
         return self.t.evaluate()
 

@@ -54,7 +54,8 @@ def loop_config(cfg: TrainConfig) -> LoopConfig:
                       stop_at=cfg.run.stop_at // H if cfg.run.stop_at else None, outer_lr=d.outer_lr,
                       outer_momentum=d.outer_momentum, max_retries=d.max_retries,
                       transfer_timeout=d.transfer_timeout, admission_timeout=d.admission_timeout,
-                      watch_interval=d.heartbeat_interval, ckpt_every=cfg.ckpt.every, eval_every=cfg.run.eval_every)
+                      watch_interval=d.heartbeat_interval, ckpt_every=cfg.ckpt.every, eval_every=cfg.run.eval_every,
+                      overlap=d.overlap)
 
 
 def node_device_pg(cfg: TrainConfig, *, log=print) -> DevicePseudoGradient:
@@ -117,6 +118,8 @@ class DilocoNode:
         d = self.cfg.diloco
         # checkpoints and evals happen at outer boundaries; the store restores, not the trainer
         multi = jax.process_count() > 1
+        if multi and d.overlap:
+            raise DilocoError("diloco.overlap is not available on a node of several processes yet")
         if multi:  # the node's other processes learn where to reach this one (before any other program)
             share_port(self.net.address[1])
         self.trainer = Trainer(self.cfg, node_rank=d.data_rank, node_count=d.data_ranks, periodic_save=False,
@@ -130,7 +133,8 @@ class DilocoNode:
             self.followers = Followers(self.net, jax.process_count(), timeout=d.transfer_timeout)
             inner: TrainerInner = LeadInner(self.trainer, node_device_pg(self.cfg, log=self._log), self.followers)
         else:
-            inner = TrainerInner(self.trainer, self._device_pg())
+            inner = TrainerInner(self.trainer, node_device_pg(self.cfg, log=self._log) if d.overlap
+                                 else self._device_pg())
         if d.join_after:  # ready (state built, data loaded, every process connected); register later
             self._wait_for_run(d.join_after)
         parts = NodeParts(self.node_id, inner, self.client, self._ring, transport, store, log=self._log)

@@ -65,7 +65,7 @@ class Sim:
         self.loop_cfg = LoopConfig(inner_steps=p.inner_steps, outer_steps=p.outer_steps, outer_lr=p.outer_lr,
                                    outer_momentum=p.outer_momentum, transfer_timeout=p.transfer_timeout,
                                    admission_timeout=p.max_time, watch_interval=p.heartbeat_interval,
-                                   ckpt_every=p.inner_steps, eval_every=0)
+                                   ckpt_every=p.inner_steps, eval_every=0, overlap=p.overlap)
         self.ring_cfg = RingConfig(mode="int8", block_size=32, piece_numel=64, deadline=p.ring_deadline)
         self.procs: list[Proc] = []
         self.disks: dict[str, dict[int, DilocoState]] = {}
@@ -376,12 +376,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="replay one seed")
     ap.add_argument("--seeds", default="0:50", help="a range START:END of seeds")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the event log of each seed")
+    ap.add_argument("--overlap", action="store_true", help="the nodes run overlapped rounds")
     a = ap.parse_args(argv)
     seeds = [a.seed] if a.seed is not None else range(*map(int, a.seeds.split(":")))
     bad, total = 0, Counter()
     t0 = time.monotonic()
     for seed in seeds:
-        r = Sim(seed).run()
+        r = Sim(seed, SimParams(overlap=a.overlap)).run()
         total.update(r["faults"])
         if a.verbose:
             print("\n".join(r["log"]))

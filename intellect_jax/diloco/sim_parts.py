@@ -55,6 +55,7 @@ class SimParams:
     coordinator_restarts: int = 2  # at most
     outage_prob: float = 0.3  # chance of one event that kills several nodes at once
     late_joiners: int = 1  # at most
+    overlap: bool = False  # overlapped rounds (diloco/overlap.py)
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,13 @@ class SimInner(NumpyInner):
         """A broken host: this node's own pseudo-gradient comes out poisoned."""
         pg = super().pseudo_gradient(outer_params)
         return self.sim.poison(self.proc, "own", self.step // self.sim.p.inner_steps, pg)
+
+    def capture(self) -> Any:
+        return self.step, super().capture()
+
+    def pull(self, captured: Any, like: Any) -> Any:
+        step, pg = captured  # the round that made it (the trainer has moved on by now)
+        return self.sim.poison(self.proc, "own", step // self.sim.p.inner_steps, pg)
 
 
 class _Group:

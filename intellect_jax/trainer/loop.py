@@ -146,17 +146,23 @@ class Trainer:
     def _device_batch(self, local: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(self.batch_sh, np.asarray(local, np.int32))
 
-    def evaluate(self) -> float:
-        """Mean validation loss per token over `run.eval_batches` held-out batches."""
+    def evaluate(self, params: Any = None) -> float:
+        """Mean validation loss per token over `run.eval_batches` held-out batches, of the
+        current params or of the given (host) params."""
         if self._val is None:
             self._val = make_val_batches(
                 self.cfg.data, self.tok, max_batches=self.cfg.run.eval_batches,
                 node_rank=self.node_rank, node_count=self.node_count,
                 process_index=jax.process_index(), process_count=jax.process_count(),
             )
+        if params is None:
+            params = self.state.params
+        else:
+            params = jax.device_put(jax.tree.map(lambda x, a: np.asarray(x, a.dtype), params,
+                                                 self.abstract_state.params), self.shardings.params)
         tot, n = 0.0, 0
         for b in self._val:
-            nll_B = jax.device_get(self._eval(self.state.params, self._device_batch(b["tokens"])))
+            nll_B = jax.device_get(self._eval(params, self._device_batch(b["tokens"])))
             tot, n = tot + float(np.sum(nll_B)), n + nll_B.size * self.cfg.data.seq_len
         return tot / max(n, 1)
 

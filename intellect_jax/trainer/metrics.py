@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ def peak_flops(device_kind: str, override_tflops: float | None) -> float | None:
 
 
 class MetricsLogger:
-    """Writes one JSON line per logged step; only the writing process should create one."""
+    """Writes one JSON line per logged step; only the writing process should create one. Thread
+    safe: with overlapped DiLoCo rounds the trainer's thread and the outer loop's both log."""
 
     def __init__(self, run_dir: Path, *, total_steps: int, start_step: int, progress: bool):
         from tensorboardX import SummaryWriter
@@ -33,8 +35,13 @@ class MetricsLogger:
         self._tb = SummaryWriter(str(run_dir / "tb"), flush_secs=10)
         self._bar = tqdm(total=total_steps, initial=start_step, disable=not progress,
                          unit="step", dynamic_ncols=True, mininterval=0.5)
+        self._lock = threading.Lock()
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        with self._lock:
+            self._log(step, metrics)
+
+    def _log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, "time": round(time.time(), 3)}  # wall clock, for cross-node timelines
         row.update({k: _plain(v) for k, v in metrics.items()})
         self._file.write(json.dumps(row) + "\n")
