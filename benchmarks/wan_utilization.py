@@ -9,9 +9,9 @@ first one. A calibration run (synchronous, 1 Gbit/s links) measures a round's co
 all-reduce's bytes and its cost on a fast link; for each target share s of a synchronous round
 spent in sync, the link rate is then set so that the all-reduce should take s/(1-s) of a
 round's compute, and the synchronous and the overlapped run train on the same tokens. Every
-figure is measured from the nodes' own metrics, in the steady state (from outer step 1 on; the
-first round compiles): utilization = Σ inner compute time / wall time (per node, then the
-mean), wall time per outer step, bytes sent per node
+figure is measured from the nodes' own metrics, in the steady state (rounds 1 to K-2; round 0
+compiles): utilization = Σ inner compute time / wall time from the start of round 1 to the
+start of round K-1 (per node, then the mean), wall time per outer step, bytes sent per node
 per outer step, the final validation loss (outer params, node 0), and whether all nodes logged
 one hash per outer step. Prints a table and one JSON line.
 """
@@ -78,13 +78,15 @@ def run_once(a: argparse.Namespace, mbit: float, overlap: bool, tag: str) -> dic
     for rs in nodes:
         for r in rs:
             hashes.setdefault(r["outer_step"], set()).add(r["outer_hash"])
-    # steady state: from outer step 1 to the last (the first round compiles the step)
-    util = [sum(r["compute_s"] for r in rs[1:]) / (rs[-1]["elapsed_s"] - rs[0]["elapsed_s"]) for rs in nodes]
+    # steady state: rounds 1..K-2 (round 0 compiles the step), each with the gap after it until the
+    # next round starts; row j carries round j-1's compute time and start
+    util = [sum(r["compute_s"] for r in rs[1:-1]) / (rs[-1]["round_start_s"] - rs[1]["round_start_s"])
+            for rs in nodes]
     n0, mean = nodes[0], (lambda key, rs: sum(r.get(key, 0.0) for r in rs) / len(rs))
     return {"run": name, "mbit": round(mbit, 2), "utilization": sum(util) / len(util),
-            "utilization_min": min(util), "wall_per_outer_s": (n0[-1]["elapsed_s"] - n0[0]["elapsed_s"]) / (K - 1),
-            "compute_per_round_s": mean("compute_s", n0[1:]), "sync_per_outer_s": mean("sync_s", n0[1:]),
-            "overlap_wait_s": mean("overlap_wait_s", n0[1:]),
+            "utilization_min": min(util), "wall_per_outer_s": (n0[-1]["round_start_s"] - n0[1]["round_start_s"]) / (K - 2),
+            "compute_per_round_s": mean("compute_s", n0[1:-1]), "sync_per_outer_s": mean("sync_s", n0[1:-1]),
+            "overlap_wait_s": mean("overlap_wait_s", n0[2:]),
             "mb_sent_per_outer": mean("bytes_sent", n0) / 1e6,
             "val_loss": next(r["val_loss"] for r in reversed(n0) if "val_loss" in r),
             "hashes_agree": sorted(hashes) == list(range(1, K + 1)) and all(len(h) == 1 for h in hashes.values())}
@@ -94,7 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--inner-steps", type=int, default=25, help="H")
-    ap.add_argument("--outer-steps", type=int, default=8, help="at least 3 (the first round compiles)")
+    ap.add_argument("--outer-steps", type=int, default=8, help="at least 4 (the first round compiles)")
     ap.add_argument("--shares", type=float, nargs="+", default=[0.2, 0.5],
                     help="target shares of a synchronous round spent in sync")
     ap.add_argument("--calibrate-mbit", type=float, default=1000.0)

@@ -287,6 +287,7 @@ class NodeLoop:
             compute_s = t1 - t0
             self._pending = {**o.row(h), "sync_s": sync_s, "compute_s": compute_s,
                              "utilization": compute_s / max(compute_s + sync_s, 1e-9), "elapsed_s": self.elapsed(),
+                             "round_start_s": t0 - self.t_first,
                              **({"val_loss": p.inner.evaluate()} if self.due(cfg.eval_every, k) else {})}
             self._say(k, o, last, sync_s, h)
         return self._finish(k, h, report)

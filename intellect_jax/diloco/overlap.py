@@ -102,7 +102,9 @@ def overlapped_rounds(loop: NodeLoop) -> Outcome:
                     p.store.save(s._replace(inner_opt_state=keep[0], data=keep[1]))
                 applied = (o, {**o.row(h), "sync_s": sync_s, "compute_s": compute_s, "overlap_wait_s": idle,
                                "utilization": compute_s / max(compute_s + idle, 1e-9), "delay_steps": H,
-                               "elapsed_s": loop.elapsed()}, sync_s)
+                               "elapsed_s": loop.elapsed(),
+                               "round_start_s": prev.t0 - loop.t_first if prev and loop.t_first is not None else 0.0},
+                              sync_s)
             if running is None:  # the run's last outer step is applied: params := outer params
                 p.inner.set_params(s.outer_params)
                 if applied is not None:
