@@ -44,19 +44,33 @@ def _ring_mean(trees, epoch):
     return out[0]
 
 
-def reference(n, H, R, guard=GuardConfig()):
+def reference(n, H, R, merge="eager", guard=GuardConfig()):
     """The variant, written plainly: every node trains round r from its anchor; its
-    pseudo-gradient is anchor - params; the average of round r-1 makes θ_r, and each node moves
-    to θ_r + its own progress of round r; after the last round, θ_R. -> hashes by outer step."""
+    pseudo-gradient is anchor - params; the average of round r-1 makes θ_r, and each node's next
+    round starts at ("keep") θ_r + its own progress of round r, or ("eager") where the Nesterov
+    step from θ_r would go if round r's average were (own pseudo-gradient + (n-1) x round r-1's
+    average) / n; after the last round, θ_R. -> hashes by outer step, final state."""
     targets, init, goal = _task(n)
     nodes = [NumpyInner(targets[i], init, goal) for i in range(n)]
     tx = nesterov_sgd(0.7, 0.9)
     s = init_state(copy.deepcopy(init), tx, None, 0)
     anchors = [copy.deepcopy(init) for _ in nodes]
-    hashes, pending = {}, None
+    hashes, pending, avg_prev = {}, None, None
+    lr, mu = np.float32(0.7), np.float32(0.9)
+
+    def start(s, x, anchor, first):
+        if merge == "keep" or first:
+            return {k: (s.outer_params[k] + (w - anchor[k])).astype(np.float32) for k, w in x.weights.items()}
+        # θ - lr ((1 + mu) g + mu^2 m) with g = (anchor - w) / n + (1 - 1/n) avg_prev, in the loop's
+        # fp32 association: a base from θ, m and avg_prev, plus lr (1 + mu) / n times the progress
+        c, m = np.float32(1 - 1 / n), s.outer_opt_state.momentum
+        kappa = np.float32(float(lr * (1 + mu) / n))
+        return {k: ((s.outer_params[k] - lr * ((1 + mu) * c * avg_prev[k] + mu * mu * m[k])).astype(np.float32)
+                    + kappa * (w - anchor[k])).astype(np.float32) for k, w in x.weights.items()}
 
     def apply(s, pgs, epoch):
-        avg = _ring_mean(pgs, epoch)
+        nonlocal avg_prev
+        avg = avg_prev = _ring_mean(pgs, epoch)
         scale = tree_norm(s.outer_params) if len(s.norms) < guard.min_history else None
         norm, why = check_average(avg, s.norms, guard, scale)
         assert why is None
@@ -71,20 +85,21 @@ def reference(n, H, R, guard=GuardConfig()):
         if pending is not None:
             s = apply(s, pending, 1)
         for i, x in enumerate(nodes):
-            x.weights = {k: (s.outer_params[k] + (w - anchors[i][k])).astype(np.float32) for k, w in x.weights.items()}
+            x.weights = start(s, x, anchors[i], pending is None)
             anchors[i] = copy.deepcopy(x.weights)
         pending = pgs
     s = apply(s, pending, 1)
     return hashes, s
 
 
-def test_overlapped_loop_equals_the_reference_bit_for_bit():
+@pytest.mark.parametrize("merge", ["eager", "keep"])
+def test_overlapped_loop_equals_the_reference_bit_for_bit(merge):
     n, H, R = 3, 5, 6
     targets, init, goal = _task(n)
     inners = [NumpyInner(targets[i], init, goal) for i in range(n)]
-    outs = run_local(LoopConfig(inner_steps=H, outer_steps=R, overlap=True), inners, RING)
+    outs = run_local(LoopConfig(inner_steps=H, outer_steps=R, overlap=True, overlap_merge=merge), inners, RING)
     assert set(outs) <= {Outcome.FINISHED, Outcome.COMPLETED}
-    want, final = reference(n, H, R)
+    want, final = reference(n, H, R, merge)
     for x in inners:
         got = {m["outer_step"]: m["outer_hash"] for _, m in x.records}
         assert got == want

@@ -85,8 +85,8 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int
 
 
 @jax.jit
-def _merge(o: jax.Array, p: jax.Array, a: jax.Array) -> jax.Array:
-    return (o.astype(jnp.float32) + (p.astype(jnp.float32) - a.astype(jnp.float32))).astype(p.dtype)
+def _merge(o: jax.Array, p: jax.Array, a: jax.Array, c: jax.Array) -> jax.Array:
+    return (o.astype(jnp.float32) + c * (p.astype(jnp.float32) - a.astype(jnp.float32))).astype(p.dtype)
 
 
 def local_pieces(anchor: Any, params: Any, block: int, quantize: Quantize) -> list[Piece]:
@@ -157,9 +157,10 @@ class DevicePseudoGradient:
         self.last_bytes = sum(p.nbytes for p in pieces)
         return assemble(pieces, like, self.block)
 
-    def merged(self, outer: Any, params: Any) -> Any:
-        """``outer + (params − anchor)`` on the devices (``outer`` placed like the params)."""
-        return jax.tree.map(_merge, outer, params, self.anchor)
+    def merged(self, outer: Any, params: Any, scale: float = 1.0) -> Any:
+        """``outer + scale (params − anchor)`` on the devices (``outer`` placed like the params)."""
+        c = np.float32(scale)
+        return jax.tree.map(lambda o, p, a: _merge(o, p, a, c), outer, params, self.anchor)
 
     def __call__(self, params: Any, like: Any) -> Any:
         """The host pseudo-gradient of a single-process node."""

@@ -86,8 +86,8 @@ class TrainerInner:
     def place(self, outer_params: Any) -> Any:
         return jax.device_put(outer_params, self.t.shardings.params)
 
-    def merge(self, placed: Any) -> None:
-        self.t.set_params(self._dpg().merged(placed, self.t.state.params))
+    def merge(self, placed: Any, scale: float) -> None:
+        self.t.set_params(self._dpg().merged(placed, self.t.state.params, scale))
         self._placed()
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:

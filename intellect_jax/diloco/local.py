@@ -80,8 +80,9 @@ class NumpyInner:
     def place(self, outer_params: Any) -> Any:
         return copy.deepcopy(outer_params)
 
-    def merge(self, placed: Any) -> None:
-        self.set_params({k: (placed[k] + (w - self.anchor[k])).astype(np.float32) for k, w in self.weights.items()})
+    def merge(self, placed: Any, scale: float) -> None:
+        c = np.float32(scale)
+        self.set_params({k: (placed[k] + c * (w - self.anchor[k])).astype(np.float32) for k, w in self.weights.items()})
 
     def snapshot(self) -> Any:
         return copy.deepcopy(self.opt)

@@ -76,7 +76,7 @@ class Inner(Protocol):
 
     def place(self, outer_params: Any) -> Any: ...  # a device copy of host params (may run while training)
 
-    def merge(self, placed: Any) -> None: ...  # params := placed outer + (params - anchor); anchor := params
+    def merge(self, placed: Any, scale: float) -> None: ...  # params := placed + scale (params - anchor); anchor := params
 
 
 class Transport(Protocol):
@@ -117,6 +117,7 @@ class LoopConfig:
     eval_every: int = 0  # inner steps
     guard: GuardConfig = GuardConfig()
     overlap: bool = False  # train round k+1 while round k's all-reduce and outer step run (see .overlap)
+    overlap_merge: str = "eager"  # where an overlapped round starts: "eager" or "keep" (see .overlap)
 
 
 @dataclass
@@ -145,6 +146,7 @@ class OuterResult:
     avg_norm: float
     sat_out: str | None
     skipped: str | None
+    avg: Any = None  # the average applied (None: skipped)
 
     def row(self, h: str) -> dict[str, Any]:
         ep = self.ep
@@ -334,7 +336,7 @@ class NodeLoop:
         if suspect:
             p.log(f"WARNING {ep.node_ids[suspect[0]]}'s contribution to outer step {k + 1} had {suspect[1]}")
         report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None}
-        return OuterResult(s, ep, stats, tries, report, pg_norm, avg_norm, sits_out, skip)
+        return OuterResult(s, ep, stats, tries, report, pg_norm, avg_norm, sits_out, skip, None if skip else avg)
 
     def _confirm(self, k: int, h: str) -> None:
         """Barrier ``k`` completed with us in it: the run recorded ``h`` for outer step ``k``."""

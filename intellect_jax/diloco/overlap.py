@@ -1,15 +1,19 @@
 """Overlapped rounds (``diloco.overlap``): round r+1 trains while round r's pseudo-gradient is
 all-reduced and applied, so the inner loop waits only when an all-reduce takes longer than a round.
 
-The variant: the average is applied one outer step late, and the node keeps the progress it made
-meanwhile. Each round starts from an *anchor* (the params at its start). At the boundary after
-round r (a *window*, the only time training pauses):
+The outer state applies each average one outer step late. Each round starts from an *anchor*
+(the params at its start). At the boundary after round r (a *window*, the only time training
+pauses):
 
 1. ``pg_r = anchor − params`` is captured on the devices (no host copy yet);
-2. the params become ``θ_r + (params − anchor)``: the newest outer params (the average of round
-   r−1's pseudo-gradients, applied while round r trained) plus this node's own progress of
-   round r, which is in ``pg_r`` and reaches the outer params through round r's average; the
-   anchor moves there;
+2. the params move to where round r+1 starts, ``base + scale (params − anchor)``, and the
+   anchor with them. θ_r, the newest outer params, is the average of round r−1 applied while
+   round r trained; round r's average is not known yet. ``keep``: θ_r plus this node's whole
+   progress of round r (base θ_r, scale 1). ``eager`` (default): the Nesterov step from θ_r
+   (on a copy of the momentum) that round r's average would make if it were this node's own
+   pseudo-gradient for its 1/n share and round r−1's average for the others' (base and scale
+   from :func:`start_point`); the node's own progress reaches the outer params only through
+   round r's real average;
 3. round r+1 starts training in a thread; meanwhile this thread pulls ``pg_r`` to the host,
    runs the outer step ``θ_r → θ_{r+1}`` exactly as a synchronous node (own check, barrier,
    ring all-reduce with retries, check of the average, Nesterov), so the outer states, their
@@ -29,10 +33,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import jax
+import numpy as np
+
 from intellect_jax.diloco.state import DilocoState, state_hash
 
 if TYPE_CHECKING:
-    from intellect_jax.diloco.loop import NodeLoop, NodeParts, Outcome
+    from intellect_jax.diloco.loop import (
+        LoopConfig,
+        NodeLoop,
+        NodeParts,
+        Outcome,
+        OuterResult,
+    )
 
 
 class Round:
@@ -78,7 +91,8 @@ def overlapped_rounds(loop: NodeLoop) -> Outcome:
     running: Round | None = None
     last: dict[str, Any] = {}
     r = k  # the round that starts at this window
-    placed = p.inner.place(s.outer_params)  # θ_r on the devices, for the merge at the next window
+    # the next round starts at placed + scale (params - anchor); after a (re)start, θ_k + own progress
+    placed, scale = p.inner.place(s.outer_params), 1.0
     try:
         while True:
             # ---- the window before round r: training is paused ------------------------------
@@ -97,7 +111,8 @@ def overlapped_rounds(loop: NodeLoop) -> Outcome:
                 loop.state, k, h = s, s.outer_step, state_hash(s)
                 p.client.hold(k, h)
                 sync_s = p.clock.now() - t1
-                placed = p.inner.place(s.outer_params)  # host -> device off the training path
+                base, scale = start_point(cfg, s, o)
+                placed = p.inner.place(base)  # host -> device off the training path
                 if keep is not None:
                     p.store.save(s._replace(inner_opt_state=keep[0], data=keep[1]))
                 applied = (o, {**o.row(h), "sync_s": sync_s, "compute_s": compute_s, "overlap_wait_s": idle,
@@ -115,12 +130,30 @@ def overlapped_rounds(loop: NodeLoop) -> Outcome:
             if applied is not None:
                 _serve_and_report(loop, *applied, s, last, h)
             pending = p.inner.capture()
-            p.inner.merge(placed)
+            p.inner.merge(placed, scale)
             r += 1
     finally:
         if running is not None:  # evicted or failed mid-round: the trainer is left idle first
             running.done.wait()
     return loop._finish(k, h, report)
+
+
+def start_point(cfg: LoopConfig, s: DilocoState, o: OuterResult) -> tuple[Any, float]:
+    """Where the next round starts, as ``base + scale (params − anchor)`` (host base, scale).
+
+    ``keep``: θ_r + the node's whole progress of round r. ``eager``: θ_r moved by the outer
+    step (Nesterov, on a copy of the momentum) that an estimate of round r's average would make:
+    this node's own pseudo-gradient for its 1/n share, the previous average for the others'.
+    """
+    if cfg.overlap_merge == "keep":
+        return s.outer_params, 1.0
+    n = max(1, o.ep.world_size - len(o.ep.sitting_out))
+    lr, mu, c = np.float32(cfg.outer_lr), np.float32(cfg.outer_momentum), np.float32(1.0 - 1.0 / n)
+    zero = np.float32(0.0)
+    avg = o.avg if o.avg is not None else jax.tree.map(lambda t: zero, s.outer_params)
+    base = jax.tree.map(lambda t, m, a: (t - lr * ((1 + mu) * c * a + mu * mu * m)).astype(np.float32),
+                        s.outer_params, s.outer_opt_state.momentum, avg)
+    return base, float(lr * (1 + mu) / n)
 
 
 def _serve_and_report(loop: NodeLoop, o: Any, row: dict[str, Any], sync_s: float, s: DilocoState,
