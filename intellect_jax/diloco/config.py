@@ -23,9 +23,9 @@ class DilocoConfig(BaseModel):
     # train round k+1 while round k's all-reduce and outer step run; the average is applied one
     # outer step late, keeping the node's own progress (diloco/overlap.py)
     overlap: bool = False
-    # where an overlapped round starts: "eager" (θ moved by the outer step an estimate of the
-    # pending average would make) or "keep" (θ + the node's whole progress)
-    overlap_merge: Literal["eager", "keep"] = "eager"
+    # where an overlapped round starts: "keep" (θ + the node's whole progress) or "eager" (θ moved
+    # by the outer step an estimate of the pending average would make); measured: README
+    overlap_merge: Literal["keep", "eager"] = "keep"
     streams: PositiveInt = 1  # parallel TCP streams per ring link
     coordinator: str | None = None  # host:port; None with enabled=true hosts one in-process
     run_id: str = "intellect-jax"

@@ -117,7 +117,7 @@ class LoopConfig:
     eval_every: int = 0  # inner steps
     guard: GuardConfig = GuardConfig()
     overlap: bool = False  # train round k+1 while round k's all-reduce and outer step run (see .overlap)
-    overlap_merge: str = "eager"  # where an overlapped round starts: "eager" or "keep" (see .overlap)
+    overlap_merge: str = "keep"  # where an overlapped round starts: "keep" or "eager" (see .overlap)
 
 
 @dataclass

@@ -9,7 +9,7 @@ pauses):
 2. the params move to where round r+1 starts, ``base + scale (params − anchor)``, and the
    anchor with them. θ_r, the newest outer params, is the average of round r−1 applied while
    round r trained; round r's average is not known yet. ``keep``: θ_r plus this node's whole
-   progress of round r (base θ_r, scale 1). ``eager`` (default): the Nesterov step from θ_r
+   progress of round r (base θ_r, scale 1; the default). ``eager``: the Nesterov step from θ_r
    (on a copy of the momentum) that round r's average would make if it were this node's own
    pseudo-gradient for its 1/n share and round r−1's average for the others' (base and scale
    from :func:`start_point`); the node's own progress reaches the outer params only through
