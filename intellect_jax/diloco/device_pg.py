@@ -80,18 +80,14 @@ def _diff(a: jax.Array, p: jax.Array) -> jax.Array:
     return a.astype(jnp.float32) - p.astype(jnp.float32)
 
 
-def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+def shard_bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A shard's place in its array, as (start, stop) per dimension (hashable, JSON-able)."""
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
 @jax.jit
 def _merge(o: jax.Array, p: jax.Array, a: jax.Array, c: jax.Array) -> jax.Array:
     return (o.astype(jnp.float32) + c * (p.astype(jnp.float32) - a.astype(jnp.float32))).astype(p.dtype)
-
-
-def local_pieces(anchor: Any, params: Any, block: int, quantize: Quantize) -> list[Piece]:
-    """This process's quantized pieces of ``anchor − params`` (device trees of one structure)."""
-    return pieces_of(jax.tree.map(_diff, anchor, params), block, quantize)
 
 
 def pieces_of(diff: Any, block: int, quantize: Quantize) -> list[Piece]:
@@ -102,7 +98,7 @@ def pieces_of(diff: Any, block: int, quantize: Quantize) -> list[Piece]:
             if sh.replica_id != 0 or sh.data.size == 0:
                 continue
             scale, codes = quantize(sh.data.reshape(-1), block)
-            out.append(Piece(i, _bounds(sh.index, d.shape), np.asarray(scale), np.asarray(codes)))
+            out.append(Piece(i, shard_bounds(sh.index, d.shape), np.asarray(scale), np.asarray(codes)))
     return out
 
 
@@ -139,9 +135,11 @@ class DevicePseudoGradient:
         self.anchor = jax.tree.map(jnp.copy, params)
 
     def pieces(self, params: Any) -> list[Piece]:
-        if self.anchor is None:
-            raise RuntimeError("device pseudo-gradient: no anchor (the outer params were never placed)")
-        pieces = local_pieces(self.anchor, params, self.block, self.quantize)
+        """This process's quantized pieces of ``anchor − params``."""
+        return self.pieces_of(self.diff(params))
+
+    def pieces_of(self, diff: Any) -> list[Piece]:
+        pieces = pieces_of(diff, self.block, self.quantize)
         self.last_bytes = sum(p.nbytes for p in pieces)
         return pieces
 
@@ -153,9 +151,7 @@ class DevicePseudoGradient:
 
     def pull(self, diff: Any, like: Any) -> Any:
         """The host tree of a kept ``diff`` (quantized per shard, like :meth:`__call__`)."""
-        pieces = pieces_of(diff, self.block, self.quantize)
-        self.last_bytes = sum(p.nbytes for p in pieces)
-        return assemble(pieces, like, self.block)
+        return assemble(self.pieces_of(diff), like, self.block)
 
     def merged(self, outer: Any, params: Any, scale: float = 1.0) -> Any:
         """``outer + scale (params − anchor)`` on the devices (``outer`` placed like the params)."""
@@ -164,4 +160,4 @@ class DevicePseudoGradient:
 
     def __call__(self, params: Any, like: Any) -> Any:
         """The host pseudo-gradient of a single-process node."""
-        return assemble(self.pieces(params), like, self.block)
+        return self.pull(self.diff(params), like)

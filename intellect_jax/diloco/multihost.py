@@ -39,7 +39,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from intellect_jax.diloco.device_pg import DevicePseudoGradient, Piece, assemble
+from intellect_jax.diloco.device_pg import (
+    DevicePseudoGradient,
+    Piece,
+    assemble,
+    shard_bounds,
+)
 from intellect_jax.diloco.inner import TrainerInner
 from intellect_jax.diloco.state import DilocoState, to_host
 from intellect_jax.net.blob import recv_blob, send_blob
@@ -65,10 +70,6 @@ def share_port(port: int) -> int:
     from jax.experimental import multihost_utils
 
     return int(multihost_utils.broadcast_one_to_all(np.int32(port)))
-
-
-def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> Bounds:
-    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
 # ---- parts of arrays on the wire ------------------------------------------------------------
@@ -119,7 +120,7 @@ def local_shards(tree: Any, dtype: Any = None) -> list[Part]:
     for i, x in enumerate(jax.tree.leaves(tree)):
         for sh in x.addressable_shards:
             if sh.replica_id == 0 and sh.data.size:
-                out.append((i, _bounds(sh.index, x.shape), [np.asarray(sh.data, dtype)]))
+                out.append((i, shard_bounds(sh.index, x.shape), [np.asarray(sh.data, dtype)]))
     return out
 
 
@@ -149,7 +150,7 @@ def slices_for(process: int, host: Any, shardings: Any, abstract: Any) -> list[P
                                       jax.tree.leaves(abstract), strict=True)):
         seen: set[Bounds] = set()
         for dev, idx in s.devices_indices_map(a.shape).items():
-            b = _bounds(idx, a.shape)
+            b = shard_bounds(idx, a.shape)
             if dev.process_index == process and b not in seen:
                 seen.add(b)
                 out.append((i, b, [np.asarray(x[idx], a.dtype)]))
@@ -163,7 +164,7 @@ def build(parts: Sequence[Part], shardings: Any, abstract: Any) -> Any:
 
     def one(i: int, a: Any, s: Any) -> jax.Array:
         def cb(idx: tuple[slice, ...]) -> np.ndarray:
-            key = (i, _bounds(idx, a.shape))
+            key = (i, shard_bounds(idx, a.shape))
             if key not in have:
                 raise ValueError(f"no slice {key[1]} of leaf {i} was received for this process")
             return have[key]
