@@ -158,6 +158,9 @@ class CoordinatorClient:
                 except RegistrationRefused as e:  # our own previous session, not yet seen gone
                     if e.reason != "duplicate" or self.clock.now() >= deadline:
                         raise
+                except TRANSIENT:  # a node back in the run after an eviction waits out a coordinator restart
+                    if self._gen == 0 or self.clock.now() >= deadline:
+                        raise
                 self.clock.sleep(delay)
                 delay = min(2 * delay, 1.0)
 
