@@ -140,6 +140,19 @@ def test_coordinator_restart_mid_run_and_a_stale_checkpoint_restart() -> None:
     assert all(len(h) == 1 for h in hashes_by_step(sim).values())
 
 
+def test_an_evicted_node_waits_out_a_coordinator_restart_to_register_again() -> None:
+    """n2 stalls past its heartbeat timeout (evicted at 1.8 s) and comes back (3.8 s) while the
+    coordinator is down (3.0 s to ~4 s): its new registration waits for the restarted
+    coordinator instead of failing, and it is back in the run (found by seed 88 of the
+    overlapped simulation)."""
+    script = Script(faults={"n2#0": [Fault("train", 1, "stall", "after", seconds=3.0)]},
+                    events=[(3.0, "coordinator", "")])
+    sim, r = run(script, nodes=3, inner_steps=40, overlap=True, overlap_delay=None)
+    assert lines(r, r"n2#0\] evicted") and lines(r, r"coordinator restarted")
+    assert len(lines(r, r"n2#0\] registered as")) == 2, "\n".join(r["log"][-40:])  # again, after the eviction
+    assert all(len(h) == 1 for h in hashes_by_step(sim).values())
+
+
 def test_every_holder_lost_the_run_waits_then_the_operator_rolls_back() -> None:
     """All nodes die and come back with empty disks: nobody has the newest state, so the run
     waits (no node is accepted with older state) until the operator allows a rollback."""
