@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--eval-replicas", action="store_true",
                     help="at every outer step, also the val loss of each node's params before averaging")
     ap.add_argument("--overlap", action="store_true", help="overlapped rounds (implies --device-pg)")
-    ap.add_argument("--overlap-merge", default="keep", choices=["keep", "eager"])
+    ap.add_argument("--overlap-delay", type=int, default=None, help="tau in inner steps (default: H)")
     ap.add_argument("--device-pg", action="store_true",
                     help="pseudo-gradients by the device path (per-shard int8, as GPU and overlapped nodes)")
     ap.add_argument("--eval-seqs", type=int, default=128)
@@ -117,7 +117,7 @@ def main() -> None:
                     print(f"step {self.step}: val loss of the average {val_loss(self.t.state.params):.4f}", flush=True)
 
         loop = LoopConfig(inner_steps=a.inner_steps, outer_steps=a.steps // a.inner_steps, outer_lr=a.outer_lr,
-                          outer_momentum=a.outer_momentum, overlap=a.overlap, overlap_merge=a.overlap_merge)
+                          outer_momentum=a.outer_momentum, overlap=a.overlap, overlap_delay=a.overlap_delay)
         dpg = (lambda: DevicePseudoGradient(64, host_quantize)) if a.overlap or a.device_pg else (lambda: None)
         run_local(loop, [Inner(t, dpg()) for t in trainers], RingConfig(mode=a.mode))
     vl = val_loss(t0.state.params)

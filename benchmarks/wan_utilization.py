@@ -60,7 +60,8 @@ def run_once(a: argparse.Namespace, mbit: float, overlap: bool, tag: str) -> dic
                        str(a.nodes), "--diloco.inner_steps", str(H), "--run.steps", str(H * K), "--run.eval_every",
                        str(H * K), "--run.log_every", str(H), "--ckpt.every", "0", "--data.cache_dir",
                        str(out / "cache"), "--diloco.pseudo_gradient", "device",
-                       *(["--diloco.overlap"] if overlap else [])]
+                       *(["--diloco.overlap"] if overlap else ["--diloco.no_overlap"]),
+                       *(["--diloco.overlap_delay", str(a.overlap_delay)] if overlap and a.overlap_delay else [])]
                 log = open(out / f"{name}.node{i}.log", "w")  # noqa: SIM115 - closed with the process
                 procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
             for p, log in procs:
@@ -87,6 +88,7 @@ def run_once(a: argparse.Namespace, mbit: float, overlap: bool, tag: str) -> dic
             "utilization_min": min(util), "wall_per_outer_s": (n0[-1]["round_start_s"] - n0[1]["round_start_s"]) / (K - 2),
             "compute_per_round_s": mean("compute_s", n0[1:-1]), "sync_per_outer_s": mean("sync_s", n0[1:-1]),
             "overlap_wait_s": mean("overlap_wait_s", n0[2:]),
+            "delay_steps": mean("delay_steps", n0[1:-1]),  # inner steps from send to merge (0: synchronous)
             "mb_sent_per_outer": mean("bytes_sent", n0) / 1e6,
             "val_loss": next(r["val_loss"] for r in reversed(n0) if "val_loss" in r),
             "hashes_agree": sorted(hashes) == list(range(1, K + 1)) and all(len(h) == 1 for h in hashes.values())}
@@ -99,6 +101,8 @@ def main() -> None:
     ap.add_argument("--outer-steps", type=int, default=8, help="at least 4 (the first round compiles)")
     ap.add_argument("--shares", type=float, nargs="+", default=[0.2, 0.5],
                     help="target shares of a synchronous round spent in sync")
+    ap.add_argument("--overlap-delay", type=int, default=None,
+                    help="a fixed tau for the overlapped runs (default: each average merged when ready)")
     ap.add_argument("--calibrate-mbit", type=float, default=1000.0)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     ap.add_argument("--out", default="runs/wan")
@@ -126,11 +130,11 @@ def main() -> None:
             r["target_share"] = share
             results.append(r)
             print(json.dumps(r), flush=True)
-    head = f"{'run':<22} {'Mbit/s':>8} {'util':>6} {'min':>6} {'wall/outer':>10} {'sync':>6} {'wait':>6} " \
+    head = f"{'run':<22} {'Mbit/s':>8} {'delay':>5} {'util':>6} {'min':>6} {'wall/outer':>10} {'sync':>6} {'wait':>6} " \
            f"{'MB/outer':>8} {'val loss':>8} hashes"
     print(head)
     for r in results:
-        print(f"{r['run']:<22} {r['mbit']:>8.1f} {r['utilization']:>6.1%} {r['utilization_min']:>6.1%} "
+        print(f"{r['run']:<22} {r['mbit']:>8.1f} {r['delay_steps']:>5.1f} {r['utilization']:>6.1%} {r['utilization_min']:>6.1%} "
               f"{r['wall_per_outer_s']:>9.2f}s {r['sync_per_outer_s']:>5.2f}s {r['overlap_wait_s']:>5.2f}s "
               f"{r['mb_sent_per_outer']:>8.2f} {r['val_loss']:>8.4f} {'agree' if r['hashes_agree'] else 'DIFFER'}")
     print(json.dumps({"args": {k: v for k, v in vars(a).items() if k != "secret"}, "results": results}))

@@ -13,7 +13,7 @@ from intellect_jax.diloco.local import NumpyInner, run_local
 from intellect_jax.diloco.loop import LoopConfig, Outcome
 from intellect_jax.diloco.sim import Sim
 from intellect_jax.diloco.sim_parts import Fault, Script, SimParams
-from intellect_jax.diloco.state import init_state, nesterov_sgd, outer_step, pseudo_gradient, state_hash
+from intellect_jax.diloco.state import host_copy, init_state, nesterov_sgd, outer_step, pseudo_gradient, state_hash
 from intellect_jax.net.comm import RingConfig
 from intellect_jax.net.local import LocalGroup
 
@@ -44,33 +44,23 @@ def _ring_mean(trees, epoch):
     return out[0]
 
 
-def reference(n, H, R, merge="eager", guard=GuardConfig()):
-    """The variant, written plainly: every node trains round r from its anchor; its
-    pseudo-gradient is anchor - params; the average of round r-1 makes θ_r, and each node's next
-    round starts at ("keep") θ_r + its own progress of round r, or ("eager") where the Nesterov
-    step from θ_r would go if round r's average were (own pseudo-gradient + (n-1) x round r-1's
-    average) / n; after the last round, θ_R. -> hashes by outer step, final state."""
+def reference(n, H, R, tau, guard=None):
+    """The variant, written plainly: a node's pseudo-gradient is anchor - params; at each round's
+    end it is sent and the anchor moves to the params; tau steps into the next round (``tau(i,
+    r)``: node i's, in round r), once the average of the round before made θ_r, the params
+    become θ_r + the progress since the send and the anchor θ_r; after the last round, θ_R.
+    -> hashes by outer step, final state."""
+    delay = tau if callable(tau) else (lambda i, r: tau)
+    guard = guard or GuardConfig()
     targets, init, goal = _task(n)
     nodes = [NumpyInner(targets[i], init, goal) for i in range(n)]
     tx = nesterov_sgd(0.7, 0.9)
     s = init_state(copy.deepcopy(init), tx, None, 0)
     anchors = [copy.deepcopy(init) for _ in nodes]
-    hashes, pending, avg_prev = {}, None, None
-    lr, mu = np.float32(0.7), np.float32(0.9)
-
-    def start(s, x, anchor, first):
-        if merge == "keep" or first:
-            return {k: (s.outer_params[k] + (w - anchor[k])).astype(np.float32) for k, w in x.weights.items()}
-        # θ - lr ((1 + mu) g + mu^2 m) with g = (anchor - w) / n + (1 - 1/n) avg_prev, in the loop's
-        # fp32 association: a base from θ, m and avg_prev, plus lr (1 + mu) / n times the progress
-        c, m = np.float32(1 - 1 / n), s.outer_opt_state.momentum
-        kappa = np.float32(float(lr * (1 + mu) / n))
-        return {k: ((s.outer_params[k] - lr * ((1 + mu) * c * avg_prev[k] + mu * mu * m[k])).astype(np.float32)
-                    + kappa * (w - anchor[k])).astype(np.float32) for k, w in x.weights.items()}
+    hashes, pending = {}, None
 
     def apply(s, pgs, epoch):
-        nonlocal avg_prev
-        avg = avg_prev = _ring_mean(pgs, epoch)
+        avg = _ring_mean(pgs, epoch)
         scale = tree_norm(s.outer_params) if len(s.norms) < guard.min_history else None
         norm, why = check_average(avg, s.norms, guard, scale)
         assert why is None
@@ -79,37 +69,72 @@ def reference(n, H, R, merge="eager", guard=GuardConfig()):
         return s
 
     for r in range(R):
-        for x in nodes:
-            x.train((r + 1) * H)
-        pgs = [pseudo_gradient(a, x.weights) for a, x in zip(anchors, nodes)]
         if pending is not None:
             s = apply(s, pending, 1)
-        for i, x in enumerate(nodes):
-            x.weights = start(s, x, anchors[i], pending is None)
-            anchors[i] = copy.deepcopy(x.weights)
-        pending = pgs
+            for i, x in enumerate(nodes):
+                x.train(r * H + delay(i, r))
+                x.weights = {k: (s.outer_params[k] + (w - anchors[i][k])).astype(np.float32)
+                             for k, w in x.weights.items()}
+                anchors[i] = copy.deepcopy(s.outer_params)
+        for x in nodes:
+            x.train((r + 1) * H)
+        pending = [pseudo_gradient(a, x.weights) for a, x in zip(anchors, nodes)]
+        anchors = [copy.deepcopy(x.weights) for x in nodes]
     s = apply(s, pending, 1)
     return hashes, s
 
 
-@pytest.mark.parametrize("merge", ["eager", "keep"])
-def test_overlapped_loop_equals_the_reference_bit_for_bit(merge):
+@pytest.mark.parametrize("tau", [1, 3, 5])
+def test_overlapped_loop_equals_the_reference_bit_for_bit(tau):
     n, H, R = 3, 5, 6
     targets, init, goal = _task(n)
     inners = [NumpyInner(targets[i], init, goal) for i in range(n)]
-    outs = run_local(LoopConfig(inner_steps=H, outer_steps=R, overlap=True, overlap_merge=merge), inners, RING)
+    outs = run_local(LoopConfig(inner_steps=H, outer_steps=R, overlap=True, overlap_delay=tau), inners, RING)
     assert set(outs) <= {Outcome.FINISHED, Outcome.COMPLETED}
-    want, final = reference(n, H, R, merge)
+    want, final = reference(n, H, R, tau)
     for x in inners:
         got = {m["outer_step"]: m["outer_hash"] for _, m in x.records}
         assert got == want
         assert all(np.array_equal(x.weights[k], final.outer_params[k]) for k in final.outer_params)  # ends at θ_R
         rows = [m for _, m in x.records]
-        assert all(m["delay_steps"] == H and 0 <= m["utilization"] <= 1 and "overlap_wait_s" in m for m in rows)
+        assert [m["delay_steps"] for m in rows] == [tau] * (R - 1) + [0]  # the last lands after training
+        assert all(0 <= m["utilization"] <= 1 and "overlap_wait_s" in m for m in rows)
     # and the synchronous loop is another algorithm: the same task gives other outer states
     sync = [NumpyInner(targets[i], init, goal) for i in range(n)]
     run_local(LoopConfig(inner_steps=H, outer_steps=R), sync, RING)
     assert {m["outer_step"]: m["outer_hash"] for _, m in sync[0].records}[R] != want[R]
+
+
+def test_merging_when_ready_equals_the_reference_at_the_steps_it_chose():
+    """The default: each node merges an average at the first inner step after it is ready. With
+    steps of 2 ms the merge points vary by node and round; replayed at the delays the rows report,
+    the reference gives the same hashes and final params bit for bit."""
+    n, H, R = 3, 40, 5
+    targets, init, goal = _task(n)
+    inners = [NumpyInner(targets[i], init, goal, step_time=0.002) for i in range(n)]
+    run_local(LoopConfig(inner_steps=H, outer_steps=R, overlap=True), inners, RING)
+    delays = [{m["outer_step"]: m["delay_steps"] for _, m in x.records} for x in inners]
+    assert all(1 <= d[r] <= H for d in delays for r in range(1, R)) and all(d[R] == 0 for d in delays), delays
+    want, final = reference(n, H, R, lambda i, r: delays[i][r])
+    for x in inners:
+        assert {m["outer_step"]: m["outer_hash"] for _, m in x.records} == want
+        assert all(np.array_equal(x.weights[k], final.outer_params[k]) for k in final.outer_params)
+
+
+def test_a_shorter_delay_lands_closer_to_synchronous():
+    """On the numpy task the final outer params of tau = 1 are nearer the synchronous run's than
+    those of tau = H (the average is stale for fewer steps)."""
+    n, H, R = 3, 8, 8
+    targets, init, goal = _task(n)
+
+    def final(**kw):
+        inners = [NumpyInner(targets[i], init, goal) for i in range(n)]
+        run_local(LoopConfig(inner_steps=H, outer_steps=R, **kw), inners, RING)
+        return inners[0].weights["w"]
+
+    sync = final()
+    gap = {tau: float(np.linalg.norm(final(overlap=True, overlap_delay=tau) - sync)) for tau in (1, H)}
+    assert gap[1] < 0.5 * gap[H], gap
 
 
 def test_real_trainers_learn_with_overlapped_rounds(tmp_path, cache_dir):
@@ -128,7 +153,9 @@ def test_real_trainers_learn_with_overlapped_rounds(tmp_path, cache_dir):
                 for i in range(2)]
     try:
         inners = [TrainerInner(t, DevicePseudoGradient(64, host_quantize)) for t in trainers]
+        before, stashed = host_copy(trainers[0].state.opt_state), inners[0].stash()  # a checkpoint's copy
         run_local(LoopConfig(inner_steps=H, outer_steps=outer, overlap=True, eval_every=3 * H), inners, RingConfig())
+        after, stashed = host_copy(trainers[0].state.opt_state), host_copy(stashed)
         rows = [[json.loads(line) for line in (t.run_dir / "metrics.jsonl").read_text().splitlines()]
                 for t in trainers]
         final = [[np.asarray(x) for x in jax.tree.leaves(t.state.params)] for t in trainers]
@@ -138,6 +165,9 @@ def test_real_trainers_learn_with_overlapped_rounds(tmp_path, cache_dir):
     hashes = [{r["outer_step"]: r["outer_hash"] for r in rs if "outer_hash" in r} for rs in rows]
     assert sorted(hashes[0]) == list(range(1, outer + 1)) and hashes[0] == hashes[1]
     assert all(np.array_equal(a, b) for a, b in zip(*final))  # both end at the outer params
+    # the stash survived the steps that donated the live optimizer state, unchanged
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(stashed)))
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(stashed)))
     loss = [r["loss"] for r in rows[0] if "loss" in r]
     assert np.mean(loss[-H:]) < np.mean(loss[:H]) - 0.3, loss
     assert [r["outer_step"] for r in rows[0] if "val_loss" in r] == [3, 6]
@@ -159,3 +189,15 @@ def test_a_fault_while_an_overlapped_all_reduce_is_in_flight(fault):
         by.setdefault(row["outer_step"], set()).add(row["outer_hash"])
     assert sorted(by) == list(range(1, 11)) and all(len(h) == 1 for h in by.values())
     assert all("overlap_wait_s" in row for _, _, row in sim.rows)
+
+
+def test_overlap_settings_are_checked():
+    from pydantic import ValidationError
+
+    from intellect_jax.diloco.config import DilocoConfig
+
+    assert DilocoConfig(inner_steps=50, overlap=True, overlap_delay=50).overlap_delay == 50
+    with pytest.raises(ValidationError, match=r"overlap_delay \(51\) must be <= inner_steps \(50\)"):
+        DilocoConfig(inner_steps=50, overlap_delay=51)
+    with pytest.raises(ValidationError, match="overlap needs the device pseudo-gradient"):
+        DilocoConfig(overlap=True, pseudo_gradient="host")

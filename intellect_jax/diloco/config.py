@@ -20,12 +20,12 @@ class DilocoConfig(BaseModel):
     # (only codes + scales cross PCIe; the Triton kernel on a GPU, the host codec on CPU devices);
     # "host" pulls fp32 params to the host; "auto": device on a GPU node with jax-triton
     pseudo_gradient: Literal["auto", "device", "host"] = "auto"
-    # train round k+1 while round k's all-reduce and outer step run; the average is applied one
-    # outer step late, keeping the node's own progress (diloco/overlap.py)
+    # train round k+1 while round k's all-reduce and outer step run (diloco/overlap.py)
     overlap: bool = False
-    # where an overlapped round starts: "keep" (θ + the node's whole progress) or "eager" (θ moved
-    # by the outer step an estimate of the pending average would make); measured: README
-    overlap_merge: Literal["keep", "eager"] = "keep"
+    # tau: the average of round k lands this many inner steps into round k+1, keeping the node's
+    # progress since; default: at the first inner step after it is ready. A fixed tau makes runs
+    # reproducible; the inner loop waits there if the all-reduce is not done
+    overlap_delay: PositiveInt | None = None
     streams: PositiveInt = 1  # parallel TCP streams per ring link
     coordinator: str | None = None  # host:port; None with enabled=true hosts one in-process
     run_id: str = "intellect-jax"
@@ -53,6 +53,8 @@ class DilocoConfig(BaseModel):
     def _check(self) -> DilocoConfig:
         if self.data_rank >= self.data_ranks:
             raise ValueError(f"data_rank ({self.data_rank}) must be < data_ranks ({self.data_ranks})")
+        if self.overlap_delay is not None and self.overlap_delay > self.inner_steps:
+            raise ValueError(f"overlap_delay ({self.overlap_delay}) must be <= inner_steps ({self.inner_steps})")
         if self.overlap and self.pseudo_gradient == "host":
             raise ValueError("overlap needs the device pseudo-gradient (pseudo_gradient = \"auto\" or \"device\")")
         if self.pseudo_gradient == "device" and not self.pow2_block:

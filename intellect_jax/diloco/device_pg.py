@@ -86,8 +86,8 @@ def shard_bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tupl
 
 
 @jax.jit
-def _merge(o: jax.Array, p: jax.Array, a: jax.Array, c: jax.Array) -> jax.Array:
-    return (o.astype(jnp.float32) + c * (p.astype(jnp.float32) - a.astype(jnp.float32))).astype(p.dtype)
+def _merge(o: jax.Array, p: jax.Array, a: jax.Array) -> jax.Array:
+    return (o.astype(jnp.float32) + (p.astype(jnp.float32) - a.astype(jnp.float32))).astype(p.dtype)
 
 
 def pieces_of(diff: Any, block: int, quantize: Quantize) -> list[Piece]:
@@ -130,9 +130,10 @@ class DevicePseudoGradient:
         self.anchor: Any = None
         self.last_bytes = 0  # what crossed from the devices at the last boundary
 
-    def mark(self, params: Any) -> None:
-        """Remember the params just placed (the outer params) on the devices."""
-        self.anchor = jax.tree.map(jnp.copy, params)
+    def mark(self, params: Any, *, copy: bool = True) -> None:
+        """Remember the params just placed (the outer params) on the devices (a copy: the
+        trainer donates its params to the next step)."""
+        self.anchor = jax.tree.map(jnp.copy, params) if copy else params
 
     def pieces(self, params: Any) -> list[Piece]:
         """This process's quantized pieces of ``anchor − params``."""
@@ -153,10 +154,9 @@ class DevicePseudoGradient:
         """The host tree of a kept ``diff`` (quantized per shard, like :meth:`__call__`)."""
         return assemble(self.pieces_of(diff), like, self.block)
 
-    def merged(self, outer: Any, params: Any, scale: float = 1.0) -> Any:
-        """``outer + scale (params − anchor)`` on the devices (``outer`` placed like the params)."""
-        c = np.float32(scale)
-        return jax.tree.map(lambda o, p, a: _merge(o, p, a, c), outer, params, self.anchor)
+    def merged(self, outer: Any, params: Any) -> Any:
+        """``outer + (params − anchor)`` on the devices (``outer`` placed like the params)."""
+        return jax.tree.map(_merge, outer, params, self.anchor)
 
     def __call__(self, params: Any, like: Any) -> Any:
         """The host pseudo-gradient of a single-process node."""

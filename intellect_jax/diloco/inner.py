@@ -5,9 +5,11 @@ The pseudo-gradient is made on the host (fp32 pulled from the devices) or, with 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from intellect_jax.diloco.device_pg import DevicePseudoGradient
@@ -24,8 +26,8 @@ class TrainerInner:
     def step(self) -> int:
         return self.t.step
 
-    def train(self, until: int) -> dict[str, Any]:
-        return self.t.train(until=until)
+    def train(self, until: int, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+        return self.t.train(until=until, stop=stop)
 
     def pseudo_gradient(self, outer_params: Any) -> Any:
         if self.device_pg is None:
@@ -78,7 +80,9 @@ class TrainerInner:
         return self.device_pg
 
     def capture(self) -> Any:
-        return self._dpg().diff(self.t.state.params)
+        d = self._dpg().diff(self.t.state.params)
+        self._placed()  # the next round's progress counts from here
+        return d
 
     def pull(self, captured: Any, like: Any) -> Any:
         return self._dpg().pull(captured, like)
@@ -86,9 +90,13 @@ class TrainerInner:
     def place(self, outer_params: Any) -> Any:
         return jax.device_put(outer_params, self.t.shardings.params)
 
-    def merge(self, placed: Any, scale: float) -> None:
-        self.t.set_params(self._dpg().merged(placed, self.t.state.params, scale))
-        self._placed()
+    def stash(self) -> Any:
+        return jax.tree.map(jnp.copy, self.t.state.opt_state)  # dispatched: the window does not wait for it
+
+    def merge(self, placed: Any) -> None:
+        dpg = self._dpg()
+        self.t.set_params(dpg.merged(placed, self.t.state.params))
+        dpg.mark(placed, copy=False)  # placed is the loop's own copy, never donated
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:
         if self.t.logger is not None:

@@ -45,10 +45,19 @@ class NumpyInner:
         """Compute time (a subclass puts fault points here)."""
         self.clock.sleep(seconds)
 
-    def train(self, until: int) -> dict[str, Any]:
-        n = max(0, until - self.step)
-        self._pause(n * self.step_time / 2, "before")
-        self._pause(n * self.step_time / 2, "during")
+    def train(self, until: int, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+        if stop is None:
+            n = max(0, until - self.step)
+            self._pause(n * self.step_time / 2, "before")
+            self._pause(n * self.step_time / 2, "during")
+            return self._steps(until)
+        self._pause(0.0, "before")
+        while self.step < until and not stop():
+            self._pause(self.step_time, "during")
+            self._steps(self.step + 1)
+        return self._steps(self.step)
+
+    def _steps(self, until: int) -> dict[str, Any]:
         w = self.weights
         for _ in range(self.step, until):
             seed = [self.data["pos"], int(abs(float(self.target[0])) * 1e6)]
@@ -58,7 +67,7 @@ class NumpyInner:
             w["w"] = (w["w"] - np.float32(0.05) * self.opt["m"]).astype(np.float32)
             w["u"] = (w["u"] + np.float32(0.01)).astype(np.float32)
             self.data["pos"] += 1
-        self.step = until
+            self.step += 1
         return {"loss": float(np.mean((w["w"] - self.target) ** 2))}
 
     def pseudo_gradient(self, outer_params: Any) -> Any:
@@ -72,7 +81,9 @@ class NumpyInner:
         self.anchor = copy.deepcopy(params)
 
     def capture(self) -> Any:
-        return pseudo_gradient(self.anchor, self.weights)
+        pg = pseudo_gradient(self.anchor, self.weights)
+        self.anchor = copy.deepcopy(self.weights)
+        return pg
 
     def pull(self, captured: Any, like: Any) -> Any:
         return captured
@@ -80,9 +91,12 @@ class NumpyInner:
     def place(self, outer_params: Any) -> Any:
         return copy.deepcopy(outer_params)
 
-    def merge(self, placed: Any, scale: float) -> None:
-        c = np.float32(scale)
-        self.set_params({k: (placed[k] + c * (w - self.anchor[k])).astype(np.float32) for k, w in self.weights.items()})
+    def stash(self) -> Any:
+        return copy.deepcopy(self.opt)
+
+    def merge(self, placed: Any) -> None:
+        self.weights = {k: (placed[k] + (w - self.anchor[k])).astype(np.float32) for k, w in self.weights.items()}
+        self.anchor = copy.deepcopy(placed)
 
     def snapshot(self) -> Any:
         return copy.deepcopy(self.opt)

@@ -47,7 +47,7 @@ class Inner(Protocol):
 
     step: int
 
-    def train(self, until: int) -> dict[str, Any]: ...
+    def train(self, until: int, stop: Callable[[], bool] | None = None) -> dict[str, Any]: ...  # stop: checked per step
 
     def pseudo_gradient(self, outer_params: Any) -> Any: ...  # outer - inner, a host fp32 tree
 
@@ -70,13 +70,15 @@ class Inner(Protocol):
     def record(self, step: int, metrics: dict[str, Any]) -> None: ...
 
     # overlapped rounds (LoopConfig.overlap): the params a round started from are its anchor
-    def capture(self) -> Any: ...  # the round's pseudo-gradient (anchor - params), taken now, cheaply
+    def capture(self) -> Any: ...  # the round's pseudo-gradient (anchor - params), cheaply; anchor := params
 
     def pull(self, captured: Any, like: Any) -> Any: ...  # its host fp32 tree (may run while training)
 
     def place(self, outer_params: Any) -> Any: ...  # a device copy of host params (may run while training)
 
-    def merge(self, placed: Any, scale: float) -> None: ...  # params := placed + scale (params - anchor); anchor := params
+    def stash(self) -> Any: ...  # a copy of the inner optimizer state the next steps leave alone (no wait)
+
+    def merge(self, placed: Any) -> None: ...  # params := placed + (params - anchor); anchor := placed
 
 
 class Transport(Protocol):
@@ -117,7 +119,7 @@ class LoopConfig:
     eval_every: int = 0  # inner steps
     guard: GuardConfig = GuardConfig()
     overlap: bool = False  # train round k+1 while round k's all-reduce and outer step run (see .overlap)
-    overlap_merge: str = "keep"  # where an overlapped round starts: "keep" or "eager" (see .overlap)
+    overlap_delay: int | None = None  # tau: inner steps from sending a pseudo-gradient to merging its average (None: when ready)
 
 
 @dataclass

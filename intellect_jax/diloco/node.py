@@ -55,7 +55,7 @@ def loop_config(cfg: TrainConfig) -> LoopConfig:
                       outer_momentum=d.outer_momentum, max_retries=d.max_retries,
                       transfer_timeout=d.transfer_timeout, admission_timeout=d.admission_timeout,
                       watch_interval=d.heartbeat_interval, ckpt_every=cfg.ckpt.every, eval_every=cfg.run.eval_every,
-                      overlap=d.overlap, overlap_merge=d.overlap_merge)
+                      overlap=d.overlap, overlap_delay=d.overlap_delay)
 
 
 def node_device_pg(cfg: TrainConfig, *, log=print) -> DevicePseudoGradient:

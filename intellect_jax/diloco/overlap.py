@@ -1,65 +1,93 @@
 """Overlapped rounds (``diloco.overlap``): round r+1 trains while round r's pseudo-gradient is
-all-reduced and applied, so the inner loop waits only when an all-reduce takes longer than a round.
+all-reduced and applied, and the average lands ``tau`` inner steps into round r+1: by default at
+the first inner step after it is ready, or after a fixed ``diloco.overlap_delay`` steps
+(reproducible runs; Streaming DiLoCo's overlapped communication). The inner loop waits only
+when an all-reduce takes longer than a whole round (or than a fixed ``tau``).
 
-The outer state applies each average one outer step late. Each round starts from an *anchor*
-(the params at its start). At the boundary after round r (a *window*, the only time training
-pauses):
+Each node keeps an *anchor* on its devices; its pseudo-gradient is ``anchor − params``. At the
+boundary after round r (a *window*, where training pauses for a few device ops):
 
-1. ``pg_r = anchor − params`` is captured on the devices (no host copy yet);
-2. the params move to where round r+1 starts, ``base + scale (params − anchor)``, and the
-   anchor with them. θ_r, the newest outer params, is the average of round r−1 applied while
-   round r trained; round r's average is not known yet. ``keep``: θ_r plus this node's whole
-   progress of round r (base θ_r, scale 1; the default). ``eager``: the Nesterov step from θ_r
-   (on a copy of the momentum) that round r's average would make if it were this node's own
-   pseudo-gradient for its 1/n share and round r−1's average for the others' (base and scale
-   from :func:`start_point`); the node's own progress reaches the outer params only through
-   round r's real average;
-3. round r+1 starts training in a thread; meanwhile this thread pulls ``pg_r`` to the host,
+1. ``pg_r = anchor − params`` is captured on the devices (no host copy yet), and the anchor
+   moves to the params: round r+1 goes on from where round r ended;
+2. round r+1 starts training in a thread; meanwhile this thread pulls ``pg_r`` to the host,
    runs the outer step ``θ_r → θ_{r+1}`` exactly as a synchronous node (own check, barrier,
    ring all-reduce with retries, check of the average, Nesterov), so the outer states, their
    hashes and every failure path are those of the synchronous loop, and places ``θ_{r+1}`` on
-   the devices for the next merge;
-4. it waits for round r+1 to end (the next window).
+   the devices;
+3. ``tau`` inner steps into round r+1 the training thread *merges*: params :=
+   ``θ_{r+1} + (params − anchor)``, i.e. the new outer params plus the progress made since the
+   window, and the anchor := ``θ_{r+1}``. So ``pg_{r+1}`` is the node's whole progress of round
+   r+1, as in the synchronous loop, and the only staleness is the first ``tau`` steps, computed
+   from a point that did not yet include round r's average (``tau = H`` applies each average
+   one outer step late: PCCL's asynchronous DiLoCo);
+4. this thread waits for round r+1 to end (the next window).
 
 After the last round the last outer step is applied and the params become the outer params,
 as in the synchronous loop. A checkpoint of ``θ_r`` holds the data position and optimizer state
 of the window where round r began, and a joiner served ``θ_r`` trains round r: both resume the
-run as a synchronous node would. Joiners, evaluation and checkpoint snapshots use the windows
-(the trainer is busy otherwise). The averaged update of round r lands ``H`` inner steps after
-the node sent its pseudo-gradient (``delay_steps``).
+run as a synchronous node would. A checkpoint's optimizer state is copied on the devices at the
+window and pulled to the host by this thread; serving a joiner (a host snapshot) and evaluation
+use the windows (the trainer is busy otherwise). Each outer step's metrics row has its
+``delay_steps`` = ``tau`` (0 for the last, applied when training is over).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import jax
-import numpy as np
-
-from intellect_jax.diloco.state import DilocoState, state_hash
+from intellect_jax.diloco.state import host_copy, state_hash
 
 if TYPE_CHECKING:
-    from intellect_jax.diloco.loop import (
-        LoopConfig,
-        NodeLoop,
-        NodeParts,
-        Outcome,
-        OuterResult,
-    )
+    from intellect_jax.diloco.clock import Clock
+    from intellect_jax.diloco.loop import NodeLoop, NodeParts, Outcome
+
+
+class Gate:
+    """The outer params a round merges at its delay point: opened with them on the devices, or
+    shut (the outer step failed: the round stops there)."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.ready = clock.Event()
+        self.placed: Any = None
+
+    def open(self, placed: Any) -> None:
+        self.placed = placed
+        self.ready.set()
+
+    def shut(self) -> None:
+        self.ready.set()
 
 
 class Round:
-    """One round of inner steps on a thread of the node's clock."""
+    """One round of inner steps on a thread of the node's clock: train to ``merge_at`` (or, when
+    None, until the gate opens), merge what the gate brings (when there is a gate), train to
+    ``until``."""
 
-    def __init__(self, p: NodeParts, until: int) -> None:
+    def __init__(self, p: NodeParts, merge_at: int | None, until: int, gate: Gate | None) -> None:
         self.done = p.clock.Event()
         self.out: dict[str, Any] = {}
         self.err: BaseException | None = None
         self.t0, self.t1 = p.clock.now(), None
+        self.wait_s = 0.0  # time spent at the merge point, waiting for the outer step
+        self.delay = 0  # inner steps between the round's start (the send) and the merge
+        start = p.inner.step
 
         def run() -> None:
             try:
-                self.out = p.inner.train(until=until)
+                if gate is not None:
+                    if merge_at is None:
+                        self.out = p.inner.train(until=until, stop=gate.ready.is_set)
+                    elif merge_at > p.inner.step:
+                        self.out = p.inner.train(until=merge_at)
+                    t = p.clock.now()
+                    gate.ready.wait()
+                    self.wait_s = p.clock.now() - t
+                    if gate.placed is None:
+                        return
+                    p.inner.merge(gate.placed)
+                    self.delay = p.inner.step - start
+                if until > p.inner.step:
+                    self.out = p.inner.train(until=until)
             except BaseException as e:  # noqa: BLE001 - re-raised by join() on the loop's thread
                 self.err = e
             finally:
@@ -76,11 +104,12 @@ class Round:
 
     @property
     def compute_s(self) -> float:
-        return (self.t1 or self.t0) - self.t0
+        return (self.t1 or self.t0) - self.t0 - self.wait_s
 
 
 def overlapped_rounds(loop: NodeLoop) -> Outcome:
     p, cfg, H = loop.p, loop.cfg, loop.cfg.inner_steps
+    tau = cfg.overlap_delay  # None: merge at the first inner step after the average is ready
     s = loop.state
     assert s is not None
     k, h = s.outer_step, state_hash(s)
@@ -89,21 +118,22 @@ def overlapped_rounds(loop: NodeLoop) -> Outcome:
     pending: Any = None  # the captured pseudo-gradient of the round before r, its outer step not applied
     prev: Round | None = None  # the round that ended at this window
     running: Round | None = None
+    gate: Gate | None = None
     last: dict[str, Any] = {}
     r = k  # the round that starts at this window
-    # the next round starts at placed + scale (params - anchor); after a (re)start, θ_k + own progress
-    placed, scale = p.inner.place(s.outer_params), 1.0
     try:
         while True:
             # ---- the window before round r: training is paused ------------------------------
             keep = None  # a checkpoint of θ_r carries this window's data position and optimizer state
             if pending is not None and loop.due(cfg.ckpt_every, r):
-                keep = (p.inner.snapshot(), p.inner.data_state())
+                keep = (p.inner.stash(), p.inner.data_state())  # a device copy; to the host below
             idle = p.clock.now() - prev.t1 if prev is not None and prev.t1 is not None else 0.0
-            compute_s = prev.compute_s if prev is not None else 0.0
-            running = Round(p, (r + 1) * H) if r < loop.stop_at else None
+            gate = Gate(p.clock) if pending is not None else None
+            running = Round(p, None if tau is None else r * H + tau, (r + 1) * H, gate) if r < loop.stop_at else None
             loop.t_first = loop.t_first if loop.t_first is not None or running is None else running.t0
             applied = None
+            if keep is not None:
+                keep = (host_copy(keep[0]), keep[1])  # off the training thread; frees the device copy
             if pending is not None:  # ---- round r-1's outer step, while round r trains ----------
                 t1 = p.clock.now()
                 o = loop.outer(s, p.inner.pull(pending, s.outer_params), report)
@@ -111,15 +141,17 @@ def overlapped_rounds(loop: NodeLoop) -> Outcome:
                 loop.state, k, h = s, s.outer_step, state_hash(s)
                 p.client.hold(k, h)
                 sync_s = p.clock.now() - t1
-                base, scale = start_point(cfg, s, o)
-                placed = p.inner.place(base)  # host -> device off the training path
+                if gate is not None and running is not None:
+                    gate.open(p.inner.place(s.outer_params))  # host -> device off the training path
                 if keep is not None:
                     p.store.save(s._replace(inner_opt_state=keep[0], data=keep[1]))
-                applied = (o, {**o.row(h), "sync_s": sync_s, "compute_s": compute_s, "overlap_wait_s": idle,
-                               "utilization": compute_s / max(compute_s + idle, 1e-9), "delay_steps": H,
-                               "elapsed_s": loop.elapsed(),
-                               "round_start_s": prev.t0 - loop.t_first if prev and loop.t_first is not None else 0.0},
-                              sync_s)
+                assert prev is not None
+                wait_s = prev.wait_s + idle
+                applied = (o, {**o.row(h), "sync_s": sync_s, "compute_s": prev.compute_s, "overlap_wait_s": wait_s,
+                               "utilization": prev.compute_s / max(prev.compute_s + wait_s, 1e-9),
+                               "delay_steps": 0, "elapsed_s": loop.elapsed(),
+                               "round_start_s": prev.t0 - loop.t_first if loop.t_first is not None else 0.0},
+                           sync_s)
             if running is None:  # the run's last outer step is applied: params := outer params
                 p.inner.set_params(s.outer_params)
                 if applied is not None:
@@ -128,35 +160,19 @@ def overlapped_rounds(loop: NodeLoop) -> Outcome:
             last = running.join()  # ---- the next window ---------------------------------------
             prev, running = running, None
             if applied is not None:
+                applied[1]["delay_steps"] = prev.delay  # the round that merged this average
                 _serve_and_report(loop, *applied, s, last, h)
             pending = p.inner.capture()
-            p.inner.merge(placed, scale)
             r += 1
     finally:
         if running is not None:  # evicted or failed mid-round: the trainer is left idle first
+            if gate is not None:
+                gate.shut()
             running.done.wait()
     return loop._finish(k, h, report)
 
 
-def start_point(cfg: LoopConfig, s: DilocoState, o: OuterResult) -> tuple[Any, float]:
-    """Where the next round starts, as ``base + scale (params − anchor)`` (host base, scale).
-
-    ``keep``: θ_r + the node's whole progress of round r. ``eager``: θ_r moved by the outer
-    step (Nesterov, on a copy of the momentum) that an estimate of round r's average would make:
-    this node's own pseudo-gradient for its 1/n share, the previous average for the others'.
-    """
-    if cfg.overlap_merge == "keep":
-        return s.outer_params, 1.0
-    n = max(1, o.ep.world_size - len(o.ep.sitting_out))
-    lr, mu, c = np.float32(cfg.outer_lr), np.float32(cfg.outer_momentum), np.float32(1.0 - 1.0 / n)
-    zero = np.float32(0.0)
-    avg = o.avg if o.avg is not None else jax.tree.map(lambda t: zero, s.outer_params)
-    base = jax.tree.map(lambda t, m, a: (t - lr * ((1 + mu) * c * a + mu * mu * m)).astype(np.float32),
-                        s.outer_params, s.outer_opt_state.momentum, avg)
-    return base, float(lr * (1 + mu) / n)
-
-
-def _serve_and_report(loop: NodeLoop, o: Any, row: dict[str, Any], sync_s: float, s: DilocoState,
+def _serve_and_report(loop: NodeLoop, o: Any, row: dict[str, Any], sync_s: float, s: Any,
                       last: dict[str, Any], h: str) -> None:
     """At a window: serve the joiners of the epoch with the newest state, evaluate it if due, and
     queue its metrics row (written once the next barrier confirms it)."""

@@ -60,12 +60,16 @@ class Sim:
         self.coord_cfg = CoordinatorConfig(heartbeat_timeout=p.heartbeat_timeout, boundary_timeout=60.0,
                                            join_window=p.join_window, min_nodes=p.nodes, keepalive_interval=0.2,
                                            tick_interval=0.1, outer_steps=p.outer_steps)
+        tau = p.overlap_delay
+        if p.overlap and tau == 0:  # half the seeds merge when ready, the others after a fixed delay
+            tau = int(self.rng.integers(1, p.inner_steps + 1)) if self.rng.random() < 0.5 else None
         self.journal = MemoryJournal()
         self.coord: LocalCoordinator | None = None  # started by the driver, in virtual time
         self.loop_cfg = LoopConfig(inner_steps=p.inner_steps, outer_steps=p.outer_steps, outer_lr=p.outer_lr,
                                    outer_momentum=p.outer_momentum, transfer_timeout=p.transfer_timeout,
                                    admission_timeout=p.max_time, watch_interval=p.heartbeat_interval,
-                                   ckpt_every=p.inner_steps, eval_every=0, overlap=p.overlap)
+                                   ckpt_every=p.inner_steps, eval_every=0, overlap=p.overlap,
+                                   overlap_delay=tau)
         self.ring_cfg = RingConfig(mode="int8", block_size=32, piece_numel=64, deadline=p.ring_deadline)
         self.procs: list[Proc] = []
         self.disks: dict[str, dict[int, DilocoState]] = {}

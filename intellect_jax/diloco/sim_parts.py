@@ -56,6 +56,7 @@ class SimParams:
     outage_prob: float = 0.3  # chance of one event that kills several nodes at once
     late_joiners: int = 1  # at most
     overlap: bool = False  # overlapped rounds (diloco/overlap.py)
+    overlap_delay: int | None = 0  # their tau; 0: drawn from the seed (when ready, or 1..inner_steps)
 
 
 @dataclass(frozen=True)
@@ -179,8 +180,8 @@ class SimInner(NumpyInner):
         if self.proc.dead:
             raise Killed()
 
-    def train(self, until: int) -> dict[str, Any]:
-        out = super().train(until)
+    def train(self, until: int, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+        out = super().train(until, stop)
         self.sim.gate(self.proc, "train", "after")
         return out
 

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -231,8 +232,9 @@ class Trainer:
             self.logger.log(step, m)
         return m
 
-    def train(self, until: int | None = None) -> dict:
-        """Run inner steps up to step `until` (default: the job's end); returns the last metrics.
+    def train(self, until: int | None = None, stop: Callable[[], bool] | None = None) -> dict:
+        """Run inner steps up to step `until` (default: the job's end), or until `stop()` says so
+        before a step; returns the last metrics.
 
         Step N is dispatched before step N-1's metrics are fetched, so the host never idles
         the devices waiting on a log line. Logged step times cover only the steps themselves
@@ -244,7 +246,7 @@ class Trainer:
         pending, last = None, {}
         jax.block_until_ready(self.state)
         self._mark, self._off = (time.perf_counter(), self.step), 0.0
-        while self.step < until:
+        while self.step < until and not (stop is not None and stop()):
             batch = self._device_batch(next(self.data)["tokens"])
             self.state, metrics = self._train(self.state, batch)
             self.step += 1
