@@ -355,11 +355,11 @@ CHAOS = ["--run.steps", "600", "--diloco.inner_steps", "20", "--model.num_layers
 
 @pytest.mark.slow
 def test_chaos_real_processes(tmp_path):
-    """Three seeded schedules of SIGKILLs (restarts with --ckpt.resume, from damaged or older
+    """Two seeded schedules of SIGKILLs (restarts with --ckpt.resume, from damaged or older
     checkpoints too), SIGSTOPs of 10-30 s and coordinator kills, 30 outer steps each: no fork,
     every node ends cleanly, the final val loss is within 5% of a fault-free run."""
     summaries = []
-    for i, seed in enumerate((1, 2, 3)):
+    for i, seed in enumerate((1, 2)):
         args = ["--nodes", "3", "--chaos", str(seed), "--chaos-faults", "4", "--heartbeat-timeout", "5"]
         if i == 0:
             args.append("--chaos-reference")
