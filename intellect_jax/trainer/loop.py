@@ -234,7 +234,7 @@ class Trainer:
 
     def train(self, until: int | None = None, stop: Callable[[], bool] | None = None) -> dict:
         """Run inner steps up to step `until` (default: the job's end), or until `stop()` says so
-        before a step; returns the last metrics.
+        before a step (then at most one step is queued on the devices); returns the last metrics.
 
         Step N is dispatched before step N-1's metrics are fetched, so the host never idles
         the devices waiting on a log line. Logged step times cover only the steps themselves
@@ -252,6 +252,8 @@ class Trainer:
             self.step += 1
             if self._sync_each_step:
                 jax.block_until_ready(metrics)
+            elif stop is not None and pending is not None:  # step N-1 done before N+1 is dispatched: at
+                jax.block_until_ready(pending[1])  # most one step queued when stop() turns true
             if pending is not None:
                 last = self._log(*pending) or last
             pending = (self.step, metrics)
