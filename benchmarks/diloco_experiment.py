@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="Nesterov momentum (0: plain SGD)")
     ap.add_argument("--eval-seqs", type=int, default=128,
                     help="held-out sequences every run is evaluated on (the same windows for all)")
+    ap.add_argument("--overlap", action="store_true", help="overlapped rounds (default: synchronous, as measured)")
     ap.add_argument("--out", default="runs/exp")
     ap.add_argument("--summarize", action="store_true",
                     help="run nothing: report on the runs already in --out (same arguments)")
@@ -71,7 +72,7 @@ def main() -> None:
         name = f"diloco_{mode}"
         secs = run([sys.executable, "-m", "intellect_jax.launch", "--nodes", str(a.nodes), "--config", CONFIG,
                     "--out-dir", str(out), "--table-every", "0", "--run.name", name,
-                    "--diloco.mode", mode, "--diloco.inner_steps", str(a.inner_steps),
+                    "--diloco.mode", mode, "--diloco.inner_steps", str(a.inner_steps), "--diloco.overlap", str(a.overlap),
                     "--diloco.outer_lr", str(a.outer_lr), "--diloco.outer_momentum", str(a.outer_momentum),
                     "--data.batch_size", str(a.batch), "--run.eval_batches", str(a.eval_seqs // a.batch),
                     *common], out / f"{name}.log", a.summarize)

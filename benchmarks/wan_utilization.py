@@ -60,7 +60,7 @@ def run_once(a: argparse.Namespace, mbit: float, overlap: bool, tag: str) -> dic
                        str(a.nodes), "--diloco.inner_steps", str(H), "--run.steps", str(H * K), "--run.eval_every",
                        str(H * K), "--run.log_every", str(H), "--ckpt.every", "0", "--data.cache_dir",
                        str(out / "cache"), "--diloco.pseudo_gradient", "device",
-                       *(["--diloco.overlap"] if overlap else ["--diloco.no_overlap"]),
+                       "--diloco.overlap", str(overlap),
                        *(["--diloco.overlap_delay", str(a.overlap_delay)] if overlap and a.overlap_delay else [])]
                 log = open(out / f"{name}.node{i}.log", "w")  # noqa: SIM115 - closed with the process
                 procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))

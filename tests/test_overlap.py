@@ -197,6 +197,10 @@ def test_overlap_settings_are_checked():
     from intellect_jax.diloco.config import DilocoConfig
 
     assert DilocoConfig(inner_steps=50, overlap=True, overlap_delay=50).overlap_delay == 50
+    # unset: on wherever it runs; an explicit choice stands
+    assert DilocoConfig().overlapped(1) and not DilocoConfig().overlapped(2)
+    assert not DilocoConfig(pseudo_gradient="host").overlapped(1) and not DilocoConfig(overlap=False).overlapped(1)
+    assert not DilocoConfig(mode="fp32").overlapped(1) and DilocoConfig(mode="fp32", overlap=True).overlapped(1)
     with pytest.raises(ValidationError, match=r"overlap_delay \(51\) must be <= inner_steps \(50\)"):
         DilocoConfig(inner_steps=50, overlap_delay=51)
     with pytest.raises(ValidationError, match="overlap needs the device pseudo-gradient"):

@@ -20,8 +20,10 @@ class DilocoConfig(BaseModel):
     # (only codes + scales cross PCIe; the Triton kernel on a GPU, the host codec on CPU devices);
     # "host" pulls fp32 params to the host; "auto": device on a GPU node with jax-triton
     pseudo_gradient: Literal["auto", "device", "host"] = "auto"
-    # train round k+1 while round k's all-reduce and outer step run (diloco/overlap.py)
-    overlap: bool = False
+    # train round k+1 while round k's all-reduce and outer step run (diloco/overlap.py); None:
+    # wherever it runs as asked (a single-process node, the int8 wire format, whose pseudo_gradient
+    # is not "host": overlapped rounds quantize each node's contribution on its devices)
+    overlap: bool | None = None
     # tau: the average of round k lands this many inner steps into round k+1, keeping the node's
     # progress since; default: at the first inner step after it is ready. A fixed tau makes runs
     # reproducible; the inner loop waits there if the all-reduce is not done
@@ -48,6 +50,12 @@ class DilocoConfig(BaseModel):
     def pow2_block(self) -> bool:
         """The device quantizer's blocks are powers of two >= 16."""
         return self.block_size >= 16 and not self.block_size & (self.block_size - 1)
+
+    def overlapped(self, processes: int) -> bool:
+        """Whether a node of this many processes runs overlapped rounds."""
+        if self.overlap is not None:
+            return self.overlap
+        return processes == 1 and self.pseudo_gradient != "host" and self.mode == "int8"
 
     @model_validator(mode="after")
     def _check(self) -> DilocoConfig:

@@ -55,7 +55,7 @@ def loop_config(cfg: TrainConfig) -> LoopConfig:
                       outer_momentum=d.outer_momentum, max_retries=d.max_retries,
                       transfer_timeout=d.transfer_timeout, admission_timeout=d.admission_timeout,
                       watch_interval=d.heartbeat_interval, ckpt_every=cfg.ckpt.every, eval_every=cfg.run.eval_every,
-                      overlap=d.overlap, overlap_delay=d.overlap_delay)
+                      overlap=d.overlapped(jax.process_count()), overlap_delay=d.overlap_delay)
 
 
 def node_device_pg(cfg: TrainConfig, *, log=print) -> DevicePseudoGradient:
@@ -119,7 +119,8 @@ class DilocoNode:
         # checkpoints and evals happen at outer boundaries; the store restores, not the trainer
         multi = jax.process_count() > 1
         if multi and d.overlap:
-            raise DilocoError("diloco.overlap is not available on a node of several processes yet")
+            raise DilocoError("diloco.overlap is not available on a node of several processes yet (leave it unset "
+                              "or false)")
         if multi:  # the node's other processes learn where to reach this one (before any other program)
             share_port(self.net.address[1])
         self.trainer = Trainer(self.cfg, node_rank=d.data_rank, node_count=d.data_ranks, periodic_save=False,
@@ -133,8 +134,10 @@ class DilocoNode:
             self.followers = Followers(self.net, jax.process_count(), timeout=d.transfer_timeout)
             inner: TrainerInner = LeadInner(self.trainer, node_device_pg(self.cfg, log=self._log), self.followers)
         else:
-            inner = TrainerInner(self.trainer, node_device_pg(self.cfg, log=self._log) if d.overlap
+            inner = TrainerInner(self.trainer, node_device_pg(self.cfg, log=self._log) if self.loop_cfg.overlap
                                  else self._device_pg())
+        tau = f"{d.overlap_delay} inner steps into the next round" if d.overlap_delay else "when ready"
+        self._log(f"overlapped rounds: each average merged {tau}" if self.loop_cfg.overlap else "synchronous rounds")
         if d.join_after:  # ready (state built, data loaded, every process connected); register later
             self._wait_for_run(d.join_after)
         parts = NodeParts(self.node_id, inner, self.client, self._ring, transport, store, log=self._log)
