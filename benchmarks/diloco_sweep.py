@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--eval-replicas", action="store_true",
                     help="at every outer step, also the val loss of each node's params before averaging")
     ap.add_argument("--overlap", action="store_true", help="overlapped rounds (implies --device-pg)")
-    ap.add_argument("--overlap-delay", type=int, default=None, help="tau in inner steps (default: H)")
+    ap.add_argument("--overlap-delay", type=int, default=None, help="a fixed tau in inner steps (default: merge when ready)")
     ap.add_argument("--device-pg", action="store_true",
                     help="pseudo-gradients by the device path (per-shard int8, as GPU and overlapped nodes)")
     ap.add_argument("--eval-seqs", type=int, default=128)

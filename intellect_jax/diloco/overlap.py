@@ -132,8 +132,6 @@ def overlapped_rounds(loop: NodeLoop) -> Outcome:
             running = Round(p, None if tau is None else r * H + tau, (r + 1) * H, gate) if r < loop.stop_at else None
             loop.t_first = loop.t_first if loop.t_first is not None or running is None else running.t0
             applied = None
-            if keep is not None:
-                keep = (host_copy(keep[0]), keep[1])  # off the training thread; frees the device copy
             if pending is not None:  # ---- round r-1's outer step, while round r trains ----------
                 t1 = p.clock.now()
                 o = loop.outer(s, p.inner.pull(pending, s.outer_params), report)
@@ -143,8 +141,8 @@ def overlapped_rounds(loop: NodeLoop) -> Outcome:
                 sync_s = p.clock.now() - t1
                 if gate is not None and running is not None:
                     gate.open(p.inner.place(s.outer_params))  # host -> device off the training path
-                if keep is not None:
-                    p.store.save(s._replace(inner_opt_state=keep[0], data=keep[1]))
+                if keep is not None:  # to the host here: off the training thread, after the gate opened
+                    p.store.save(s._replace(inner_opt_state=host_copy(keep[0]), data=keep[1]))
                 assert prev is not None
                 wait_s = prev.wait_s + idle
                 applied = (o, {**o.row(h), "sync_s": sync_s, "compute_s": prev.compute_s, "overlap_wait_s": wait_s,
