@@ -91,15 +91,14 @@ class NumpyInner:
     def place(self, outer_params: Any) -> Any:
         return copy.deepcopy(outer_params)
 
-    def stash(self) -> Any:
-        return copy.deepcopy(self.opt)
-
     def merge(self, placed: Any) -> None:
         self.weights = {k: (placed[k] + (w - self.anchor[k])).astype(np.float32) for k, w in self.weights.items()}
         self.anchor = copy.deepcopy(placed)
 
     def snapshot(self) -> Any:
         return copy.deepcopy(self.opt)
+
+    stash = snapshot  # numpy state is never donated: a copy is a copy
 
     def live_opt_state(self) -> Any:
         return copy.deepcopy(self.opt)

@@ -55,7 +55,7 @@ class Gate:
         self.ready.set()
 
     def shut(self) -> None:
-        self.ready.set()
+        self.open(None)
 
 
 class Round:
