@@ -114,7 +114,7 @@ def bench_jax(cfg, a, tok_np, hf_dir: Path | None):
     ocfg = OptimConfig(lr=1e-4, schedule="constant", warmup_steps=0, clip_norm=a.clip,
                        z_loss_weight=a.z_weight)
     total = 1 + a.warmup + a.steps
-    tx, sched = make_tx(ocfg, total), make_schedule(ocfg, total)
+    tx, sched = make_tx(ocfg), make_schedule(ocfg, total)
     mesh = make_mesh(devices=jax.devices()[:1])  # one CPU device: the fair comparison
     graphdef, _, sh = T.state_shardings(cfg, tx, mesh)
     state = T.init_state(cfg, tx, mesh, a.seed, sh)

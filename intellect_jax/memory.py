@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     micro = cfg.run.micro_batch_size or B
     if B % micro:
         raise ConfigError(f"data.batch_size ({B}) must be a multiple of run.micro_batch_size ({micro})")
-    tx = make_tx(cfg.optim, cfg.run.steps)
+    tx = make_tx(cfg.optim)
     graphdef, abstract, shardings = T.state_shardings(mcfg, tx, mesh)
     batch_sh = T.batch_sharding(mesh, (B, L + 1))
     train, evaluate = T.compile_steps(

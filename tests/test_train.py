@@ -170,6 +170,30 @@ def test_wsd_sqrt_schedule_values():
     assert float(floor(5)) == pytest.approx(0.2 + 1.8 * 0.5) and float(floor(10)) == pytest.approx(0.2)
 
 
+def test_learning_rate_follows_the_train_states_step(tmp_path, cache_dir):
+    """The schedule reads the train state's step, not a counter inside the optimizer state: a
+    state adopted with an optimizer state from later in the run (a joiner served by an
+    overlapped donor, a node re-registering with an older outer state) trains at its own
+    step's learning rate. Here the optimizer state comes from step 12, where the cooldown has
+    reached 0; at step 4 the rate is the peak and the params must move."""
+    from intellect_jax.diloco.state import host_copy
+    from intellect_jax.trainer.loop import Trainer
+
+    t = Trainer(tiny_cfg(tmp_path, cache_dir), periodic_save=False, evaluate=False)
+    try:
+        t.train()
+        assert float(t.schedule(12)) == 0.0
+        params, opt = host_copy(t.state.params), host_copy(t.state.opt_state)
+        t.set_state(4, params, opt)
+        out = t.train(until=5)
+        after = host_copy(t.state.params)
+    finally:
+        t.close(save=False)
+    assert float(out["lr"]) == pytest.approx(float(t.schedule(4))) and float(t.schedule(4)) > 0
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(params)))
+    assert moved > 0.1 * float(t.schedule(4)), moved  # Adam moves each value by about lr
+
+
 def ref_loss(logits_BxLxV, targets_BxL, z_weight=0.0):
     """The plain reference the fused loss is checked against: from the whole logits array."""
     logits = logits_BxLxV.astype(jnp.float32)

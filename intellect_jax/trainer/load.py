@@ -45,7 +45,7 @@ def load_run(path: str | Path, step: int | None = None) -> LoadedRun:
         mcfg = cfg.model.build()
         tok = tok_from_state(ck.restore_json("tokenizer", step))
         mesh = S.make_mesh(fsdp=-1, tp=1)
-        tx = make_tx(cfg.optim, cfg.run.steps)
+        tx = make_tx(cfg.optim)
         graphdef, abstract, _ = T.state_shardings(mcfg, tx, mesh)
         step = ck.latest_step() if step is None else step
         if "diloco" in ck.item_names(step):  # a DiLoCo node's checkpoint: its outer params

@@ -89,7 +89,7 @@ class Trainer:
             raise ConfigError(f"data.batch_size ({B}) must divide over {nproc} host processes")
         self.total_steps = cfg.run.steps
         self.schedule = make_schedule(cfg.optim, self.total_steps)
-        tx = make_tx(cfg.optim, self.total_steps)
+        tx = make_tx(cfg.optim)
         self.graphdef, self.abstract_state, self.shardings = T.state_shardings(self.mcfg, tx, self.mesh)
         self.batch_sh = T.batch_sharding(self.mesh, (B, L + 1))
         self.data = make_train_iter(

@@ -69,11 +69,13 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_tx(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    sched = make_schedule(cfg, total_steps)
+def make_tx(cfg: OptimConfig) -> optax.GradientTransformation:
+    """AdamW's update *direction* (clipping, Adam moments, decoupled weight decay), before the
+    learning rate: the train step scales it by ``-lr(step)`` of the train state's own step. So
+    the schedule follows the step a state carries (a resumed node's, a joiner's whose optimizer
+    state was taken some steps later, a node that re-registers with an older outer state), not
+    a counter hidden in the optimizer state. Adam's bias-correction count stays with its moments."""
     parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
-    parts.append(
-        optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                    mask=_decay_mask)
-    )
+    parts += [optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
+              optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask)]
     return optax.chain(*parts)

@@ -113,13 +113,15 @@ def make_train_step(
             aux0 = {"ce": jnp.zeros(()), "z": jnp.zeros(())}
             (grads, aux), _ = jax.lax.scan(body, (zero, aux0), micro_MxBxL1)
             grads, aux = jax.tree.map(lambda x: x / micro_steps, (grads, aux))
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        direction, opt_state = tx.update(grads, state.opt_state, state.params)
+        lr = schedule(state.step)  # the train state's step: the schedule follows the state
+        updates = jax.tree.map(lambda u: (-lr * u).astype(u.dtype), direction)
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": aux["ce"],
             "z_loss": aux["z"],
             "grad_norm": optax.tree.norm(grads),
-            "lr": schedule(state.step),
+            "lr": lr,
         }
         return TrainState(state.step + 1, params, opt_state), metrics
 
