@@ -65,8 +65,9 @@ def parse(argv: list[str] | None):
     ap.add_argument("--kill-coordinator", type=int, default=None, metavar="K")
     ap.add_argument("--chaos", type=int, default=None, metavar="SEED", help="a seeded random fault schedule")
     ap.add_argument("--chaos-faults", type=int, default=5, help="faults in a --chaos schedule")
-    ap.add_argument("--chaos-reference", action="store_true",
-                    help="with --chaos: first run the same job without faults, to compare final val losses")
+    ap.add_argument("--chaos-reference", type=int, nargs="?", const=0, default=None, metavar="NODES",
+                    help="with --chaos: first run the job without faults on NODES nodes (default: as many as "
+                         "--nodes), to compare final val losses")
     ap.add_argument("--out-dir", default="runs")
     ap.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
     ap.add_argument("--heartbeat-timeout", type=float, default=10.0, help="the coordinator's")
@@ -75,6 +76,8 @@ def parse(argv: list[str] | None):
     args, extra = ap.parse_known_args(argv)
     if args.nodes < 1:
         raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.chaos_reference is not None and args.chaos_reference < 0:
+        raise ValueError(f"--chaos-reference NODES must be >= 1, got {args.chaos_reference}")
     kills = dict(_event(s, "--kill") for s in args.kill)
     joins = dict(_event(s, "--join") for s in args.join)
     return args, extra, kills, joins

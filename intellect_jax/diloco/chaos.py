@@ -7,8 +7,10 @@ newest checkpoint so that it resumes from an older one); SIGSTOP a node for 10-3
 the coordinator and restart it from its journal. After the run, one more node registers and
 must be told that the run is complete. The summary (one JSON line) gives the faults, the
 outer steps done, the steps whose hashes disagree across every node that ever logged them,
-every node's exit status, and the final validation loss against a fault-free run of the same
-job (`--chaos-reference`).
+every node's exit status, the mean number of contributors per outer step, and the final
+validation loss against a fault-free run of the same job (`--chaos-reference`, on as many
+nodes or, e.g., on one: every outer step keeps a contributor, so a run with faults should end
+no worse than one node training alone).
 """
 
 from __future__ import annotations
@@ -127,17 +129,20 @@ def rows(run_dir: Path) -> dict[str, list[dict]]:
 def summarize(run_dir: Path, outer_steps: int) -> dict[str, Any]:
     """Hash agreement over every row any node ever wrote, steps done, final validation loss."""
     by_step: dict[int, set[str]] = {}
+    contributors: dict[int, int] = {}
     finals = []
     for node_rows in rows(run_dir).values():
         for r in node_rows:
             if "outer_hash" in r:
                 by_step.setdefault(r["outer_step"], set()).add(r["outer_hash"])
+                contributors[r["outer_step"]] = r["contributors"]
                 if r["outer_step"] == outer_steps and r.get("val_loss") is not None:
                     finals.append(r["val_loss"])
     journal = run_dir / "coordinator.journal"
     completed = json.loads(journal.read_text()).get("completed", False) if journal.exists() else None
     return {"outer_steps": max(by_step, default=0), "forked_steps": sorted(k for k, h in by_step.items() if len(h) > 1),
-            "final_val_loss": statistics.mean(finals) if finals else None, "completed": completed}
+            "final_val_loss": statistics.mean(finals) if finals else None, "completed": completed,
+            "mean_contributors": round(statistics.mean(contributors.values()), 2) if contributors else None}
 
 
 def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
@@ -147,8 +152,10 @@ def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
     H, n_outer = cfg.diloco.inner_steps, cfg.run.steps // cfg.diloco.inner_steps
     extra = [*extra, "--ckpt.every", str(H), "--ckpt.keep", "3"]  # a checkpoint at every boundary
     ref = None
-    if args.chaos_reference:
-        base = Launcher(args, extra, {}, {}, run_name=f"{cfg.run.name}-reference")
+    if args.chaos_reference is not None:
+        n_ref = args.chaos_reference or args.nodes
+        base = Launcher(argparse.Namespace(**{**vars(args), "nodes": n_ref}), extra, {}, {},
+                        run_name=f"{cfg.run.name}-reference{n_ref}")
         if base.run() != 0:
             print("the fault-free reference run failed", flush=True)
             return 1
@@ -179,7 +186,7 @@ def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
     out = {"seed": args.chaos, "ok": ok, "faults": chaos.injected, **s, "node_exits": statuses,
            "late_registration_exit": late_code, "seconds": round(time.monotonic() - t0, 1)}
     if ref is not None:
-        out["reference_val_loss"] = ref["final_val_loss"]
+        out["reference_nodes"], out["reference_val_loss"] = n_ref, ref["final_val_loss"]
         if s["final_val_loss"] and ref["final_val_loss"]:
             out["val_loss_ratio"] = round(s["final_val_loss"] / ref["final_val_loss"], 4)
     print(json.dumps(out), flush=True)
