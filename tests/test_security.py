@@ -246,16 +246,29 @@ def test_without_the_checks_the_poison_gets_through(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # client commands: one line, non-zero exit
 # ---------------------------------------------------------------------------------------------
-def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})}, cwd=ROOT)
+def _start(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+def _finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = p.communicate(timeout=120)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def test_client_commands_fail_in_one_line(tmp_path):
+    """Every command at once (they are independent; one after another costs the suite ~30 s)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
     good = {"INTELLECT_NET_SECRET": SECRET.decode()}
+    # a node whose coordinator is not there
+    node = _start("intellect_jax.train", "--config", "configs/debug_diloco.toml", "--diloco.coordinator",
+                  f"127.0.0.1:{dead}", "--run.out_dir", str(tmp_path / "runs"), "--run.steps", "10",
+                  "--diloco.inner_steps", "5", "--model.num_layers", "2", "--model.hidden_size", "64",
+                  "--model.num_heads", "4", "--model.num_kv_heads", "2", "--model.ffn_size", "128",
+                  "--data.seq_len", "32", "--data.bpe_vocab_size", "1024", "--data.cache_dir", str(tmp_path / "cache"),
+                  env={**good, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
     cases = [
         (("intellect_jax.coordinator", "--status", f"127.0.0.1:{dead}"), good, "127.0.0.1"),
         (("intellect_jax.coordinator", "--status", f"127.0.0.1:{dead}"), {"INTELLECT_NET_SECRET": "short"},
@@ -269,20 +282,16 @@ def test_client_commands_fail_in_one_line(tmp_path):
     with Coordinator(cfg) as coord:  # a live coordinator, and a caller with the wrong secret
         cases.append((("intellect_jax.coordinator", "--status", coord.address_str),
                       {"INTELLECT_NET_SECRET": "another-secret-0123456789abcdef"}, "secret"))
-        for args, env, needle in cases:
-            r = _run(*args, env=env)
+        ok = _start("intellect_jax.coordinator", "--status", coord.address_str, env=good)
+        procs = [(args, needle, _start(*args, env=env)) for args, env, needle in cases]
+        for args, needle, p in procs:
+            r = _finish(p)
             err = r.stderr.strip().splitlines()
             assert r.returncode != 0 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (
                 args, r.returncode, r.stderr[-1500:])
-        r = _run("intellect_jax.coordinator", "--status", coord.address_str, env=good)
+        r = _finish(ok)
         assert r.returncode == 0 and '"outer_step"' in r.stdout
-    # a node whose coordinator is not there
-    r = _run("intellect_jax.train", "--config", "configs/debug_diloco.toml", "--diloco.coordinator",
-             f"127.0.0.1:{dead}", "--run.out_dir", str(tmp_path / "runs"), "--run.steps", "10",
-             "--diloco.inner_steps", "5", "--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4",
-             "--model.num_kv_heads", "2", "--model.ffn_size", "128", "--data.seq_len", "32",
-             "--data.bpe_vocab_size", "1024", "--data.cache_dir", str(tmp_path / "cache"),
-             env={**good, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    r = _finish(node)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: ") and f"127.0.0.1:{dead}" in err[0], (
         r.stderr[-1500:])
