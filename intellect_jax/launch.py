@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from intellect_jax.cli import run_main
+from intellect_jax.model.config import ConfigError
 from intellect_jax.net.auth import SECRET_ENV
 
 OUTER_RE = re.compile(r"outer step (\d+): epoch (\d+) \((\d+) nodes\), loss ([\d.nan]+), sync ([\d.]+)s")
@@ -49,8 +50,11 @@ class NodeView:
 def _event(spec: str, flag: str) -> tuple[str, int]:
     m = re.fullmatch(r"([\w.-]+)@(\d+)", spec)
     if not m:
-        raise ValueError(f"{flag} {spec!r}: expected NODE@OUTER_STEP, e.g. node1@3")
+        raise ConfigError(f"{flag} {spec!r}: expected NODE@OUTER_STEP, e.g. node1@3")
     return m.group(1), int(m.group(2))
+
+
+_AS_MANY = object()  # --chaos-reference given without a count (argparse would int() a string const)
 
 
 def parse(argv: list[str] | None):
@@ -65,7 +69,7 @@ def parse(argv: list[str] | None):
     ap.add_argument("--kill-coordinator", type=int, default=None, metavar="K")
     ap.add_argument("--chaos", type=int, default=None, metavar="SEED", help="a seeded random fault schedule")
     ap.add_argument("--chaos-faults", type=int, default=5, help="faults in a --chaos schedule")
-    ap.add_argument("--chaos-reference", type=int, nargs="?", const=0, default=None, metavar="NODES",
+    ap.add_argument("--chaos-reference", type=int, nargs="?", const=_AS_MANY, default=None, metavar="NODES",
                     help="with --chaos: first run the job without faults on NODES nodes (default: as many as "
                          "--nodes), to compare final val losses")
     ap.add_argument("--out-dir", default="runs")
@@ -75,9 +79,11 @@ def parse(argv: list[str] | None):
     ap.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
     args, extra = ap.parse_known_args(argv)
     if args.nodes < 1:
-        raise ValueError(f"--nodes must be >= 1, got {args.nodes}")
-    if args.chaos_reference is not None and args.chaos_reference < 0:
-        raise ValueError(f"--chaos-reference NODES must be >= 1, got {args.chaos_reference}")
+        raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.chaos_reference is _AS_MANY:  # given without a count: as many as the run
+        args.chaos_reference = args.nodes
+    elif args.chaos_reference is not None and args.chaos_reference < 1:
+        raise ConfigError(f"--chaos-reference NODES must be >= 1, got {args.chaos_reference}")
     kills = dict(_event(s, "--kill") for s in args.kill)
     joins = dict(_event(s, "--join") for s in args.join)
     return args, extra, kills, joins

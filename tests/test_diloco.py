@@ -353,6 +353,24 @@ CHAOS = ["--run.steps", "600", "--diloco.inner_steps", "20", "--model.num_layers
          "--data.bpe_vocab_size", "1024", "--run.eval_every", "0", "--run.log_every", "10"]
 
 
+def test_launch_arguments_chaos_reference_and_one_line_errors(capsys):
+    """--chaos-reference alone means as many nodes as the run; a bad count or --nodes is one line
+    on stderr, exit 2, naming the flag."""
+    from intellect_jax.cli import run_main
+    from intellect_jax.launch import main, parse
+
+    base = ["--config", "configs/debug_diloco.toml", "--nodes", "3", "--chaos", "1"]
+    assert parse([*base, "--chaos-reference"])[0].chaos_reference == 3
+    assert parse([*base, "--chaos-reference", "1"])[0].chaos_reference == 1
+    assert parse(base)[0].chaos_reference is None
+    for bad, flag in ((["--chaos-reference", "0"], "--chaos-reference"), (["--chaos-reference", "-2"],
+                      "--chaos-reference"), (["--nodes", "0"], "--nodes"), (["--kill", "node1"], "--kill")):
+        capsys.readouterr()
+        assert run_main(lambda: main([*base, *bad])) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and flag in err[0], err
+
+
 @pytest.mark.slow
 def test_chaos_real_processes(tmp_path):
     """Two seeded schedules of SIGKILLs (restarts with --ckpt.resume, from damaged or older

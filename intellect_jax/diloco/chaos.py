@@ -153,7 +153,7 @@ def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
     extra = [*extra, "--ckpt.every", str(H), "--ckpt.keep", "3"]  # a checkpoint at every boundary
     ref = None
     if args.chaos_reference is not None:
-        n_ref = args.chaos_reference or args.nodes
+        n_ref = args.chaos_reference
         base = Launcher(argparse.Namespace(**{**vars(args), "nodes": n_ref}), extra, {}, {},
                         run_name=f"{cfg.run.name}-reference{n_ref}")
         if base.run() != 0:
