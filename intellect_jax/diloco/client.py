@@ -25,6 +25,7 @@ in-process :class:`~.service.LocalWire`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, fields, replace
 from typing import Any, Self
 
@@ -61,7 +62,8 @@ class CoordinatorClient:
                  ring_addr: str, devices: int = 1, fingerprint: str = "", protocol: int = PROTOCOL, *,
                  heartbeat_interval: float = 1.0, reconnect_timeout: float = 60.0,
                  connect_timeout: float = 10.0, io_timeout: float = 10.0, outer_steps: int | None = None,
-                 wire: Wire | None = None, clock: Clock = REAL) -> None:
+                 register_timeout: float = 600.0, wire: Wire | None = None, clock: Clock = REAL,
+                 say: Callable[[str], None] | None = None) -> None:
         if wire is None:
             assert address is not None and transport_cfg is not None
             # coordinator replies (and its keepalives) come within ~1 s: a silent peer is a dead one
@@ -70,7 +72,8 @@ class CoordinatorClient:
         self.node_id, self.ring_addr, self.devices = node_id, ring_addr, devices
         self.fingerprint, self.protocol, self.outer_steps = fingerprint, protocol, outer_steps
         self.heartbeat_interval, self.reconnect_timeout = heartbeat_interval, reconnect_timeout
-        self.connect_timeout = connect_timeout
+        self.connect_timeout, self.register_timeout = connect_timeout, register_timeout
+        self._say = say or log.warning
         self._name = wire.name
         self._lock = clock.Lock()  # client state below
         self._io_lock = clock.Lock()  # session connection I/O
@@ -84,6 +87,8 @@ class CoordinatorClient:
         self._claim: Resume | None = None  # the state this node holds, claimed on re-registration
         self._reply: RegisterReply | None = None
         self._view: dict[str, Any] = {}
+        self._view_seq = 0  # heartbeat replies received
+        self._members: tuple[str, ...] = ()  # of the newest epoch this node was in
         self._epoch = self._rank = 0
         self._closed = False
         self._stop = clock.Event()
@@ -130,11 +135,29 @@ class CoordinatorClient:
         return bool(v) and not (v.get("role") == "admitted" and v.get("admission") == adm.outer_step
                                 and v.get("donor") == adm.donor_id)
 
+    @property
+    def view_seq(self) -> int:
+        """How many heartbeat replies this client has received (see :meth:`serving_revoked`)."""
+        return self._view_seq
+
+    def serving_revoked(self, joiner_id: str, since: int) -> bool:
+        """Stop streaming the state to ``joiner_id``: the coordinator no longer expects this node
+        to serve it (the joiner left, was evicted, re-queued to another donor or already holds
+        the state; the run is complete), or this node's session is gone for good. Only views
+        asked for after ``since`` (the :attr:`view_seq` when serving began) count: the second
+        reply after it answers a heartbeat sent after it."""
+        if self._fatal is not None:
+            return True
+        if self._view_seq < since + 2:
+            return False
+        v = self._view
+        return bool(v.get("completed")) or joiner_id not in v.get("serving", ())
+
     def hold(self, outer_step: int, state_hash: str | None) -> None:
         """This node now holds the state after ``outer_step`` outer steps (claimed if it has to
         register again, e.g. with a restarted coordinator)."""
         with self._lock:
-            self._claim = Resume(outer_step, self._epoch, self._rank, state_hash)
+            self._claim = Resume(outer_step, self._epoch, self._rank, state_hash, self._members)
 
     # ---- requests ------------------------------------------------------------------------
     def register(self, claim: Resume | None = None) -> RegisterReply:
@@ -143,7 +166,13 @@ class CoordinatorClient:
         False, ``reply.note`` says why a claim was not taken). If the client is registered and
         healthy (e.g. it re-registered by itself after losing the coordinator), that registration
         is returned. Raises :class:`RegistrationRefused` (wrong secret, model fingerprint, run
-        length, protocol, a live node with this id) and :class:`RunCompleted`.
+        length, protocol, a live node with this id past its grace) and :class:`RunCompleted`.
+
+        Transient failures (no answer, connection refused or reset, a coordinator restarting or
+        stalled) are retried with backoff for up to ``register_timeout`` seconds, the first
+        registration of a process included (a node started before its coordinator waits for
+        it); one line says when the wait starts and one when it ends. Past the limit:
+        :class:`CoordinatorUnavailable`, naming the coordinator and the last cause.
         """
         with self._recover_lock:  # never two registrations at once (the heartbeat thread recovers too)
             with self._lock:
@@ -151,17 +180,32 @@ class CoordinatorClient:
                     return self._reply
                 self._fatal, self._has_state = None, False
                 self._claim = claim if claim is not None else self._claim
-            deadline, delay = self.clock.now() + self.reconnect_timeout, 0.05
+            clock = self.clock
+            t0 = clock.now()
+            deadline = t0 + self.register_timeout
+            grace = t0 + min(self.reconnect_timeout, self.register_timeout)  # for "duplicate": our old session
+            delay, waiting = 0.05, False
             while True:
                 try:
-                    return self._register(self.connect_timeout)
+                    r = self._register(self.connect_timeout)
+                    if waiting:
+                        self._say(f"node {self.node_id}: registered with {self._name} after waiting "
+                                  f"{clock.now() - t0:.1f}s")
+                    return r
                 except RegistrationRefused as e:  # our own previous session, not yet seen gone
-                    if e.reason != "duplicate" or self.clock.now() >= deadline:
+                    if e.reason != "duplicate" or clock.now() >= grace:
                         raise
-                except TRANSIENT:  # a node back in the run after an eviction waits out a coordinator restart
-                    if self._gen == 0 or self.clock.now() >= deadline:
-                        raise
-                self.clock.sleep(delay)
+                    cause: Exception = e
+                except TRANSIENT as e:
+                    if clock.now() >= deadline:
+                        raise CoordinatorUnavailable(f"{self._name} did not answer node {self.node_id}'s "
+                                                     f"registration for {self.register_timeout:.0f}s ({e})") from e
+                    cause = e
+                if not waiting:
+                    waiting = True
+                    self._say(f"node {self.node_id}: waiting for {self._name} ({cause}); retrying for up to "
+                              f"{self.register_timeout:.0f}s")
+                clock.sleep(min(delay, max(0.0, deadline - clock.now())))
                 delay = min(2 * delay, 1.0)
 
     def sync(self, k: int, state_hash: str | None = None, retry_of: int | None = None,
@@ -179,7 +223,8 @@ class CoordinatorClient:
         ep = Epoch.from_json(reply["epoch"])
         with self._lock:
             self._epoch, self._rank, self._has_state, self._seen_run = ep.epoch_id, ep.rank, True, True
-            self._claim = Resume(k, ep.epoch_id, ep.rank, state_hash)
+            self._members = tuple(ep.node_ids)
+            self._claim = Resume(k, ep.epoch_id, ep.rank, state_hash, self._members)
         if ep.hash_mismatch:
             log.warning("node %s: state hashes disagree at outer step %d: %s", self.node_id, k,
                         ", ".join(f"{n}={h[:16]}" for n, h in ep.hash_mismatch))
@@ -204,7 +249,8 @@ class CoordinatorClient:
         if accepted:
             with self._lock:
                 self._has_state = True
-                self._claim = Resume(k, self._epoch, self._rank, self._claim.state_hash if self._claim else None)
+                self._claim = Resume(k, self._epoch, self._rank, self._claim.state_hash if self._claim else None,
+                                     self._members)
         return accepted
 
     def leave(self) -> None:
@@ -258,11 +304,13 @@ class CoordinatorClient:
         return r
 
     def _beat(self, conn: Any) -> None:
-        with self._io_lock:
-            reply = self.wire.beat(conn, {"op": "hb"})
+        with self._io_lock:  # a coordinator that is alive but stalled is waited for, session kept
+            reply = self.wire.beat(conn, {"op": "hb"}, self.reconnect_timeout)
         if not reply.get("ok"):
             raise reply_error(reply)
-        self._view = reply.get("view") or {}
+        view = reply.get("view")
+        self._view = view if isinstance(view, dict) else {}
+        self._view_seq += 1
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval):

@@ -41,6 +41,9 @@ class DilocoConfig(BaseModel):
     max_retries: NonNegativeInt = 5  # new epochs tried for one outer step before giving up
     heartbeat_interval: PositiveFloat = 1.0
     reconnect_timeout: PositiveFloat = 120.0  # how long to wait for a restarted coordinator
+    # how long a registration waits out a coordinator that does not answer (down, restarting,
+    # stalled, not started yet) before the process gives up with one line naming it
+    register_timeout: PositiveFloat = 600.0
     transfer_timeout: PositiveFloat = 600.0  # a joiner's wait for its state
     admission_timeout: PositiveFloat = 3600.0  # a joiner's wait for the next boundary
     join_after: NonNegativeInt = 0  # register only once the run has done this many outer steps

@@ -106,6 +106,7 @@ class DilocoNode:
             d.coordinator, self.tcfg, self.node_id, addr, devices=jax.device_count(),
             fingerprint=cfg.model.build().fingerprint(), heartbeat_interval=d.heartbeat_interval,
             reconnect_timeout=d.reconnect_timeout, outer_steps=self.loop_cfg.outer_steps,
+            register_timeout=d.register_timeout, say=self._log,
         )
         self.trainer: Trainer | None = None
         self.loop: NodeLoop | None = None

@@ -17,7 +17,7 @@ from intellect_jax.diloco.protocol import (
     RunCompleted,
     StaleSession,
 )
-from intellect_jax.net import Connection, NetError, TransportConfig, connect
+from intellect_jax.net import Connection, NetError, PeerTimeout, TransportConfig, connect
 from intellect_jax.net.comm import parse_address
 
 _ERRORS = {c.__name__: c for c in (RegistrationRefused, Evicted, ProtocolError, StaleSession, CoordinatorUnavailable,
@@ -38,7 +38,7 @@ class Wire(Protocol):
 
     def open(self, msg: dict[str, Any], timeout: float) -> tuple[Any, dict[str, Any]]: ...
 
-    def beat(self, handle: Any, msg: dict[str, Any]) -> dict[str, Any]: ...
+    def beat(self, handle: Any, msg: dict[str, Any], patience: float) -> dict[str, Any]: ...  # waits out a stall
 
     def close(self, handle: Any) -> None: ...
 
@@ -69,9 +69,19 @@ class SocketWire:
             return None, reply
         return conn, reply
 
-    def beat(self, handle: Connection, msg: dict[str, Any]) -> dict[str, Any]:
+    def beat(self, handle: Connection, msg: dict[str, Any], patience: float) -> dict[str, Any]:
+        """A heartbeat on the session connection. While the connection stays open and silent
+        (a coordinator that is alive but stalled: paused, swapping, starved), its reply is
+        awaited for up to ``patience`` seconds rather than one I/O timeout: giving the session
+        up would get the node evicted for the coordinator's own stall."""
         send_msg(handle, msg)
-        return recv_msg(handle)
+        end = time.monotonic() + patience
+        while True:
+            try:
+                return recv_msg(handle, end)
+            except PeerTimeout as e:
+                if not e.idle or time.monotonic() >= end:
+                    raise
 
     def close(self, handle: Connection) -> None:
         handle.close()

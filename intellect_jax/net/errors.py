@@ -16,7 +16,12 @@ class FrameError(NetError):
 
 
 class PeerTimeout(NetError, TimeoutError):
-    """A peer made no progress within the I/O timeout, or a deadline expired."""
+    """A peer made no progress within the I/O timeout, or a deadline expired. ``idle``: nothing of
+    the awaited frame had arrived, so the connection is still in step and may be read again."""
+
+    def __init__(self, message: str = "", *, idle: bool = False) -> None:
+        super().__init__(message)
+        self.idle = idle
 
 
 class PeerClosed(NetError, ConnectionError):

@@ -176,7 +176,8 @@ class Connection:
             try:
                 k = self._sock.recv_into(mv[got:], n - got, self._waitall)
             except (TimeoutError, BlockingIOError):
-                raise PeerTimeout(f"{self.peer}: no data for {t:.1f}s while receiving {what}") from None
+                raise PeerTimeout(f"{self.peer}: no data for {t:.1f}s while receiving {what}",
+                                  idle=got == 0 and what == "a frame header") from None
             except ssl.SSLError as e:
                 raise FrameError(f"{self.peer}: TLS error while receiving {what} ({e})") from None
             except OSError as e:
