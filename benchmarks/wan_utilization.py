@@ -49,7 +49,7 @@ def run_once(a: argparse.Namespace, mbit: float, overlap: bool, tag: str) -> dic
         coord = subprocess.Popen(
             [*net.exec_prefix(0), sys.executable, "-m", "intellect_jax.coordinator", "--host", net.addr(0),
              "--port", str(PORT), "--min-nodes", str(a.nodes), "--heartbeat-timeout", "60",
-             "--boundary-timeout", "900"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+             "--boundary-timeout", "900", "--no-journal"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         procs = []
         try:
             for i in range(a.nodes):

@@ -4,6 +4,11 @@ The run secret comes from ``--secret-file``, ``$INTELLECT_NET_SECRET_FILE`` or
 ``$INTELLECT_NET_SECRET`` (never the command line). Prints ``coordinator listening on
 HOST:PORT`` on stdout once bound; logs one line per membership event on stderr; stops on
 SIGTERM/SIGINT. ``--status HOST:PORT`` prints a running coordinator's status as JSON.
+
+The run's journal (its newest outer step and hash, completion, rollbacks) is kept by default
+in ``coordinator_state/<run id>.journal`` under the working directory (``--journal`` to put it
+elsewhere): a restarted coordinator reloads it and the run's history cannot fork. Running
+without one (``--no-journal``) is an explicit choice, warned about at start.
 """
 
 from __future__ import annotations
@@ -11,11 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import signal
 import sys
 import threading
 
+from pathlib import Path
+
 from intellect_jax.cli import run_main
+from intellect_jax.model.config import ConfigError
 from intellect_jax.diloco.client import coordinator_status
 from intellect_jax.diloco.coordinator import Coordinator
 from intellect_jax.diloco.protocol import CoordinatorConfig
@@ -40,7 +49,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the first barrier closes no earlier than this after the first registration")
     p.add_argument("--min-nodes", type=int, default=d.min_nodes, help="founding members a fresh run waits for")
     p.add_argument("--journal", default=None, metavar="FILE",
-                   help="the run's record (newest outer step and its hash, completion), kept across restarts")
+                   help="the run's record (newest outer step and its hash, completion), kept across restarts "
+                        "(default: coordinator_state/<run id>.journal in the working directory)")
+    p.add_argument("--no-journal", action="store_true",
+                   help="keep the run's record in memory only: a restarted coordinator forgets the run's history")
+    p.add_argument("--auto-rollback-after", type=float, default=d.auto_rollback_after, metavar="SECONDS",
+                   help="with no live node holding the run's newest state for this long, roll back by itself to "
+                        "the newest state registered nodes hold from checkpoints (0: never, wait for "
+                        "--allow-rollback-to; default %(default)s)")
     p.add_argument("--outer-steps", type=int, default=None, help="the run's length (default: the nodes' config)")
     p.add_argument("--allow-rollback-to", type=int, default=None, metavar="K",
                    help="let the run restart from a checkpoint of outer step K or later, behind the journal's "
@@ -58,11 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.status:
         print(json.dumps(coordinator_status(args.status, cfg), indent=2))
         return 0
-    config = CoordinatorConfig(heartbeat_timeout=args.heartbeat_timeout, boundary_timeout=args.boundary_timeout,
-                               join_window=args.join_window, min_nodes=args.min_nodes,
-                               fingerprint=args.model_fingerprint, outer_steps=args.outer_steps,
-                               allow_rollback_to=args.allow_rollback_to)
-    coord = Coordinator(cfg, args.host, args.port, config, journal=args.journal).start()
+    if args.no_journal and args.journal:
+        raise ConfigError("--journal and --no-journal: choose one")
+    if args.auto_rollback_after < 0:
+        raise ConfigError(f"--auto-rollback-after must be >= 0 seconds (0: never), got {args.auto_rollback_after}")
+    try:
+        config = CoordinatorConfig(heartbeat_timeout=args.heartbeat_timeout, boundary_timeout=args.boundary_timeout,
+                                   join_window=args.join_window, min_nodes=args.min_nodes,
+                                   fingerprint=args.model_fingerprint, outer_steps=args.outer_steps,
+                                   allow_rollback_to=args.allow_rollback_to,
+                                   auto_rollback_after=args.auto_rollback_after or None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    safe = re.sub(r"[^\w.-]", "_", args.run_id)
+    journal = None if args.no_journal else args.journal or str(Path("coordinator_state") / f"{safe}.journal")
+    if journal is not None:
+        logging.getLogger("intellect_jax.coordinator").info("journal: %s", Path(journal).resolve())
+    coord = Coordinator(cfg, args.host, args.port, config, journal=journal).start()
     print(f"coordinator listening on {coord.address_str}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

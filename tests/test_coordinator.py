@@ -348,7 +348,8 @@ def test_rollback_only_when_the_operator_allows_it() -> None:
     assert ok.reg("a", resume=Resume(1, 0, 0, "h1")).member
     ep = ok.barrier(1, ["a"], "h1")["a"]
     assert ep.outer_step == 1
-    assert ok.m.record.hwm_step == 1 and 2 not in ok.m.record.hashes and ok.m.record.rollbacks == [{"from": 3, "to": 1}]
+    assert ok.m.record.hwm_step == 1 and 2 not in ok.m.record.hashes and ok.m.record.rollbacks == [
+        {"from": 3, "to": 1, "by": "operator: allow_rollback_to"}]
     assert "rolled the run back from outer step 3 to 1" in " ".join(ok.m.drain_events())
     wrong = Run(allow_rollback_to=1, record=RunRecord.from_json(rec.to_json()))
     assert "diverged" in wrong.reg("b", resume=Resume(1, 0, 0, "hX")).note  # recorded hashes still hold
@@ -587,7 +588,8 @@ def test_coordinator_process_sigkilled_and_restarted_mid_barrier() -> None:
     def start(port: int) -> Any:
         extra = ["--join-window", "1.5"] if procs else ["--join-window", "0", "--min-nodes", "3"]
         p = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1",
-                              "--port", str(port), "--run-id", "coord-test", "--heartbeat-timeout", "3", *extra],
+                              "--port", str(port), "--run-id", "coord-test", "--heartbeat-timeout", "3", "--no-journal",
+                              *extra],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(), cwd=ROOT)
         procs.append(p)
         line = p.stdout.readline()  # type: ignore[union-attr]

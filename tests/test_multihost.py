@@ -116,7 +116,8 @@ def _run(tmp_path, nodes, *, min_nodes, H, outer, more=()):
     secret, port = secrets.token_hex(32), _free_port()
     env = dict(os.environ, INTELLECT_NET_SECRET=secret, JAX_PLATFORMS="cpu")
     coord = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
-                              str(port), "--min-nodes", str(min_nodes), "--heartbeat-timeout", "60"], cwd=ROOT,
+                              str(port), "--min-nodes", str(min_nodes), "--heartbeat-timeout", "60",
+                              "--journal", str(tmp_path / "coordinator.journal")], cwd=ROOT,
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = [sys.executable, "-m", "intellect_jax.train", "--config", "configs/debug_diloco.toml", *TINY,
             "--run.out_dir", str(tmp_path / "runs"), "--data.cache_dir", str(tmp_path / "cache"),
@@ -199,7 +200,8 @@ def test_a_late_two_process_node_takes_the_live_state_then_loses_a_process(tmp_p
     secret, port, dist = secrets.token_hex(32), _free_port(), _free_port()
     env = dict(os.environ, INTELLECT_NET_SECRET=secret, JAX_PLATFORMS="cpu")
     coord = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
-                              str(port), "--min-nodes", "1", "--heartbeat-timeout", "5", "--boundary-timeout", "20"],
+                              str(port), "--min-nodes", "1", "--heartbeat-timeout", "5", "--boundary-timeout", "20",
+                              "--journal", str(tmp_path / "coordinator.journal")],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = [sys.executable, "-m", "intellect_jax.train", "--config", "configs/debug_diloco.toml", *TINY,
             "--run.out_dir", str(tmp_path / "runs"), "--data.cache_dir", str(tmp_path / "cache"),

@@ -15,7 +15,7 @@ a joiner and takes a live peer's state. See ``docs/coordinator.md``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from intellect_jax.diloco.journal import RunRecord
@@ -96,6 +96,7 @@ class Membership:
         rec.fingerprint = rec.fingerprint or self.config.fingerprint
         rec.outer_steps = rec.outer_steps or self.config.outer_steps
         self._rollback = self.config.allow_rollback_to
+        self._rollback_by = "operator: allow_rollback_to"  # who allowed self._rollback (journaled)
         self._nodes: dict[str, Node] = {}
         self._last: Barrier | None = None  # None: not started (fresh, restarted, or emptied)
         self._resumed = rec.hwm_step is not None  # the run has history: no fresh founders
@@ -106,6 +107,9 @@ class Membership:
         self._evictions: list[dict[str, Any]] = []
         self._notes: list[str] = []  # changes since the last epoch, for its log line
         self._events: list[str] = []
+        self._waiting_since: float | None = None  # not started with history: since when (auto rollback)
+        self._unknown = False  # nodes bring history that the record lacks (a coordinator without its journal)
+        self._quorum_said = False
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -187,6 +191,11 @@ class Membership:
         role, order, fresh, note = Role.PENDING, (1, 0), False, ""
         if resume is not None and resume.outer_step == 0 and rec.hwm_step is None and not self._resumed:
             resume = None  # no barrier ever completed: a fresh run, whoever restarted
+        if resume is not None and rec.hwm_step is None and not self._unknown:
+            self._unknown = True
+            self._event(f"WARNING {node_id} brings the state of outer step {resume.outer_step} but this coordinator "
+                        "has no record of the run (started without its journal?): the run's history is unknown; "
+                        "it is rebuilt only once most members of the newest epoch the nodes report are back")
         if resume is not None:
             note = self._judge_claim(resume)
             if not note:
@@ -217,8 +226,11 @@ class Membership:
         last = self._last
         broken = last is not None and any(not self.alive(n, s) for (n, _), s in zip(last.members, last.sessions))
         adm = node.admission if node.role is Role.ADMITTED else None
+        serving = [j.node_id for j in self._nodes.values() if j.role is Role.ADMITTED and not j.received
+                   and j.admission is not None and j.admission.donor_id == node_id]
         return {"role": node.role.value, "admission": adm.outer_step if adm else None,
-                "donor": adm.donor_id if adm else None, "epoch_id": self.epoch_id, "epoch_broken": broken}
+                "donor": adm.donor_id if adm else None, "epoch_id": self.epoch_id, "epoch_broken": broken,
+                "serving": serving, "completed": self.record.completed}
 
     def arrive(self, node_id: str, session: str, step: int, now: float, state_hash: str | None = None,
                retry_of: int | None = None, sits_out: str | None = None, report: dict | None = None) -> Epoch | None:
@@ -309,8 +321,23 @@ class Membership:
             self._remove(node, now, "connection lost")
             self._advance(now)
 
+    def extend(self, gap: float) -> None:
+        """The coordinator could not act for ``gap`` seconds (paused, starved, swapping): move
+        every deadline that was running meanwhile (heartbeats, barriers, the join window, the
+        wait before an automatic rollback) by that much, so nobody is judged for its stall."""
+        for n in self._nodes.values():
+            n.last_seen += gap
+            if n.arrival is not None:
+                n.arrival = replace(n.arrival, time=n.arrival.time + gap)
+        if self._first_reg is not None:
+            self._first_reg += gap
+        if self._waiting_since is not None:
+            self._waiting_since += gap
+
     def tick(self, now: float) -> None:
-        """Evict on heartbeat timeout and boundary deadline; complete barriers that can."""
+        """Evict on heartbeat timeout and boundary deadline; roll back by itself when the newest
+        state has been lost for ``auto_rollback_after``; complete barriers that can."""
+        self._auto_rollback(now)
         hb = self.config.heartbeat_timeout
         for n in [n for n in self._nodes.values() if now - n.last_seen > hb]:
             self._remove(n, now, f"no heartbeat for {now - n.last_seen:.1f}s")
@@ -327,6 +354,66 @@ class Membership:
     # ---- internals -----------------------------------------------------------------------
     def _event(self, line: str) -> None:
         self._events.append(line)
+
+    def _overdue(self, now: float) -> bool:
+        """Not started with history, for longer than ``auto_rollback_after``."""
+        if self._last is not None or not self._resumed or self.record.completed:
+            self._waiting_since = None
+            return False
+        self._waiting_since = now if self._waiting_since is None else self._waiting_since
+        after = self.config.auto_rollback_after
+        return after is not None and now - self._waiting_since >= after
+
+    def _auto_rollback(self, now: float) -> None:
+        """Nobody has brought the newest state for ``auto_rollback_after``: restart the run from
+        the newest state that registered nodes hold (their claims), exactly as an operator's
+        ``allow_rollback_to`` would (the barrier that forms journals it)."""
+        if not self._overdue(now) or self._unknown:
+            return
+        rec = self.record
+        held = [n.claim.outer_step for n in self._nodes.values()
+                if n.claim is not None and not rec.judge(n.claim.outer_step, n.claim.state_hash, 0)]
+        if not held or max(held) >= self._floor:
+            return  # nothing to roll back to yet, or the state the run waits for is here
+        to = max(held)
+        self._rollback, self._rollback_by = to, f"automatic: no live node held it for {now - self._waiting_since:.0f}s"
+        self._floor = to
+        self._event(f"WARNING no live node has held the run's newest state (outer step {rec.hwm_step}) for "
+                    f"{now - self._waiting_since:.0f}s: rolling back to outer step {to}, the newest state that "
+                    "registered nodes hold (auto_rollback_after)")
+        self._waiting_since = None
+        self._promote_claims(now)
+
+    def _promote_claims(self, now: float) -> None:
+        """Not started: joiners whose claimed state can resume the run become its members."""
+        for j in self._sorted(self._nodes.values()):
+            if j.role is not Role.MEMBER and j.claim is not None and not self._judge_claim(j.claim):
+                j.role, j.order, j.admission = Role.MEMBER, (0, j.claim.rank), None
+                self._raise_floor(j.claim.outer_step, now)
+                self._event(f"joiner {j.node_id} resumes the run with its state of outer step {j.claim.outer_step}")
+
+    def _quorum(self, now: float) -> bool:
+        """History unknown: whether most members of the newest epoch that the registered nodes
+        report are back (or the wait has lasted ``auto_rollback_after``)."""
+        claims = [n.claim for n in self._nodes.values() if n.claim is not None and n.claim.outer_step > 0]
+        if not claims:
+            return True
+        newest = max(claims, key=lambda c: (c.epoch_id, c.outer_step))
+        last = set(newest.members)
+        back = last & set(self._nodes)
+        if not last or 2 * len(back) > len(last):  # (a claim without its epoch's members says nothing)
+            return True
+        if self._overdue(now):
+            self._event(f"WARNING the run's history is unknown and only {len(back)} of epoch {newest.epoch_id}'s "
+                        f"{len(last)} members came back in {now - self._waiting_since:.0f}s: rebuilding the run "
+                        "from the newest state here")  # type: ignore[operator]
+            self._unknown = False
+            return True
+        if not self._quorum_said:
+            self._quorum_said = True
+            self._event(f"the run's history is unknown: waiting for most of epoch {newest.epoch_id}'s members "
+                        f"({', '.join(sorted(last))}) before rebuilding it (have {', '.join(sorted(back)) or 'none'})")
+        return False
 
     def _lowest_resumable(self) -> int:
         """The oldest outer step a resumed node may bring (the high-water mark, unless the
@@ -392,14 +479,10 @@ class Membership:
         if self.started and not holders and not self.record.completed:  # nobody holds the run's state any more: rebuild from checkpoints
             self._last, self._resumed, self._first_reg = None, True, now
             self._floor = max(self._floor, self._lowest_resumable())
+            self._waiting_since = now
             self._event(f"no live node holds the run's state any more; waiting for a node with the state of "
                         f"outer step {self._floor} or later (from a checkpoint)")
-            for j in self._sorted(self._nodes.values()):  # joiners that brought such state resume the run
-                if j.claim is not None and not self._judge_claim(j.claim):
-                    j.role, j.order, j.admission = Role.MEMBER, (0, j.claim.rank), None
-                    self._raise_floor(j.claim.outer_step, now)
-                    self._event(f"joiner {j.node_id} resumes the run with its state of outer step "
-                                f"{j.claim.outer_step}")
+            self._promote_claims(now)  # joiners that brought such state resume the run
 
     def _active(self) -> tuple[int, set[Node], set[Node]] | None:
         """The barrier being formed: (step, nodes arrived, nodes expected)."""
@@ -428,6 +511,8 @@ class Membership:
             if now < self._first_reg + self.config.join_window:
                 return
             if not self._resumed and len(arrived) < self.config.min_nodes:
+                return
+            if self._unknown and not self._quorum(now):
                 return
         members = self._police(self._agree(step, self._sorted(arrived), now), now)
         if members:
@@ -477,10 +562,12 @@ class Membership:
             return []
         if recorded is None:
             return members
-        if rec.hwm_step is not None and step < rec.hwm_step:  # an operator's allow_rollback_to
-            rec.rollbacks.append({"from": rec.hwm_step, "to": step})
+        if rec.hwm_step is not None and step < rec.hwm_step:  # allow_rollback_to, an operator's or automatic
+            rec.rollbacks.append({"from": rec.hwm_step, "to": step, "by": self._rollback_by})
             self._event(f"WARNING rolled the run back from outer step {rec.hwm_step} to {step} "
-                        f"(operator: allow_rollback_to={self._rollback})")
+                        f"({self._rollback_by}={self._rollback})" if self._rollback_by.startswith("operator")
+                        else f"WARNING rolled the run back from outer step {rec.hwm_step} to {step} "
+                        f"({self._rollback_by})")
             rec.truncate(step)
             self._rollback = None
         rec.record(step, recorded, self.config.history)
@@ -508,6 +595,7 @@ class Membership:
             epoch_id = prev.epoch_id  # type: ignore[union-attr]
         mismatch = tuple(tuple(p) for p in self._hashes.get(step, {}).get("mismatch", ()))
         sitting_out = tuple(n.node_id for n in members if n.arrival.sits_out)  # type: ignore[union-attr]
+        self._unknown, self._waiting_since = False, None
         for n in members:
             n.arrival, n.fresh = None, False
             if n.role is Role.ADMITTED:

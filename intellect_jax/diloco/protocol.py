@@ -60,10 +60,15 @@ class CoordinatorConfig:
     sit_out_limit: int = 3  # a node whose own checks fail at this many barriers in a row is evicted
     strikes: int = 2  # a node blamed by its ring successor in this many failed rounds is evicted
     allow_rollback_to: int | None = None  # operator: the run may restart from this outer step or later
+    # with no live node holding the run's newest state for this long, roll back by itself to the
+    # newest state registered nodes hold from their checkpoints (None: wait for an operator)
+    auto_rollback_after: float | None = 600.0
 
     def __post_init__(self) -> None:
         if min(self.heartbeat_timeout, self.boundary_timeout, self.keepalive_interval, self.tick_interval) <= 0:
             raise ValueError(f"timeouts and intervals must be positive: {self}")
+        if self.auto_rollback_after is not None and self.auto_rollback_after <= 0:
+            raise ValueError(f"auto_rollback_after must be positive (or None: never): {self}")
         if self.join_window < 0 or self.min_nodes < 1:
             raise ValueError(f"join_window must be >= 0 and min_nodes >= 1: {self}")
 
@@ -74,12 +79,14 @@ Peer = tuple[str, str]  # (node_id, "host:port")
 @dataclass(frozen=True)
 class Resume:
     """What a node registering with state claims: the outer step its state is at, that state's
-    hash, and (after a coordinator restart) its last epoch and rank."""
+    hash, and (after a coordinator restart) its last epoch, its rank and that epoch's members (a
+    coordinator that lost the run's history waits for most of them before rebuilding the run)."""
 
     outer_step: int
     epoch_id: int = 0
     rank: int = 0
     state_hash: str | None = None
+    members: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

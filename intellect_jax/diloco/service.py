@@ -10,6 +10,7 @@ simulation runs the very same request code as a real coordinator.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -48,9 +49,15 @@ class CoordinatorService:
         self._on_event = on_event
         self._cond = clock.Condition()
         self._stopped = False
+        self._awake = clock.now()  # the last time this service ran (the ticker runs every tick_interval)
+        self.stalls: list[float] = []  # lengths of the stalls this service noticed (and excused)
 
     def start(self) -> CoordinatorService:
+        self._awake = self.clock.now()
         self.clock.spawn(self._tick_loop, name=f"coordinator-tick-{self.membership.instance}")
+        if self.journal is None:
+            self._emit("WARNING no journal: if this coordinator restarts it forgets the run's history, and waits "
+                       "for most members of the newest epoch before it lets the run go on")
         rec = self.membership.record
         if rec.hwm_step is not None:
             self._emit(f"journal: the run is at outer step {rec.hwm_step} (hash {str(rec.hwm_hash)[:16]})"
@@ -77,13 +84,28 @@ class CoordinatorService:
             if self._stopped:
                 raise ServiceStopped("coordinator stopped")
             try:
-                return fn(self.clock.now())
+                now = self.clock.now()
+                self._excuse_stall(now)
+                return fn(now)
             finally:
                 for line in self.membership.drain_events():
                     self._emit(line)
                 if self.journal is not None:
                     self.journal.save(self.membership.record)
                 self._cond.notify_all()
+
+    def _excuse_stall(self, now: float) -> None:
+        """(under the lock) The ticker enters every ``tick_interval``; a longer gap since the
+        service last ran means the coordinator itself could not act (SIGSTOP, swapping, a
+        starved VM): nobody's deadline ran meanwhile. Logged once per stall, from 1 s up."""
+        gap = now - self._awake - self.config.tick_interval
+        self._awake = now
+        if gap > self.config.tick_interval:
+            self.membership.extend(gap)
+            self.stalls.append(gap)
+            if gap >= 1.0:
+                self._emit(f"WARNING coordinator stalled for {gap:.1f}s (it could not act): every heartbeat, barrier "
+                           "and admission deadline moved by as much")
 
     def _emit(self, line: str) -> None:
         (log.warning if line.startswith("WARNING") else log.info)(line.removeprefix("WARNING "))
@@ -127,8 +149,15 @@ class CoordinatorService:
 
     def _register(self, req: dict[str, Any]) -> dict[str, Any]:
         res = req.get("resume")
-        resume = Resume(int(res["outer_step"]), int(res["epoch_id"]), int(res["rank"]),
-                        res.get("state_hash")) if res else None
+        resume = None
+        if res:
+            members = res.get("members") or []
+            if not isinstance(members, list) or len(members) > 4096 or not all(isinstance(m, str) for m in members):
+                raise ValueError("resume.members must be a list of node ids")
+            h = res.get("state_hash")
+            if h is not None and not isinstance(h, str):
+                raise ValueError("resume.state_hash must be a string")
+            resume = Resume(int(res["outer_step"]), int(res["epoch_id"]), int(res["rank"]), h, tuple(members))
         steps = req.get("outer_steps")
         reply = self.locked(lambda now: self.membership.register(
             str(req["node"]), str(req["addr"]), int(req["devices"]), int(req["protocol"]), str(req["fingerprint"]),
@@ -216,9 +245,15 @@ class _LocalSession:
         self.service, self.session, self.closed = service, session, False
 
 
+def _as_sent(msg: dict[str, Any]) -> dict[str, Any]:
+    """A message as the other side of a socket would read it (JSON: tuples become lists)."""
+    return json.loads(json.dumps(msg))
+
+
 class LocalWire:
-    """The client's connections to a :class:`LocalCoordinator`, as function calls. A crashed
-    coordinator raises :class:`~intellect_jax.net.errors.PeerClosed`, like a dropped socket."""
+    """The client's connections to a :class:`LocalCoordinator`, as function calls (messages go
+    through JSON, as on a socket). A crashed coordinator raises
+    :class:`~intellect_jax.net.errors.PeerClosed`, like a dropped socket."""
 
     def __init__(self, host: LocalCoordinator) -> None:
         self.host = host
@@ -232,13 +267,13 @@ class LocalWire:
 
     def open(self, msg: dict[str, Any], timeout: float) -> tuple[_LocalSession | None, dict[str, Any]]:
         svc = self._service()
-        reply = svc.handle(msg)
+        reply = _as_sent(svc.handle(_as_sent(msg)))
         return (_LocalSession(svc, (reply["node_id"], reply["session"])) if reply.get("ok") else None), reply
 
-    def beat(self, handle: _LocalSession, msg: dict[str, Any]) -> dict[str, Any]:
+    def beat(self, handle: _LocalSession, msg: dict[str, Any], patience: float) -> dict[str, Any]:
         if handle.closed or handle.service is not self.host.service or handle.service.stopped:
             raise PeerClosed("session connection to the local coordinator lost")
-        return handle.service.handle(msg, handle.session)
+        return _as_sent(handle.service.handle(_as_sent(msg), handle.session))
 
     def close(self, handle: _LocalSession) -> None:
         if not handle.closed:
@@ -247,4 +282,4 @@ class LocalWire:
                 handle.service.disconnect(handle.session)
 
     def request(self, msg: dict[str, Any], deadline: float | None, connect_timeout: float) -> dict[str, Any]:
-        return self._service().handle(msg, deadline=deadline)
+        return _as_sent(self._service().handle(_as_sent(msg), deadline=deadline))
