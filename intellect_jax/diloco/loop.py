@@ -82,7 +82,8 @@ class Inner(Protocol):
 
 
 class Transport(Protocol):
-    def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any]) -> Any: ...
+    def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any],
+              cancelled: Callable[[], bool]) -> Any: ...  # an event, set once sent, failed or cancelled
 
     def receive(self, adm: Admission, template: DilocoState, cancelled: Callable[[], bool],
                 timeout: float) -> tuple[dict[str, Any], DilocoState]: ...
@@ -256,7 +257,9 @@ class NodeLoop:
         if h != meta["hash"] or got.outer_step != adm.outer_step:
             raise TransferFailed(f"received state of outer step {got.outer_step} hashes to {h[:12]}, the donor "
                                  f"sent {str(meta['hash'])[:12]} for {adm.outer_step}")
-        p.store.save(got, wait=True)  # one path to a state: through the checkpoint store
+        # one path to a state: through the checkpoint store, with this node's own data position
+        # (the donor's is another shard's), so a crash before the next checkpoint resumes from it
+        p.store.save(got._replace(data=p.inner.data_state()), wait=True)
         s = p.store.load(got.inner_step)
         if state_hash(s) != h:
             raise TransferFailed(f"the checkpoint of the received state hashes to {state_hash(s)[:12]}, not {h[:12]}")
@@ -384,11 +387,15 @@ class NodeLoop:
             return
         snap = s._replace(inner_opt_state=self.p.inner.snapshot(), data=None)  # taken now, sent in the background
         meta = {"outer_step": s.outer_step, "inner_step": s.inner_step, "hash": state_hash(s), "norms": list(s.norms)}
+        client, since = self.p.client, self.p.client.view_seq
         for joiner_id, joiner_addr in ep.serve:
             self.p.log(f"serving the state of outer step {s.outer_step} to {joiner_id}")
-            self.p.serving.append(self.p.transport.serve(joiner_id, joiner_addr, snap, meta))
+            self.p.serving.append(self.p.transport.serve(
+                joiner_id, joiner_addr, snap, meta, lambda j=joiner_id: client.serving_revoked(j, since)))
 
     def _wait_serving(self) -> None:
+        """Wait for this node's transfers to end; each gives up as soon as the coordinator no
+        longer admits its joiner, so a node whose run is complete exits within seconds."""
         for done in self.p.serving:  # events set by the transport when a transfer ends
             done.wait(self.cfg.transfer_timeout)
         self.p.serving.clear()

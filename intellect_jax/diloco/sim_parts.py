@@ -126,9 +126,9 @@ class _StallWire:
         self._pause()
         return self.w.open(msg, timeout)
 
-    def beat(self, handle: Any, msg: dict) -> dict:
+    def beat(self, handle: Any, msg: dict, patience: float) -> dict:
         self._pause()
-        return self.w.beat(handle, msg)
+        return self.w.beat(handle, msg, patience)
 
     def close(self, handle: Any) -> None:
         self.w.close(handle)
@@ -303,7 +303,8 @@ class _Transport:
     def __init__(self, sim: Sim, proc: Proc) -> None:
         self.sim, self.proc = sim, proc
 
-    def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any]) -> Any:
+    def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any],
+              cancelled: Callable[[], bool]) -> Any:
         sim, proc, clock = self.sim, self.proc, self.sim.clock
         done, snap = clock.Event(), copy.deepcopy(snapshot)
         target = sim.by_addr.get(joiner_addr)

@@ -58,8 +58,9 @@ class CheckpointStore:
         momentum = MomentumState(to_host(arrays["outer_opt_state"]["momentum"]
                                          if isinstance(arrays["outer_opt_state"], dict)
                                          else arrays["outer_opt_state"].momentum))
+        data = out.get("data") or None  # {}: no position recorded (start of this node's shard)
         return DilocoState(outer, momentum, arrays["inner_opt_state"], int(meta["outer_step"]),
-                           int(meta["inner_step"]), out.get("data"), tuple(meta.get("norms", ())))
+                           int(meta["inner_step"]), data, tuple(meta.get("norms", ())))
 
     def _verify(self, out: dict[str, Any]) -> str | None:
         got, want = state_hash(self._state(out)), out["meta"].get("outer_hash")

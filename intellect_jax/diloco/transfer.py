@@ -8,7 +8,10 @@ so the donor's own periodic checkpoint (its one orbax path) can never collide wi
 joiner receives every leaf straight into its final numpy buffer; the outer loop then checks
 the state hash, writes the state as the joiner's own checkpoint and restores it from there
 with orbax (the same path a resume takes). A joiner polls ``cancelled`` while it waits and
-while it receives, so a donor that died or was evicted frees it within a heartbeat.
+while it receives, so a donor that died or was evicted frees it within a heartbeat; a donor
+polls its own ``cancelled`` likewise (the coordinator no longer admits that joiner: it left,
+was evicted, was re-queued to another donor, or the run is complete), so it never keeps
+dialling a joiner that is gone.
 """
 
 from __future__ import annotations
@@ -52,34 +55,54 @@ class NetTransport:
         self.last: dict[str, Any] = {}  # stats of the last transfer (bytes, seconds)
 
     def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any],
-              timeout: float = 600.0) -> Any:
-        """Stream ``snapshot`` to a joiner from a background thread; returns an event set when done."""
+              cancelled: Callable[[], bool] = lambda: False, timeout: float = 600.0) -> Any:
+        """Stream ``snapshot`` to a joiner from a background thread; returns an event set when done
+        (sent, failed, or ``cancelled()``)."""
         done = self.clock.Event()
 
         def run() -> None:
             t0, wall = time.monotonic(), time.time()
             try:
-                n = self.send(joiner_addr, joiner_id, snapshot, meta, timeout)
+                n = self.send(joiner_addr, joiner_id, snapshot, meta, timeout, cancelled)
                 dt = time.monotonic() - t0
                 self.log(f"served {joiner_id}: {n / 2**20:.1f} MiB in {dt:.1f}s "
                          f"(wall {wall:.3f} -> {time.time():.3f})")
             except Exception as e:  # noqa: BLE001 - the joiner died or stalled: it gets re-queued
-                self.log(f"serving {joiner_id} failed: {e}")
+                if cancelled():
+                    self.log(f"stopped serving {joiner_id} after {time.monotonic() - t0:.1f}s: the coordinator no "
+                             f"longer admits it ({e})")
+                else:
+                    self.log(f"serving {joiner_id} failed: {e}")
             finally:
                 done.set()
 
         self.clock.spawn(run, name=f"serve-{joiner_id}")
         return done
 
+    def _dial(self, joiner_addr: str, joiner_id: str, outer_step: int, deadline: float,
+              cancelled: Callable[[], bool]) -> Any:
+        """Connect to the joiner, in slices of ``watch_interval``, until ``deadline`` or ``cancelled()``."""
+        while True:
+            if cancelled():
+                raise TransferFailed(f"joiner {joiner_id} is no longer admitted")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerTimeout(f"joiner {joiner_id} could not be reached before the transfer deadline")
+            try:
+                return self.net.connect(joiner_addr, channel(joiner_id, outer_step),
+                                        timeout=min(left, max(self.watch_interval, 0.05)), name=f"joiner {joiner_id}")
+            except PeerTimeout:
+                continue
+
     def send(self, joiner_addr: str, joiner_id: str, snapshot: DilocoState, meta: dict[str, Any],
-             timeout: float) -> int:
+             timeout: float, cancelled: Callable[[], bool] = lambda: False) -> int:
         arrays = snapshot.arrays()
         leaves = jax.tree.leaves(arrays)
         deadline = time.monotonic() + timeout
         cpu0 = time.thread_time()
         sent = 0
-        with self.net.connect(joiner_addr, channel(joiner_id, meta["outer_step"]), timeout=timeout,
-                              name=f"joiner {joiner_id}") as conn:
+        conn = self._dial(joiner_addr, joiner_id, meta["outer_step"], deadline, cancelled)
+        with conn, abort_when(self.clock, cancelled, conn.abort, self.watch_interval):
             head = {**meta, "leaves": leaf_specs(arrays)}
             conn.send(MsgType.META, json.dumps(head).encode(), deadline=deadline)
             for x in leaves:
