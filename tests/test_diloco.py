@@ -135,6 +135,58 @@ def test_checkpoint_store_round_trip_and_fallback_past_a_damaged_checkpoint(tmp_
     t.close(save=False)
 
 
+def test_a_joiners_checkpoint_of_the_received_state_resumes(tmp_path, cache_dir):
+    """A joiner writes the state it received as its own checkpoint before training on it; if
+    it dies before its next checkpoint, --ckpt.resume starts from that one: it carries the
+    joiner's own data position (the donor's is another shard's), never an empty one that the
+    data pipeline refuses. A checkpoint from before that fix ({} on disk) resumes at the start
+    of the node's shard."""
+    from intellect_jax.diloco.loop import LoopConfig, NodeLoop, NodeParts
+    from intellect_jax.diloco.store import CheckpointStore
+
+    td, donor = _node_parts(tmp_path, cache_dir, "donor")
+    tx = S.nesterov_sgd(0.7, 0.9)
+    s = _step(donor, donor.init_state(tx), tx, 4)
+    sent = s._replace(inner_opt_state=donor.snapshot(), data=None)
+    meta = {"outer_step": 1, "inner_step": 4, "hash": S.state_hash(s), "norms": []}
+    td.close(save=False)
+
+    class Transport:
+        def receive(self, adm, template, cancelled, timeout):
+            return meta, sent
+
+    class Client:
+        def admission_revoked(self, adm):
+            return False
+
+    t, inner = _node_parts(tmp_path, cache_dir, "joiner")
+    inner.train(2)  # the joiner read some of its own shard before it was admitted
+    position = inner.data_state()
+    parts = NodeParts("joiner", inner, Client(), None, Transport(), CheckpointStore(t))
+    got = NodeLoop(LoopConfig(inner_steps=4, outer_steps=3), parts)._receive(Admission("donor", "x", 0, 1, 1))
+    assert S.state_hash(got) == meta["hash"]
+    t.close(save=False)  # SIGKILL before the next checkpoint; the process comes back with --ckpt.resume
+    from intellect_jax.diloco.inner import TrainerInner
+    from intellect_jax.trainer.loop import Trainer
+
+    t2 = Trainer(tiny_cfg(tmp_path / "joiner", cache_dir, run={"steps": 12}, ckpt={"resume": True}),
+                 periodic_save=False, evaluate=False, resume=False)
+    inner2 = TrainerInner(t2)
+    back = CheckpointStore(t2, resume=True).latest()
+    assert back is not None and back.outer_step == 1 and S.state_hash(back) == meta["hash"]
+    assert back.data == position
+    inner2.adopt(back)  # the data pipeline takes the position (it refused {} before)
+    assert inner2.data_state() == position
+    inner2.train(6)
+    assert inner2.step == 6 and inner2.data_state() != position
+    # a checkpoint written with no data position ({} on disk) resumes at the start of the shard
+    CheckpointStore(t2).save(back._replace(inner_opt_state=inner2.live_opt_state(), inner_step=8, outer_step=2,
+                                           data=None), wait=True)
+    old = CheckpointStore(t2, resume=True).latest()
+    assert old.outer_step == 2 and old.data is None
+    t2.close(save=False)
+
+
 def jax_leaves(tree):
     import jax
 

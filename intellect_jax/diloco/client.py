@@ -187,7 +187,7 @@ class CoordinatorClient:
             delay, waiting = 0.05, False
             while True:
                 try:
-                    r = self._register(self.connect_timeout)
+                    r = self._register(min(self.connect_timeout, max(0.1, deadline - clock.now())))
                     if waiting:
                         self._say(f"node {self.node_id}: registered with {self._name} after waiting "
                                   f"{clock.now() - t0:.1f}s")

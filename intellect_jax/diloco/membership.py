@@ -214,6 +214,7 @@ class Membership:
         what = "resumed member" if role is Role.MEMBER and resume else (
             "founding member" if fresh else "joiner (pending)")
         self._event(f"registered {node_id} ({addr}, {devices} devices) as {what}" + (f": {note}" if note else ""))
+        self._overdue(now)  # (starts the clock of an automatic rollback, if the run waits for its state)
         self._advance(now)
         return RegisterReply(node_id, self._nodes[node_id].session, role is Role.MEMBER, self.outer_step,
                              self.epoch_id, self.fingerprint or "", self.config.heartbeat_timeout, note)

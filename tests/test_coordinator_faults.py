@@ -1,0 +1,299 @@
+"""The coordinator under its own faults: a stall it must not blame on the nodes, a restart
+without its journal, the newest state lost for good, registrations that meet no coordinator,
+and donors whose joiner is gone. State machine first, then real sockets and processes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from intellect_jax.diloco.coordinator import Coordinator
+from intellect_jax.diloco.journal import RunRecord
+from intellect_jax.diloco.protocol import CoordinatorConfig, CoordinatorUnavailable, Resume
+from intellect_jax.diloco.service import CoordinatorService
+from test_coordinator import FP, ROOT, Run, _client, _conf, _env, _tcfg
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# state machine
+# ---------------------------------------------------------------------------------------------
+def test_a_stall_of_the_coordinator_moves_every_deadline() -> None:
+    """Excused: the heartbeat and barrier clocks of everyone who was live. Not excused: a node
+    that was silent before the stall began, nor one that stays silent after it."""
+    r = Run(heartbeat_timeout=5.0, boundary_timeout=30.0)
+    for n in "abc":
+        r.reg(n)
+    r.barrier(0, list("abc"))
+    r.arrive("a", 1)  # a waits at boundary 1 (its barrier clock runs)
+    r.silent.add("c")  # c stops heartbeating 4 s before the stall
+    r.tick(4.0)
+    r.m.extend(25.0)  # the coordinator could not act for 25 s
+    r.now += 25.0
+    r.m.tick(r.now)  # nobody heartbeat "during" the stall: all ages are 25 s + before
+    assert [e["node_id"] for e in r.m.status(r.now)["evictions"]] == []
+    r.tick(1.01)  # c: silent for 5.01 s of the coordinator's time -> evicted; a and b heartbeat
+    assert [(e["node_id"], e["reason"][:15]) for e in r.m.status(r.now)["evictions"]] == [("c", "no heartbeat fo")]
+    r.tick(25.0)  # a's barrier clock: 4 + 1.01 + 25 s since it arrived (the stall excused): b missed it
+    assert [e["node_id"] for e in r.m.status(r.now)["evictions"]][1:] == ["b"]
+
+
+class _ManualClock:
+    """Real locks, a time the test sets, no ticker thread (the test ticks)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(0)
+
+    def Lock(self) -> Any:  # noqa: N802
+        return threading.Lock()
+
+    def Condition(self, lock: Any = None) -> Any:  # noqa: N802
+        return threading.Condition(lock)
+
+    def Event(self) -> Any:  # noqa: N802
+        return threading.Event()
+
+    def spawn(self, target: Any, name: str) -> Any:
+        return None
+
+
+def test_the_service_notices_its_own_stall_before_judging_anyone() -> None:
+    clock, lines = _ManualClock(), []
+    svc = CoordinatorService(CoordinatorConfig(heartbeat_timeout=5.0, tick_interval=0.1, join_window=0.0),
+                             clock=clock, on_event=lines.append).start()
+    for i, n in enumerate("ab"):
+        reg = {"op": "register", "node": n, "addr": f"127.0.0.1:{9000 + i}", "devices": 1, "protocol": 2,
+               "fingerprint": FP, "founder": True, "resume": None}
+        assert svc.handle(reg)["ok"]
+    for t in (0.1, 0.2, 0.3):  # the ticker runs every tick_interval
+        clock.t = t
+        svc.locked(svc.membership.tick)
+    clock.t = 20.3  # 20 s without running (SIGSTOP): the next entry, whoever makes it, excuses it
+    svc.locked(svc.membership.tick)
+    assert svc.status()["evictions"] == [] and len(svc.stalls) == 1 and svc.stalls[0] == pytest.approx(19.9)
+    assert [ln for ln in lines if "stalled" in ln] == [
+        "WARNING coordinator stalled for 19.9s (it could not act): every heartbeat, barrier and admission "
+        "deadline moved by as much"]
+    for i in range(1, 56):  # ticks resume, but nobody heartbeats any more: evicted after 5 s as usual
+        clock.t = 20.3 + 0.1 * i
+        svc.locked(svc.membership.tick)
+        if clock.t < 24.85:  # last heard at 0.0 + 19.9 s excused
+            assert svc.status()["evictions"] == []
+    assert {e["node_id"] for e in svc.status()["evictions"]} == {"a", "b"} and len(svc.stalls) == 1
+
+
+def _lost_newest_state(**kw: Any) -> Run:
+    """A run that reached outer step 3, whose every holder is gone; a, b come back with the
+    checkpoints of steps 1 and 2 (c with a diverged one of step 2)."""
+    first = Run(min_nodes=1)
+    first.reg("a")
+    for k in range(4):
+        first.barrier(k, ["a"], f"h{k}")
+    r = Run(record=RunRecord.from_json(first.m.record.to_json()), **kw)
+    assert "behind" in r.reg("a", resume=Resume(1, 1, 0, "h1")).note
+    assert "behind" in r.reg("b", resume=Resume(2, 1, 1, "h2")).note
+    assert "behind" in r.reg("c", resume=Resume(2, 1, 2, "hX")).note
+    return r
+
+
+def test_automatic_rollback_after_the_configured_wait() -> None:
+    r = _lost_newest_state(auto_rollback_after=60.0)
+    r.tick(59.0)
+    assert r.m.admission_for("b", r.s["b"]) is None and not r.m.record.rollbacks  # still waiting
+    r.tick(1.5)
+    events = " ".join(r.m.drain_events())
+    assert "no live node has held the run's newest state (outer step 3) for 60s: rolling back to outer step 2" in events
+    adm = r.m.admission_for("b", r.s["b"])  # b resumes the run with its own state (its own donor)
+    assert adm is not None and (adm.donor_id, adm.outer_step) == ("b", 2)
+    assert r.m.admission_for("c", r.s["c"]) is None  # diverged bytes never resume anything
+    ep = r.barrier(2, ["b"], "h2")["b"]
+    assert ep.outer_step == 2 and ep.node_ids == ["b"]
+    rec = r.m.record
+    assert rec.hwm_step == 2 and 3 not in rec.hashes and rec.rollbacks[0]["from"] == 3
+    assert rec.rollbacks[0]["to"] == 2 and rec.rollbacks[0]["by"].startswith("automatic: no live node held it for 60")
+    assert "rolled the run back from outer step 3 to 2 (automatic" in " ".join(r.m.drain_events())
+    assert r.m.admission_for("a", r.s["a"]).donor_id == "b"  # type: ignore[union-attr]  # a joins from b
+
+
+def test_no_automatic_rollback_while_the_newest_state_is_registered_or_when_off() -> None:
+    r = _lost_newest_state(auto_rollback_after=60.0)
+    assert r.reg("d", resume=Resume(3, 1, 3, "h3")).member  # a holder of step 3 came back: waits for it
+    r.tick(100.0)
+    assert not r.m.record.rollbacks and "rolling back" not in " ".join(r.m.drain_events())
+    off = _lost_newest_state(auto_rollback_after=None)
+    off.tick(10_000.0)
+    assert off.m.admission_for("b", off.s["b"]) is None and not off.m.record.rollbacks
+
+
+def test_without_its_journal_a_restarted_coordinator_lets_no_stale_node_rebuild_the_run() -> None:
+    """The old coordinator (no journal) had reached outer step 11 with epoch 9 = [a, b]; s was
+    killed long before and restarts from its checkpoint of step 8 (epoch 5 = [s, a, b]). The
+    new coordinator knows nothing. s registers first and waits at its boundary, past the join
+    window: no epoch of one forms; a and b come back, s is behind, the run goes on from 11."""
+    r = Run(join_window=1.0)
+    assert r.reg("s", resume=Resume(8, 5, 0, "h8", ("s", "a", "b"))).member
+    r.arrive("s", 8, "h8")
+    r.tick(5.0)
+    assert r.result("s") is None and not r.m.started
+    assert "history is unknown" in " ".join(r.m.drain_events())
+    assert r.reg("a", resume=Resume(11, 9, 0, "h11", ("a", "b"))).member
+    with pytest.raises(Exception, match="behind: at outer step 8, the run resumes at 11"):
+        r.result("s")
+    assert r.reg("b", resume=Resume(11, 9, 1, "h11", ("a", "b"))).member
+    r.arrive("a", 11, "h11")
+    ep = r.arrive("b", 11, "h11")
+    assert ep is not None and ep.outer_step == 11 and ep.epoch_id == 10 and ep.node_ids == ["a", "b"]
+    assert r.m.record.hwm_step == 11 and 8 not in r.m.record.hashes
+    late = r.reg("s", resume=Resume(8, 5, 0, "h8", ("s", "a", "b")))
+    assert not late.member
+
+
+def test_without_its_journal_and_without_a_quorum_it_waits_then_goes_on() -> None:
+    r = Run(join_window=1.0, auto_rollback_after=30.0)
+    r.reg("a", resume=Resume(11, 9, 0, "h11", ("a", "b", "c")))
+    r.arrive("a", 11, "h11")
+    r.tick(10.0)
+    assert r.result("a") is None  # 1 of 3: no quorum
+    r.tick(25.0)
+    ep = r.result("a")
+    assert ep is not None and ep.outer_step == 11 and ep.node_ids == ["a"]
+    assert "only 1 of epoch 9's 3 members came back" in " ".join(r.m.drain_events())
+
+
+def test_heartbeat_view_lists_the_joiners_a_donor_serves() -> None:
+    r = Run(min_nodes=1)
+    r.reg("a")
+    r.barrier(0, ["a"])
+    r.reg("j")
+    r.barrier(1, ["a"])
+    view = r.m.heartbeat("a", r.s["a"], r.now)
+    assert view["serving"] == ["j"] and view["completed"] is False
+    r.m.leave("j", r.s["j"], r.now)
+    assert r.m.heartbeat("a", r.s["a"], r.now)["serving"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# real sockets and processes
+# ---------------------------------------------------------------------------------------------
+def test_a_first_registration_waits_for_a_coordinator_started_later() -> None:
+    port, said = _free_port(), []
+    c = _client(("127.0.0.1", port), "a", 9000, say=said.append, register_timeout=30.0, connect_timeout=0.5)
+    coord = None
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            f = ex.submit(c.register)
+            time.sleep(2.0)
+            assert not f.done() and len(said) == 1 and "waiting for coordinator 127.0.0.1" in said[0]
+            coord = Coordinator(_tcfg(), "127.0.0.1", port, _conf(min_nodes=1)).start()
+            assert f.result(15).member
+        assert len(said) == 2 and said[1].startswith("node a: registered with coordinator") and "after waiting" in said[1]
+    finally:
+        c.close()
+        if coord is not None:
+            coord.stop()
+
+
+def test_a_registration_gives_up_past_its_limit_naming_the_coordinator() -> None:
+    port = _free_port()
+    c = _client(("127.0.0.1", port), "a", 9000, say=lambda _: None, register_timeout=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(CoordinatorUnavailable, match=f"coordinator 127.0.0.1:{port} did not answer node a's "
+                                                     "registration for 1s"):
+        c.register()
+    assert time.monotonic() - t0 < 6.0
+    c.close()
+
+
+@pytest.mark.slow
+def test_a_sigstopped_coordinator_process_evicts_nobody() -> None:
+    """The coordinator process is SIGSTOPped for 8 s (heartbeat timeout 2 s, client I/O timeout
+    1 s) while one member waits at a barrier and another trains: both keep their sessions, the
+    barrier completes after SIGCONT with both, and the coordinator logs its stall."""
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
+                          str(port), "--run-id", "coord-test", "--heartbeat-timeout", "2", "--min-nodes", "2",
+                          "--join-window", "0", "--no-journal"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_env(), cwd=ROOT)
+    clients = []
+    try:
+        assert p.stdout.readline().startswith("coordinator listening on")  # type: ignore[union-attr]
+        clients = [_client(("127.0.0.1", port), n, 9000 + i, io_timeout=1.0, heartbeat_interval=0.3)
+                   for i, n in enumerate("ab")]
+        for c in clients:
+            c.register()
+        with ThreadPoolExecutor(2) as ex:
+            assert {f.result(10).epoch_id for f in [ex.submit(c.sync, 0, "h0") for c in clients]} == {1}
+            fa = ex.submit(clients[0].sync, 1, "h1")
+            time.sleep(0.5)
+            p.send_signal(signal.SIGSTOP)
+            time.sleep(8.0)
+            p.send_signal(signal.SIGCONT)
+            time.sleep(1.0)
+            eb = clients[1].sync(1, "h1")
+            ea = fa.result(15)
+        assert ea.epoch_id == eb.epoch_id == 1 and ea.node_ids == ["a", "b"]
+        st = clients[0].status()
+        assert st["evictions"] == [] and [n["node_id"] for n in st["nodes"]] == ["a", "b"]
+    finally:
+        for c in clients:
+            c.close()
+        p.send_signal(signal.SIGCONT)
+        p.terminate()
+        err = p.communicate(timeout=10)[1]
+    assert "coordinator stalled for" in err and "no heartbeat" not in err and "missed boundary" not in err, err[-2000:]
+
+
+def test_a_donor_lets_go_of_a_joiner_that_is_gone() -> None:
+    """The donor dials a joiner that never listens (it died while being admitted); once the
+    coordinator no longer admits it, the donor's transfer ends within a few heartbeats, not
+    at the transfer timeout. Before that, it keeps trying."""
+    import numpy as np
+
+    from intellect_jax.diloco.state import DilocoState, MomentumState
+    from intellect_jax.diloco.transfer import NetTransport
+    from intellect_jax.net.comm import NetNode
+
+    w = {"w": np.ones(8, np.float32)}
+    snap = DilocoState(w, MomentumState(w), {"m": np.zeros(8, np.float32)}, 2, 8)
+    lines: list[str] = []
+    with Coordinator(_tcfg(), config=_conf(min_nodes=1)) as coord, NetNode(_tcfg()) as net:
+        a = _client(coord.address, "a", 9000)
+        j = _client(coord.address, "j", _free_port())  # nothing will listen there
+        try:
+            a.register()
+            a.sync(0, "h0")
+            assert not j.register().member
+            ep = a.sync(1, "h1")
+            assert [n for n, _ in ep.serve] == ["j"]
+            since = a.view_seq
+            donor = NetTransport(net, "a", log=lines.append, watch_interval=0.1)
+            done = donor.serve("j", ep.serve[0][1], snap, {"outer_step": 2, "inner_step": 8, "hash": "x"},
+                               lambda: a.serving_revoked("j", since), timeout=600.0)
+            assert not done.wait(1.5)  # still admitted: the donor keeps dialling
+            j.close()  # the joiner is gone: its session drops, the coordinator evicts it
+            t0 = time.monotonic()
+            assert done.wait(5.0), lines
+            assert time.monotonic() - t0 < 5.0
+            assert lines and lines[-1].startswith("stopped serving j after") and "no longer admits it" in lines[-1]
+        finally:
+            a.close(), j.close()
