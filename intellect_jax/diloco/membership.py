@@ -401,7 +401,8 @@ class Membership:
             return True
         newest = max(claims, key=lambda c: (c.epoch_id, c.outer_step))
         last = set(newest.members)
-        back = last & set(self._nodes)
+        back = {node_id for node_id, n in self._nodes.items() if node_id in last and n.claim is not None
+                and n.claim.outer_step > 0}  # (back with state: one that lost its disk does not count)
         if not last or 2 * len(back) > len(last):  # (a claim without its epoch's members says nothing)
             return True
         if self._overdue(now):
