@@ -180,33 +180,42 @@ class CoordinatorClient:
                     return self._reply
                 self._fatal, self._has_state = None, False
                 self._claim = claim if claim is not None else self._claim
-            clock = self.clock
-            t0 = clock.now()
-            deadline = t0 + self.register_timeout
-            grace = t0 + min(self.reconnect_timeout, self.register_timeout)  # for "duplicate": our old session
-            delay, waiting = 0.05, False
-            while True:
-                try:
-                    r = self._register(min(self.connect_timeout, max(0.1, deadline - clock.now())))
-                    if waiting:
-                        self._say(f"node {self.node_id}: registered with {self._name} after waiting "
-                                  f"{clock.now() - t0:.1f}s")
-                    return r
-                except RegistrationRefused as e:  # our own previous session, not yet seen gone
-                    if e.reason != "duplicate" or clock.now() >= grace:
-                        raise
-                    cause: Exception = e
-                except TRANSIENT as e:
-                    if clock.now() >= deadline:
-                        raise CoordinatorUnavailable(f"{self._name} did not answer node {self.node_id}'s "
-                                                     f"registration for {self.register_timeout:.0f}s ({e})") from e
-                    cause = e
-                if not waiting:
-                    waiting = True
-                    self._say(f"node {self.node_id}: waiting for {self._name} ({cause}); retrying for up to "
-                              f"{self.register_timeout:.0f}s")
-                clock.sleep(min(delay, max(0.0, deadline - clock.now())))
-                delay = min(2 * delay, 1.0)
+            try:
+                return self._register_waiting()
+            except CoordinatorError as e:  # no session follows (complete, refused, unreachable): say so
+                with self._lock:
+                    self._fatal = e
+                raise
+
+    def _register_waiting(self) -> RegisterReply:
+        """Register, retrying transient failures until ``register_timeout`` (see :meth:`register`)."""
+        clock = self.clock
+        t0 = clock.now()
+        deadline = t0 + self.register_timeout
+        grace = t0 + min(self.reconnect_timeout, self.register_timeout)  # for "duplicate": our old session
+        delay, waiting = 0.05, False
+        while True:
+            try:
+                r = self._register(min(self.connect_timeout, max(0.1, deadline - clock.now())))
+                if waiting:
+                    self._say(f"node {self.node_id}: registered with {self._name} after waiting "
+                              f"{clock.now() - t0:.1f}s")
+                return r
+            except RegistrationRefused as e:  # our own previous session, not yet seen gone
+                if e.reason != "duplicate" or clock.now() >= grace:
+                    raise
+                cause: Exception = e
+            except TRANSIENT as e:
+                if clock.now() >= deadline:
+                    raise CoordinatorUnavailable(f"{self._name} did not answer node {self.node_id}'s "
+                                                 f"registration for {self.register_timeout:.0f}s ({e})") from e
+                cause = e
+            if not waiting:
+                waiting = True
+                self._say(f"node {self.node_id}: waiting for {self._name} ({cause}); retrying for up to "
+                          f"{self.register_timeout:.0f}s")
+            clock.sleep(min(delay, max(0.0, deadline - clock.now())))
+            delay = min(2 * delay, 1.0)
 
     def sync(self, k: int, state_hash: str | None = None, retry_of: int | None = None,
              timeout: float | None = None, sits_out: str | None = None, report: dict | None = None) -> Epoch:
@@ -254,9 +263,13 @@ class CoordinatorClient:
         return accepted
 
     def leave(self) -> None:
-        """Leave gracefully (removed at once; the next barrier forms a new epoch without us)."""
+        """Leave gracefully (removed at once; the next barrier forms a new epoch without us).
+        Best effort: a coordinator that cannot be told (stalled, restarting, gone) sees the
+        session close instead, which removes the node as well."""
         try:
             self._call("leave", {}, recover=False)
+        except (CoordinatorError, *TRANSIENT) as e:
+            self._say(f"node {self.node_id}: could not tell {self._name} that it leaves ({e}); closing its session")
         finally:
             self._drop_session()
 
