@@ -157,12 +157,201 @@ def test_every_holder_lost_the_run_waits_then_the_operator_rolls_back() -> None:
     """All nodes die and come back with empty disks: nobody has the newest state, so the run
     waits (no node is accepted with older state) until the operator allows a rollback."""
     script = Script(events=[(2.3, "outage", "n0,n1,n2")], restarts={n: "empty" for n in ("n0", "n1", "n2")})
-    sim, r = run(script, nodes=3)
+    sim, r = run(script, nodes=3, auto_rollback_after=None)  # the manual path: the coordinator waits
     rolled = lines(r, r"OPERATOR")
     assert rolled and lines(r, r"rolled the run back from outer step \d+ to 0")
     died = lines(r, r"outage")[0][0]
     assert rolled[0][0] - died >= 20.0  # it waited first
     assert sim.journal.load("sim").rollbacks and sim.discarded > 0
+
+
+def test_every_holder_lost_between_checkpoints_the_coordinator_rolls_back_by_itself() -> None:
+    """Checkpoints every 3 outer steps; every node dies once the run recorded step 4 (each
+    holding step 5, unsaved) and restarts from its checkpoint of step 3: nobody holds the
+    newest state. After auto_rollback_after (20 s) of waiting the coordinator rolls back to step
+    3 by itself (no operator) and the run completes with one hash per outer step (the abandoned
+    step 4 discarded from the fork check)."""
+    script = Script(events=[(2.0 + 4 * 0.4 + 0.2, "outage", "n0,n1,n2")])
+    sim, r = run(script, nodes=3, inner_steps=40, ckpt_every=3, auto_rollback_after=20.0)
+    lost = lines(r, r"coord\] no live node holds the run's state any more")
+    rolled = lines(r, r"coord\] WARNING no live node has held the run's newest state \(outer step 4\) for 20s: "
+                      r"rolling back to outer step 3")
+    assert lost and rolled and lines(r, r"rolled the run back from outer step 4 to 3 \(automatic")
+    assert 20.0 <= rolled[0][0] - lost[-1][0] <= 20.0 + 2 * sim.coord_cfg.tick_interval  # waited as configured
+    assert not lines(r, r"OPERATOR")
+    rb = sim.journal.load("sim").rollbacks
+    assert [(x["from"], x["to"]) for x in rb] == [(4, 3)] and rb[0]["by"].startswith("automatic")
+    by = hashes_by_step(sim)
+    assert sorted(by) == list(range(1, 11)) and all(len(h) == 1 for h in by.values()) and sim.discarded > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_coordinator_paused_20s_mid_run_evicts_nobody(overlap: bool) -> None:
+    """SIGSTOP of the coordinator for 20 s mid-run: requests time out and are retried, the
+    heartbeats wait for their replies (the session stays open), the coordinator excuses its
+    own stall: no eviction at all, and the run completes with one hash per outer step."""
+    sim, r = run(Script(events=[(3.0, "pause", "20")]), nodes=3, inner_steps=40, overlap=overlap)
+    assert lines(r, r"coordinator paused \(SIGSTOP\) for 20.00s")
+    assert lines(r, r"\] sync: no answer from the coordinator within 10.0s")  # requests timed out meanwhile
+    assert not lines(r, r"coord\] evicted"), "\n".join(t for _, t in lines(r, r"evicted"))
+    stall = lines(r, r"coord\] WARNING coordinator stalled for (19\.\d|20\.0)s")
+    assert stall and 22.9 <= stall[0][0] <= 23.1
+    assert any(19.5 <= g <= 20.0 for g in sim.paused_services[0].stalls)
+    by = hashes_by_step(sim)
+    assert sorted(by) == list(range(1, 11)) and all(len(h) == 1 for h in by.values())
+    assert all(q.outcome is not None for q in sim.procs)
+
+
+def test_every_node_restarted_while_the_coordinator_is_paused_registers_after_waiting() -> None:
+    """Every node is SIGKILLed 0.5 s into a 20 s coordinator pause and restarts from its newest
+    checkpoint while the coordinator is still stopped: each first registration times out, waits
+    (one line), gets through once the coordinator runs again (one line); the run completes."""
+    script = Script(events=[(3.0, "pause", "20"), (3.5, "outage", "n0,n1,n2")])
+    sim, r = run(script, nodes=3, inner_steps=40)
+    restarted = [q for q in sim.procs if q.number == 1]
+    assert sorted(q.node_id for q in restarted) == ["n0", "n1", "n2"]
+    for q in restarted:
+        assert 3.5 < q.started_at < 23.0  # inside the pause
+        assert len(lines(r, rf"{q.name}\] node {q.node_id}: waiting for local coordinator")) == 1
+        got = lines(r, rf"{q.name}\] node {q.node_id}: registered with local coordinator after waiting")
+        assert len(got) == 1 and got[0][0] >= 23.0
+        assert q.error is None and q.outcome is not None
+    assert sim.injected["start while coordinator paused"] == 3
+    by = hashes_by_step(sim)  # (step 3's metrics died with the processes that computed it)
+    assert 10 in by and all(len(h) == 1 for h in by.values())
+
+
+@pytest.mark.parametrize("when", ["mid-run", "before the founders"])
+def test_a_node_started_while_the_coordinator_is_down_waits_and_registers(when: str) -> None:
+    """A joiner starts while the coordinator is crashed (restarted 5 s later), or every founder
+    starts before its coordinator: the first registration waits for it instead of failing."""
+    if when == "mid-run":
+        script, who = Script(events=[(3.0, "coordinator", "5"), (3.5, "join", "n3")]), ["n3#0"]
+    else:
+        script, who = Script(events=[(0.0, "coordinator", "5")]), ["n0#0", "n1#0", "n2#0"]
+    sim, r = run(script, nodes=3, inner_steps=40)
+    up = lines(r, r"coordinator restarted")[0][0]
+    for name in who:
+        node = name.split("#")[0]
+        assert lines(r, rf"{name}\] node {node}: waiting for local coordinator")
+        got = lines(r, rf"{name}\] node {node}: registered with local coordinator after waiting")
+        assert got and got[0][0] >= up
+    assert sim.injected["start while coordinator down"] == len(who)
+    assert all(q.outcome is not None and q.error is None for q in sim.procs)
+    by = hashes_by_step(sim)
+    assert sorted(by) == list(range(1, 11)) and all(len(h) == 1 for h in by.values())
+
+
+def test_joiner_killed_right_after_a_live_transfer_resumes_from_that_checkpoint(monkeypatch) -> None:
+    """n3 joins by live transfer and dies before its first round (before its next checkpoint):
+    the state it received was checkpointed with n3's own data position; its restart resumes
+    from that checkpoint (rounds of 4 s: the run is still at that step, so it registers with
+    it, not as behind) and finishes the run."""
+    from intellect_jax.diloco import sim_parts
+
+    saved: list[tuple[str, int, object]] = []
+    save = sim_parts._Disk.save
+
+    def spy(self, s, *, wait=False):
+        saved.append((self.proc.name, s.outer_step, s.data))
+        return save(self, s, wait=wait)
+
+    monkeypatch.setattr(sim_parts._Disk, "save", spy)
+    script = Script(faults={"n3#0": [Fault("train", 0, "kill", "before")]}, events=[(4.5, "join", "n3")],
+                    restarts={"n3": "latest"})
+    sim, r = run(script, nodes=3, inner_steps=400)  # the first barrier at 4 s: n3 is a joiner
+    got = lines(r, r"n3#0\] restored the state of outer step (\d+)")
+    assert got and lines(r, r"n3#0\] FAULT kill at train #0")
+    k = int(re.search(r"outer step (\d+)", got[0][1]).group(1))
+    assert ("n3#0", k, {"pos": 0}) in saved  # the received state, with the joiner's own (fresh) data position
+    assert lines(r, rf"n3#1\] resuming from the checkpoint of outer step {k}")
+    assert lines(r, rf"n3#1\] registered as .* at outer step {k} .*state from step {k} joins")
+    n3 = next(q for q in sim.procs if q.name == "n3#1")
+    assert n3.outcome is Outcome.FINISHED
+    by = hashes_by_step(sim)
+    assert sorted(by) == list(range(1, 11)) and all(len(h) == 1 for h in by.values())
+
+
+def test_donor_lets_go_of_a_joiner_that_went_away() -> None:
+    """n3 is admitted, then dies before it takes the state and stays down, while its donor
+    dials it (transfer_timeout 120 s): the coordinator evicts n3, the donor's heartbeat views
+    stop listing it, the donor stops within a few heartbeats, and every process ends within
+    a few virtual seconds of the run's completion (not after the transfer timeout)."""
+    script = Script(faults={"n3#0": [Fault("receive", 0, "kill", "before")]}, events=[(2.5, "join", "n3")],
+                    restarts={"n3": "none"})
+    sim, r = run(script, nodes=3, inner_steps=40, transfer_timeout=120.0)
+    killed = lines(r, r"n3#0\] FAULT kill at receive")
+    stopped = lines(r, r"\] stopped serving n3: the coordinator no longer admits it")
+    assert killed and stopped and lines(r, r"driver\] n3 stays down")
+    assert stopped[0][0] - killed[0][0] <= sim.p.heartbeat_timeout + 4 * sim.p.heartbeat_interval
+    assert sim.completed_at is not None
+    ends = [q.ended_at for q in sim.procs if not q.dead]
+    assert max(ends) - sim.completed_at < 2.0
+
+
+def test_the_checker_names_transient_ends_stall_evictions_and_late_ends() -> None:
+    from intellect_jax.diloco.protocol import CoordinatorUnavailable
+    from intellect_jax.diloco.sim_parts import Proc
+
+    sim = Sim(0, SimParams(nodes=2))
+    a, b = Proc("n0", 0, [], {}, "fresh"), Proc("n1", 0, [], {}, "fresh", stalls=[(10.0, 12.0)])
+    sim.procs = [a, b]
+    sim.coord_events = [(5.0, "evicted n0: no heartbeat for 1.1s"), (12.5, "evicted n1: no heartbeat for 1.0s")]
+    assert [p.split(" ")[0] for p in sim.stall_evictions()] == ["n0"]  # n1 was stopped meanwhile
+    sim.pauses = [(3.0, 4.8)]  # the 1.1 s (+ slack) the coordinator counted reach back over its pause
+    assert sim.stall_evictions()
+    a.stalls = [(2.0, 2.95)]  # n0 was stopped just before the pause: explained
+    assert not sim.stall_evictions()
+    sim.completed_at, a.ended_at, b.ended_at = 20.0, 23.0, 45.0
+    assert [p.split(" ")[0] for p in sim.late_ends()] == ["n1#0"]  # 33 s after its stall ended
+    a.error, a.exc = "CoordinatorUnavailable: gone", CoordinatorUnavailable("gone")
+    assert any(p.startswith("n0#0 ended because of a transient coordinator fault")
+               for p in sim.check(final=True))
+
+
+def donor_told_complete_lets_go() -> bool:
+    """A donor whose node was evicted (stopped too long) and whose registration again is told
+    that the run is complete must let go of the joiner it was serving: ``serving_revoked``."""
+    from intellect_jax.diloco.client import CoordinatorClient
+    from intellect_jax.diloco.journal import MemoryJournal
+    from intellect_jax.diloco.protocol import CoordinatorConfig, RunCompleted
+    from intellect_jax.diloco.service import LocalCoordinator
+
+    clock, out = SimClock(), {}
+
+    def main() -> None:
+        cfg = CoordinatorConfig(heartbeat_timeout=1.0, join_window=0.0, min_nodes=1, outer_steps=1)
+        coord = LocalCoordinator(cfg, run_id="t", clock=clock, journal=MemoryJournal())
+        client = CoordinatorClient(None, None, "n0", "sim://n0", wire=coord.wire(), clock=clock,
+                                   heartbeat_interval=0.2, outer_steps=1, say=lambda line: None)
+        assert client.register().member
+        clock.sleep(1.0)
+        since = client.view_seq  # it starts serving joiner n1 now
+        svc = coord.service
+
+        def evict_and_complete(now: float) -> None:
+            svc.membership.tick(now + 5.0)  # it was stopped 5 s: evicted for silence
+            svc.membership.record.completed = True  # meanwhile the others completed the run
+
+        svc.locked(evict_and_complete)
+        clock.sleep(1.0)
+        out["evicted"] = client.epoch_broken(0)
+        try:
+            client.register()  # as NodeLoop does after Evicted
+        except RunCompleted:
+            out["told"] = True
+        clock.sleep(5.0)
+        out["revoked"] = client.serving_revoked("n1", since)
+        client.close()
+        coord.crash()
+
+    clock.spawn(main, name="main").join(10)
+    assert out.get("evicted") and out.get("told"), (out, clock.errors)
+    return bool(out["revoked"])
+
+
+def test_a_donor_told_at_registration_that_the_run_is_complete_lets_go() -> None:
+    assert donor_told_complete_lets_go()
 
 
 def test_no_joiner_is_admitted_for_the_last_step_and_late_registrants_are_told() -> None:
@@ -180,19 +369,47 @@ def test_the_checker_sees_a_fork() -> None:
     assert any("FORK: outer step 1 has 2 hashes" in p for p in sim.check())
 
 
+def final_leave_survives(event: str) -> bool:
+    """n0 did the run's last outer step (the run completes at 5.6 s) and is stopped for 0.5 s
+    right after its last barrier; meanwhile (5.7 s) the coordinator is paused for 20 s or
+    crashes for 5 s. Its graceful leave then meets a coordinator that does not answer: a
+    transient fault, which must not end the process with an error (the run is complete)."""
+    ev = (5.65, "pause", "20") if event == "pause" else (5.65, "coordinator", "5")
+    sim = Sim(0, SimParams(nodes=3, inner_steps=40, ring_time=0.0),
+              script=Script(events=[ev], faults={"n0#0": [Fault("sync", 10, "stall", "after", seconds=0.5)]}))
+    r = sim.run()
+    assert sim.completed_at is not None and abs(sim.completed_at - 5.6) < 1e-6, sim.completed_at  # the setting
+    assert lines(r, r"n0#0\] FAULT stall at sync #10 \(after\)")
+    return r["ok"]
+
+
+@pytest.mark.parametrize("event", ["pause", "crash"])
+def test_a_node_whose_final_leave_meets_a_stalled_or_restarting_coordinator_finishes(event: str) -> None:
+    assert final_leave_survives(event)
+
+
 # ---------------------------------------------------------------------------------------------
 # seeded random fault schedules
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_seeded_fault_schedules(overlap: bool) -> None:
     failed, faults, n = [], 0, SEEDS[overlap]
+    kinds: dict[str, int] = {}
     t0 = time.monotonic()
     for seed in range(n):
         r = Sim(seed, SimParams(overlap=overlap)).run()
         faults += sum(r["faults"].values())
+        for k, v in r["faults"].items():
+            kinds[k] = kinds.get(k, 0) + v
         if not r["ok"]:
-            failed.append(f"seed {seed}: {'; '.join(r['problems'])} (replay: python -m intellect_jax.diloco.sim "
-                          f"--seed {seed} -v{' --overlap' if overlap else ''})")
+            line = (f"seed {seed}: {'; '.join(r['problems'])} (replay: python -m intellect_jax.diloco.sim "
+                    f"--seed {seed} -v{' --overlap' if overlap else ''})")
+            failed.append(line)
     print(f"{n} seeds, {faults} faults, {time.monotonic() - t0:.0f}s")
     assert not failed, "\n".join(failed)
     assert faults > 3 * n  # the schedules really inject faults
+    for kind in ("coordinator pause (short)", "coordinator pause (long)", "start while coordinator paused",
+                 "start while coordinator down", "node and coordinator killed together", "outage (all but one)",
+                 "outage (all)", "kill@register/before", "stall@register/after", "donor let go",
+                 *(() if overlap else ("rollback (automatic)",))):  # (about 1 in 100 seeds)
+        assert kinds.get(kind, 0) > 0, (kind, kinds)  # every new kind of fault really happens

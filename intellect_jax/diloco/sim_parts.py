@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from intellect_jax.diloco.client import CoordinatorClient
-from intellect_jax.diloco.clock import SimClock
 from intellect_jax.diloco.local import NumpyInner
 from intellect_jax.diloco.loop import Outcome, TransferFailed
 from intellect_jax.diloco.protocol import Admission, Epoch
@@ -26,7 +25,7 @@ from intellect_jax.net.local import LocalGroup
 if TYPE_CHECKING:
     from intellect_jax.diloco.sim import Sim
 
-HOOKS = ("train", "sync", "allreduce", "serve", "receive", "admit")
+HOOKS = ("train", "sync", "allreduce", "serve", "receive", "admit", "register")
 
 
 class Killed(BaseException):
@@ -44,7 +43,9 @@ class SimParams:
     heartbeat_interval: float = 0.2
     heartbeat_timeout: float = 1.0
     join_window: float = 2.0  # above the clients' longest reconnect backoff (1 s)
-    reconnect_timeout: float = 30.0
+    # above the longest coordinator pause (as a deployment's 120 s is above ordinary 10-30 s stalls)
+    reconnect_timeout: float = 60.0
+    connect_timeout: float = 10.0  # a request's handshake (a paused coordinator longer than this: PeerTimeout)
     transfer_timeout: float = 20.0
     ring_deadline: float = 20.0
     max_time: float = 900.0  # virtual seconds before the run counts as not completing
@@ -53,7 +54,17 @@ class SimParams:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     coordinator_restarts: int = 2  # at most
+    coordinator_pauses: int = 2  # at most (SIGSTOP of the coordinator for 0.05-30 s, log-uniform)
+    max_pause: float = 30.0
+    node_and_coordinator_prob: float = 0.15  # chance of one event that kills a node and the coordinator together
+    late_coordinator_prob: float = 0.1  # chance that the coordinator starts after the founders
+    start_in_window_prob: float = 0.4  # per coordinator crash/pause: a node killed as it starts (restarts inside it)
     outage_prob: float = 0.3  # chance of one event that kills several nodes at once
+    all_but_one_prob: float = 0.3  # of those outages: every live node but one
+    all_prob: float = 0.25  # of those outages: every live node
+    auto_rollback_after: float | None = 20.0  # the coordinator's (None: the operator rolls back by hand)
+    ckpt_every: int = 0  # outer steps between checkpoints (0: drawn, mostly 1, sometimes 2 or 3)
+    end_bound: float = 5.0  # a process still running this long after the run completed (and it could act) hangs
     late_joiners: int = 1  # at most
     overlap: bool = False  # overlapped rounds (diloco/overlap.py)
     overlap_delay: int | None = 0  # their tau; 0: drawn from the seed (when ready, or 1..inner_steps)
@@ -80,6 +91,10 @@ class Script:
     faults: dict[str, list[Fault]] = field(default_factory=dict)
     events: list[tuple[float, str, str]] = field(default_factory=list)
     restarts: dict[str, str] = field(default_factory=dict)
+    # more driver events: (t, "pause", "20") stops the coordinator for 20 s (SIGSTOP); (t,
+    # "coordinator", "5") crashes it for 5 s (arg optional); (t, "kill+coordinator", "n1") SIGKILLs
+    # n1 and crashes the coordinator at once; (t, "outage", "all-but-one") kills every live node
+    # but one, (t, "outage", "all") every live node. Restart mode "none": the node stays dead.
 
 
 @dataclass
@@ -91,14 +106,20 @@ class Proc:
     faults: list[Fault]
     disk: dict[int, DilocoState]
     start_from: str  # "fresh" | "latest" | "stale" | "empty"
+    started_at: float = 0.0
     dead: bool = False
+    killed_at: float | None = None
+    ended_at: float | None = None  # when its main thread ended (any way)
     restarted: bool = False
     stalled_until: float = 0.0
+    stalls: list[tuple[float, float]] = field(default_factory=list)  # (from, until) of each SIGSTOP
     counts: Counter = field(default_factory=Counter)
     outcome: Outcome | None = None
     error: str | None = None
+    exc: BaseException | None = None  # the unhandled exception behind ``error``
     client: CoordinatorClient | None = None
     mailbox: dict[int, Any] = field(default_factory=dict)
+    receiving: int | None = None  # the outer step whose state it waits for (a donor can connect)
 
     @property
     def name(self) -> str:
@@ -110,10 +131,17 @@ class Proc:
 
 
 class _StallWire:
-    """The coordinator wire of one process: nothing gets through while the process is stopped."""
+    """The coordinator wire of one process: nothing gets through while the process is stopped,
+    and a paused coordinator (:meth:`Sim.pause_coordinator`) is seen as a real client sees a
+    SIGSTOPped coordinator's sockets: a new connection's handshake (``open``, ``request``) gets
+    no answer, so a pause that outlasts its timeout costs that timeout and a
+    :class:`PeerTimeout`; a heartbeat on the open session waits up to ``patience`` for its reply
+    (likewise); anything shorter just waits (blocks on the service's lock) for the pause to end.
+    Closing the session never waits: the kernel closes a dead process's socket, the coordinator
+    reads it when it runs again."""
 
-    def __init__(self, wire: Any, proc: Proc, clock: SimClock) -> None:
-        self.w, self.proc, self.clock, self.name = wire, proc, clock, wire.name
+    def __init__(self, wire: Any, proc: Proc, sim: Sim) -> None:
+        self.w, self.proc, self.sim, self.clock, self.name = wire, proc, sim, sim.clock, wire.name
 
     def _pause(self) -> None:
         left = self.proc.stalled_until - self.clock.now()
@@ -122,19 +150,37 @@ class _StallWire:
         if self.proc.dead:
             raise PeerClosed("process gone")
 
+    def _unanswered(self, timeout: float, what: str) -> None:
+        """Against a coordinator paused for longer than ``timeout``: wait it out and time out."""
+        timeout = max(0.0, timeout)
+        left = self.sim.paused_until - self.clock.now()
+        if left > 0 and left > timeout:
+            self.clock.sleep(timeout)
+            self._pause()
+            why = f"{what}: no answer from the coordinator within {timeout:.1f}s (it is paused)"
+            self.sim.say(self.proc.name, why)
+            raise PeerTimeout(why, idle=True)
+
     def open(self, msg: dict, timeout: float) -> Any:
         self._pause()
+        self._unanswered(timeout, "handshake")
         return self.w.open(msg, timeout)
 
     def beat(self, handle: Any, msg: dict, patience: float) -> dict:
         self._pause()
+        self._unanswered(patience, "heartbeat")
         return self.w.beat(handle, msg, patience)
 
     def close(self, handle: Any) -> None:
-        self.w.close(handle)
+        if self.sim.coordinator_paused():
+            self.clock.spawn(lambda: self.w.close(handle), name=f"close-{self.proc.name}")
+        else:
+            self.w.close(handle)
 
     def request(self, msg: dict, deadline: float | None, connect_timeout: float) -> dict:
         self._pause()
+        left = connect_timeout if deadline is None else min(connect_timeout, deadline - self.clock.now())
+        self._unanswered(left, str(msg.get("op")))
         return self.w.request(msg, deadline, connect_timeout)
 
 
@@ -305,23 +351,65 @@ class _Transport:
 
     def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any],
               cancelled: Callable[[], bool]) -> Any:
+        """Like the socket transport: dial the joiner (it answers once it waits in ``receive``
+        for this outer step) until ``transfer_timeout``, send for ``transfer_time``, then deliver;
+        ``cancelled()`` (the coordinator no longer admits the joiner) is checked while dialling
+        and sending, every heartbeat interval, and before delivering: the donor lets go."""
         sim, proc, clock = self.sim, self.proc, self.sim.clock
         done, snap = clock.Event(), copy.deepcopy(snapshot)
         target = sim.by_addr.get(joiner_addr)
+        step, every = meta["outer_step"], sim.p.heartbeat_interval
 
         def deliver(item: Any) -> None:
             if target is not None and not target.dead:
                 with sim.cond:
-                    target.mailbox[meta["outer_step"]] = item
+                    target.mailbox[step] = item
                     sim.cond.notify_all()
+
+        def stop(why: str) -> None:
+            sim.say(proc.name, f"stopped serving {joiner_id}: {why}")
+            sim.injected["donor let go"] += 1
+
+        def dial() -> bool:
+            deadline = clock.now() + sim.p.transfer_timeout
+            while True:
+                sim._wait_unstalled(proc)
+                with sim.cond:
+                    if target is not None and not target.dead and target.receiving == step \
+                            and target.stalled_until <= clock.now():
+                        return True
+                    if cancelled():
+                        stop("the coordinator no longer admits it")
+                        return False
+                    left = deadline - clock.now()
+                    if left <= 0:
+                        sim.say(proc.name, f"serving {joiner_id} failed: not reachable within "
+                                           f"{sim.p.transfer_timeout:.0f}s")
+                        return False
+                    sim.cond.wait(min(left, every))
+
+        def send(seconds: float) -> bool:
+            end = clock.now() + seconds
+            while clock.now() < end:
+                if cancelled():
+                    stop("the coordinator no longer admits it (while sending)")
+                    return False
+                clock.sleep(min(every, end - clock.now()))
+                sim._wait_unstalled(proc)
+            return True
 
         def run() -> None:
             try:
                 sim.gate(proc, "serve", "before")
-                clock.sleep(sim.p.transfer_time / 2)
+                if not dial() or not send(sim.p.transfer_time / 2):
+                    return
                 sim.gate(proc, "serve", "during")
-                clock.sleep(sim.p.transfer_time / 2)
+                if not send(sim.p.transfer_time / 2):
+                    return
                 sim._wait_unstalled(proc)
+                if cancelled():
+                    stop("the coordinator no longer admits it (before delivering)")
+                    return
                 deliver((meta, snap))
                 sim.gate(proc, "serve", "after")
             except Killed:
@@ -338,16 +426,21 @@ class _Transport:
         sim.gate(proc, "receive", "before")
         deadline = clock.now() + timeout
         with sim.cond:
-            while adm.outer_step not in proc.mailbox:
-                if proc.dead:
-                    raise Killed()
-                if cancelled():
-                    raise TransferFailed(f"admission from {adm.donor_id} revoked")
-                left = deadline - clock.now()
-                if left <= 0:
-                    raise PeerTimeout(f"no state from {adm.donor_id} within {timeout:.0f}s")
-                sim.cond.wait(min(left, sim.p.heartbeat_interval))
-            item = proc.mailbox.pop(adm.outer_step)
+            proc.receiving = adm.outer_step  # the donor can connect now
+            sim.cond.notify_all()
+            try:
+                while adm.outer_step not in proc.mailbox:
+                    if proc.dead:
+                        raise Killed()
+                    if cancelled():
+                        raise TransferFailed(f"admission from {adm.donor_id} revoked")
+                    left = deadline - clock.now()
+                    if left <= 0:
+                        raise PeerTimeout(f"no state from {adm.donor_id} within {timeout:.0f}s")
+                    sim.cond.wait(min(left, sim.p.heartbeat_interval))
+                item = proc.mailbox.pop(adm.outer_step)
+            finally:
+                proc.receiving = None
         sim.gate(proc, "receive", "during")
         if isinstance(item, Exception):
             raise item
