@@ -297,3 +297,21 @@ def test_a_donor_lets_go_of_a_joiner_that_is_gone() -> None:
             assert lines and lines[-1].startswith("stopped serving j after") and "no longer admits it" in lines[-1]
         finally:
             a.close(), j.close()
+
+
+def test_after_a_restart_a_ring_missing_a_member_is_reported_broken() -> None:
+    """A node and the coordinator die together while the ring of epoch 3 = [a, b, c] runs: the
+    restarted coordinator has no epoch, but a and b tell it theirs when they re-register. Once c
+    has not come back within a heartbeat timeout, their views say epoch 3 is broken, so they
+    abort the all-reduce instead of waiting out its deadline; a ring whose members all came
+    back is left alone."""
+    r = Run(heartbeat_timeout=5.0, join_window=30.0)
+    for n in "ab":
+        r.reg(n, resume=Resume(5, 3, "ab".index(n), "h5", ("a", "b", "c")))
+    r.tick(1.0)
+    view = r.m.heartbeat("a", r.s["a"], r.now)
+    assert view["epoch_id"] == 3 and not view["epoch_broken"]  # c may still be reconnecting
+    r.tick(4.5)
+    assert r.m.heartbeat("a", r.s["a"], r.now)["epoch_broken"]
+    r.reg("c", resume=Resume(5, 3, 2, "h5", ("a", "b", "c")))
+    assert not r.m.heartbeat("b", r.s["b"], r.now)["epoch_broken"]

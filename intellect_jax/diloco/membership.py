@@ -224,13 +224,20 @@ class Membership:
         ring of the newest epoch is still whole (a member of it is gone: abort that ring)."""
         node = self._get(node_id, session)
         node.last_seen = now
-        last = self._last
+        last, epoch_id = self._last, self.epoch_id
         broken = last is not None and any(not self.alive(n, s) for (n, _), s in zip(last.members, last.sessions))
+        claim = node.claim
+        if last is None and claim is not None and claim.members and self._first_reg is not None:
+            # restarted (or rebuilding): the node may be inside its epoch's all-reduce; that ring
+            # is broken once a member of it has not come back within a heartbeat timeout
+            epoch_id = claim.epoch_id
+            broken = now - self._first_reg > self.config.heartbeat_timeout and any(
+                m not in self._nodes for m in claim.members)
         adm = node.admission if node.role is Role.ADMITTED else None
         serving = [j.node_id for j in self._nodes.values() if j.role is Role.ADMITTED and not j.received
                    and j.admission is not None and j.admission.donor_id == node_id]
         return {"role": node.role.value, "admission": adm.outer_step if adm else None,
-                "donor": adm.donor_id if adm else None, "epoch_id": self.epoch_id, "epoch_broken": broken,
+                "donor": adm.donor_id if adm else None, "epoch_id": epoch_id, "epoch_broken": broken,
                 "serving": serving, "completed": self.record.completed}
 
     def arrive(self, node_id: str, session: str, step: int, now: float, state_hash: str | None = None,
