@@ -7,9 +7,13 @@ outer step K), `--join NODE@K` (NODE starts with the others, then registers only
 has done K outer steps, so it joins mid-run and gets the state from a live peer),
 `--kill-coordinator K` (SIGKILL the coordinator after outer step K and restart it on the same
 port), or `--chaos SEED`: a seeded random schedule of node SIGKILLs (restarted with
-`--ckpt.resume`, sometimes from a damaged or an older checkpoint), SIGSTOPs of 10-30 s,
-coordinator kills and a registration after the end, then a summary. Extra `--section.key value`
-options go to every node.
+`--ckpt.resume`, sometimes from a damaged or an older checkpoint), node SIGSTOPs of 10-30 s,
+coordinator SIGKILLs (restarted from the journal) and SIGSTOPs of 5-20 s, correlated outages
+(every running node but one SIGKILLed, then restarted with `--ckpt.resume`), a node and the
+coordinator SIGKILLed together, and a registration after the end, then a summary.
+`--auto-rollback-after SECONDS` goes to the coordinator (with no live node holding the newest
+state that long, it rolls back by itself to the newest state registered nodes hold). Extra
+`--section.key value` options go to every node.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class NodeView:
     sync_s: float = float("nan")
     status: str = "pending"
     starts: int = 0
+    live_outer: int = 0  # newest outer step its current process logged (0 until its first)
+    registered: bool = False  # its current process has registered with the coordinator
     lines: list[str] = field(default_factory=list)
 
 
@@ -75,11 +81,16 @@ def parse(argv: list[str] | None):
     ap.add_argument("--out-dir", default="runs")
     ap.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
     ap.add_argument("--heartbeat-timeout", type=float, default=10.0, help="the coordinator's")
+    ap.add_argument("--auto-rollback-after", type=float, default=None, metavar="SECONDS",
+                    help="the coordinator's: roll back by itself after this long with no live holder of the "
+                         "newest state (0: never; default: the coordinator's)")
     ap.add_argument("--table-every", type=float, default=10.0, help="seconds between live tables (0: off)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
     args, extra = ap.parse_known_args(argv)
     if args.nodes < 1:
         raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
+    if args.auto_rollback_after is not None and args.auto_rollback_after < 0:
+        raise ConfigError(f"--auto-rollback-after must be >= 0 seconds (0: never), got {args.auto_rollback_after}")
     if args.chaos_reference is _AS_MANY:  # given without a count: as many as the run
         args.chaos_reference = args.nodes
     elif args.chaos_reference is not None and args.chaos_reference < 1:
@@ -136,10 +147,14 @@ class Launcher:
             if view is None:
                 continue
             view.lines.append(line)
+            if "registered as " in line and view.proc is proc:
+                view.registered = True
             m = OUTER_RE.search(line)
             if m:
                 view.outer, view.epoch = int(m.group(1)), int(m.group(2))
                 view.loss, view.sync_s = float(m.group(4)), float(m.group(5))
+                if view.proc is proc:  # not the last lines of a process already replaced
+                    view.live_outer = view.outer
                 with self.lock:
                     self.progress = max(self.progress, view.outer)
 
@@ -149,6 +164,9 @@ class Launcher:
                "--port", str(self.port), "--min-nodes", str(self.args.nodes),
                "--heartbeat-timeout", str(self.args.heartbeat_timeout), "--model-fingerprint", self.fingerprint,
                "--run-id", self.cfg.diloco.run_id, "--journal", str(self.run_dir / "coordinator.journal")]
+        rollback_after = getattr(self.args, "auto_rollback_after", None)
+        if rollback_after is not None:
+            cmd += ["--auto-rollback-after", str(rollback_after)]
         self.coord = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True)
         threading.Thread(target=self._pump, args=("coord", self.coord, None), daemon=True).start()
@@ -176,7 +194,7 @@ class Launcher:
         view = self.nodes.setdefault(name, NodeView(name))
         view.proc = subprocess.Popen(cmd, env=dict(self.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
-        view.status, view.starts = "running", view.starts + 1
+        view.status, view.starts, view.live_outer, view.registered = "running", view.starts + 1, 0, False
         threading.Thread(target=self._pump, args=(name, view.proc, view), daemon=True).start()
         self.say("launch", f"started {name} (pid {view.proc.pid}{', resuming' if resume else ''})")
 
@@ -218,8 +236,13 @@ class Launcher:
                     v.proc.send_signal(signal.SIGCONT)
                     v.proc.kill()
             if self.coord is not None and self.coord.poll() is None:
+                self.coord.send_signal(signal.SIGCONT)  # (it may be SIGSTOPped)
                 self.coord.send_signal(signal.SIGTERM)
-                self.coord.wait(timeout=10)
+                try:
+                    self.coord.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.coord.kill()
+                    self.coord.wait()
         self.table()
         ok = all(v.status in ("done", "killed") for v in self.nodes.values())
         return 0 if ok else 1

@@ -1,11 +1,23 @@
 """`python -m intellect_jax.launch --chaos SEED`: a seeded random fault schedule against real
 processes (the real CLI, sockets, coordinator and checkpoints), then a summary.
 
-Faults, fired as the run passes randomly chosen outer steps: SIGKILL a node and restart it with
-`--ckpt.resume` (as is, after flipping bytes in its newest checkpoint, or after deleting its
-newest checkpoint so that it resumes from an older one); SIGSTOP a node for 10-30 s; SIGKILL
-the coordinator and restart it from its journal. After the run, one more node registers and
-must be told that the run is complete. The summary (one JSON line) gives the faults, the
+Faults, fired as the run passes randomly chosen outer steps (kinds as the summary counts them):
+
+- ``kill``: SIGKILL a node and restart it with `--ckpt.resume` (as is, after flipping bytes in
+  its newest checkpoint, or after deleting its newest checkpoint so that it resumes from an
+  older one);
+- ``stop``: SIGSTOP a node for 10-30 s;
+- ``coordinator``: SIGKILL the coordinator and restart it from its journal;
+- ``coordinator_stop``: SIGSTOP the coordinator for 5-20 s, then SIGCONT (it must excuse its
+  own stall: nobody is evicted for it);
+- ``outage``: a correlated outage: SIGKILL every running node but one (one that holds the
+  run's newest state), then restart them all with `--ckpt.resume` after 2-8 s (the survivor
+  races through the rest of the run alone, faster than the others restart, so a schedule's
+  outages come after its other faults);
+- ``node_and_coordinator``: SIGKILL a node and the coordinator together, then restart both.
+
+After the run, one more node registers and must be told that the run is complete. The summary
+(one JSON line) gives the faults (and how many of each kind fired, and any left unfired), the
 outer steps done, the steps whose hashes disagree across every node that ever logged them,
 every node's exit status, the mean number of contributors per outer step, and the final
 validation loss against a fault-free run of the same job (`--chaos-reference`, on as many
@@ -21,75 +33,182 @@ import shutil
 import signal
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from intellect_jax.launch import Launcher
+from intellect_jax.launch import Launcher, NodeView
+
+KINDS = ("kill", "kill", "stop", "coordinator", "coordinator_stop", "outage", "node_and_coordinator")
+HOW = ("resume", "resume", "damaged", "older")  # which checkpoint a killed node comes back from
 
 
 class Chaos:
     """Fires the planned faults as the run passes their outer steps, at least ``gap`` seconds
-    apart. A node is only killed or stopped while another one is running, and it only comes
-    back from a damaged or an older checkpoint while another one is running, so the run's
-    newest state always survives somewhere (losing it for good needs an operator's
-    ``--allow-rollback-to``; the simulation covers that)."""
+    apart. A node is only killed or stopped while another running node holds the run's newest
+    state (it logged the newest outer step, or the one before, since its process started); an
+    outage spares one such node; and a node only comes back from a damaged or an older
+    checkpoint while such a node is running; so the run's newest state always survives
+    somewhere (losing it for good needs an operator's ``--allow-rollback-to`` or the
+    coordinator's ``--auto-rollback-after``; the simulation covers that). A fault that no node
+    may take now is tried again at the next poll."""
 
     def __init__(self, launcher: Launcher, seed: int, faults: int, outer_steps: int, gap: float = 5.0) -> None:
         self.L, self.rng, self.gap = launcher, np.random.default_rng(seed), gap
-        kinds = self.rng.choice(["kill", "kill", "stop", "coordinator"], size=faults)
+        kinds = [str(x) for x in self.rng.choice(KINDS, size=faults)]
         steps = sorted(self.rng.integers(1, max(2, outer_steps - 3), size=faults))
+        # an outage's survivor races through the rest of the run alone, faster than the others
+        # restart: a schedule's outages come after its other faults, which would not fire otherwise
+        kinds = [x for x in kinds if x != "outage"] + [x for x in kinds if x == "outage"]
         self.plan = [(int(k), str(kind)) for k, kind in zip(steps, kinds)]
-        self.timers: list[tuple[float, Any]] = []
+        self.timers: list[tuple[float, str, Any]] = []  # (when, what, action)
         self.injected: list[str] = []
+        self.fired: Counter[str] = Counter()
+        self.closed = False
         self._last = 0.0
 
+    # ---- the schedule ----------------------------------------------------------------------
     def tick(self) -> None:
         now = time.monotonic()
-        for t, action in [x for x in self.timers if x[0] <= now]:
-            self.timers.remove((t, action))
-            action()
+        for timer in [x for x in self.timers if x[0] <= now]:
+            self.timers.remove(timer)
+            timer[2]()
+        if self.closed:
+            return
         if self.plan and self.L.progress >= self.plan[0][0] and now - self._last >= self.gap:
             k, kind = self.plan[0]
             if self.fire(kind, k):
                 self.plan.pop(0)
+                self.fired[kind] += 1
                 self._last = time.monotonic()
 
-    def _live(self) -> list[Any]:
+    def close(self) -> list[str]:
+        """The run is over: fire what resumes a stopped process now, drop the restarts (there is
+        no coordinator any more); returns what was dropped."""
+        self.closed = True
+        dropped = []
+        for _, what, action in sorted(self.timers, key=lambda x: x[0]):
+            if what.startswith("cont "):
+                action()
+            else:
+                dropped.append(what)
+        self.timers.clear()
+        return dropped
+
+    def _after(self, secs: float, what: str, action: Any) -> None:
+        self.timers.append((time.monotonic() + secs, what, action))
+
+    # ---- who may take a fault ---------------------------------------------------------------
+    def _live(self) -> list[NodeView]:
         return [v for v in self.L.nodes.values() if v.status == "running" and v.proc is not None
                 and v.proc.poll() is None]
 
+    def _holds(self, v: NodeView) -> bool:
+        """``v``'s current process logged the run's newest outer step (or the one before: the
+        nodes of one epoch log a step a moment apart)."""
+        return v.live_outer > 0 and v.live_outer >= self.L.progress - 1
+
+    def _victims(self) -> list[NodeView]:
+        """Running nodes that may be killed or stopped: another running node holds the newest
+        state. Those whose process has registered, if any (not one still starting up)."""
+        live = self._live()
+        ok = [v for v in live if any(self._holds(u) for u in live if u is not v)]
+        return [v for v in ok if v.registered] or ok
+
+    def _coordinator_up(self) -> bool:
+        c = self.L.coord
+        return c is not None and c.poll() is None
+
+    # ---- faults -----------------------------------------------------------------------------
     def fire(self, kind: str, k: int) -> bool:
-        """Inject one fault; False if no node may take it now (try again later)."""
+        """Inject one fault; False if it may not be taken now (try again later)."""
         L = self.L
         if kind == "coordinator":
+            if not self._coordinator_up():
+                return False
             down = float(self.rng.uniform(1.0, 3.0))
             self.injected.append(f"coordinator SIGKILL at outer step {k} ({down:.1f}s down)")
             L.kill_coordinator(down)
             return True
-        live = self._live()
-        if len(live) < 2:
+        if kind == "coordinator_stop":
+            return self._stop_coordinator(k)
+        if kind == "outage":
+            return self._outage(k)
+        victims = self._victims()
+        if not victims or (kind == "node_and_coordinator" and not self._coordinator_up()):
             return False
-        v = live[int(self.rng.integers(0, len(live)))]
+        v = victims[int(self.rng.integers(0, len(victims)))]
         if kind == "stop":
             secs = float(self.rng.uniform(10.0, 30.0))
             self.injected.append(f"SIGSTOP {v.name} at outer step {k} for {secs:.0f}s")
             L.say("chaos", f"SIGSTOP {v.name} for {secs:.0f}s")
+            assert v.proc is not None
             v.proc.send_signal(signal.SIGSTOP)
             v.status = "stopped"
 
-            def cont(v=v) -> None:
-                L.say("chaos", f"SIGCONT {v.name}")
-                v.proc.send_signal(signal.SIGCONT)
-                v.status = "running"
+            def cont(v=v, proc=v.proc) -> None:
+                if v.proc is proc and proc.poll() is None:
+                    L.say("chaos", f"SIGCONT {v.name}")
+                    proc.send_signal(signal.SIGCONT)
+                    v.status = "running"
 
-            self.timers.append((time.monotonic() + secs, cont))
+            self._after(secs, f"cont {v.name}", cont)
             return True
-        how = str(self.rng.choice(["resume", "resume", "damaged", "older"]))
+        how = str(self.rng.choice(HOW))
         delay = float(self.rng.uniform(1.0, 4.0))
+        if kind == "node_and_coordinator":
+            down = float(self.rng.uniform(1.0, 3.0))
+            self.injected.append(f"SIGKILL {v.name} and the coordinator at outer step {k}; coordinator back in "
+                                 f"{down:.1f}s, {v.name} in {delay:.0f}s ({how})")
+            self._kill_node(v, delay, how)
+            self._kill_coordinator(down)
+            return True
         self.injected.append(f"SIGKILL {v.name} at outer step {k}, restart in {delay:.0f}s ({how})")
+        self._kill_node(v, delay, how)
+        return True
+
+    def _stop_coordinator(self, k: int) -> bool:
+        L = self.L
+        if not self._coordinator_up() or any(what == "cont coordinator" for _, what, _ in self.timers):
+            return False
+        secs = float(self.rng.uniform(5.0, 20.0))
+        proc = L.coord
+        assert proc is not None
+        self.injected.append(f"coordinator SIGSTOP at outer step {k} for {secs:.0f}s")
+        L.say("chaos", f"SIGSTOP coordinator for {secs:.0f}s")
+        proc.send_signal(signal.SIGSTOP)
+
+        def cont(proc=proc) -> None:
+            if proc.poll() is None:  # (not SIGKILLed meanwhile)
+                L.say("chaos", "SIGCONT coordinator")
+                proc.send_signal(signal.SIGCONT)
+
+        self._after(secs, "cont coordinator", cont)
+        return True
+
+    def _outage(self, k: int) -> bool:
+        live = self._live()
+        keep = [v for v in live if self._holds(v)]
+        if len(live) < 2 or not keep:
+            return False
+        survivor = keep[int(self.rng.integers(0, len(keep)))]
+        delay = float(self.rng.uniform(2.0, 8.0))
+        gone = [v for v in live if v is not survivor]
+        hows = [str(self.rng.choice(HOW)) for _ in gone]
+        self.injected.append(f"outage at outer step {k}: SIGKILL " + ", ".join(v.name for v in gone)
+                             + f" ({survivor.name} survives), restart in {delay:.0f}s ("
+                             + ", ".join(hows) + ")")
+        self.L.say("chaos", f"outage: SIGKILL every running node but {survivor.name}")
+        for v, how in zip(gone, hows):
+            self._kill_node(v, delay, how)
+        return True
+
+    def _kill_node(self, v: NodeView, delay: float, how: str) -> None:
+        L = self.L
         L.say("chaos", f"SIGKILL {v.name}; restarting it in {delay:.0f}s with --ckpt.resume ({how} checkpoint)")
+        assert v.proc is not None
         v.proc.kill()
         v.proc.wait()
         v.status = "restarting"
@@ -98,15 +217,24 @@ class Chaos:
             ckdir = L.run_dir / v.name / "ckpt"
             steps = sorted((int(p.name) for p in ckdir.iterdir() if p.name.isdigit()), reverse=True) \
                 if ckdir.is_dir() else []
-            if steps and how != "resume" and [u for u in self._live() if u is not v]:
+            if steps and how != "resume" and [u for u in self._live() if u is not v and self._holds(u)]:
                 if how == "damaged":
                     _flip_bytes(ckdir / str(steps[0]))
                 else:
                     shutil.rmtree(ckdir / str(steps[0]))
             L.start_node(v.name, resume=True)
 
-        self.timers.append((time.monotonic() + delay, restart))
-        return True
+        self._after(delay, f"restart {v.name}", restart)
+
+    def _kill_coordinator(self, down: float) -> None:
+        """SIGKILL the coordinator now and restart it (from its journal) in ``down`` seconds,
+        without blocking the schedule meanwhile."""
+        L = self.L
+        assert L.coord is not None
+        L.say("chaos", f"SIGKILL coordinator; restarting it in {down:.1f}s")
+        L.coord.kill()
+        L.coord.wait()
+        self._after(down, "restart coordinator", L.start_coordinator)
 
 
 def _flip_bytes(step_dir: Path) -> None:
@@ -164,10 +292,8 @@ def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
     chaos = Chaos(L, args.chaos, args.chaos_faults, n_outer)
     L.hooks.append(chaos.tick)
     t0 = time.monotonic()
-    L.run()
-    while chaos.timers:  # a node killed at the very end is still restarted (and told the run is done)
-        time.sleep(0.2)
-        chaos.tick()
+    L.run()  # (returns once no node is running, stopped or waiting for its restart)
+    dropped = chaos.close()
     statuses = {n: v.status for n, v in L.nodes.items()}
     s = summarize(L.run_dir, n_outer)
     late_code = None
@@ -183,7 +309,8 @@ def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
     late_ok = late_code == 0
     ok = (not s["forked_steps"] and s["completed"] and s["outer_steps"] == n_outer and late_ok
           and all(st == "done" for st in statuses.values()))
-    out = {"seed": args.chaos, "ok": ok, "faults": chaos.injected, **s, "node_exits": statuses,
+    out = {"seed": args.chaos, "ok": ok, "faults": chaos.injected, "fault_counts": dict(chaos.fired),
+           "not_fired": [f"{kind} at outer step {k}" for k, kind in chaos.plan] + dropped, **s, "node_exits": statuses,
            "late_registration_exit": late_code, "seconds": round(time.monotonic() - t0, 1)}
     if ref is not None:
         out["reference_nodes"], out["reference_val_loss"] = n_ref, ref["final_val_loss"]

@@ -1,0 +1,315 @@
+"""Recovery of whole runs of real processes (slow): every node restarted from its checkpoint
+while the coordinator is SIGSTOPped, a joiner SIGKILLed right after its live transfer and
+resumed from the checkpoint it wrote, and every holder of the newest state lost between
+checkpoints (the coordinator rolls back by itself). Each drives its faults from a
+:class:`~intellect_jax.launch.Launcher` hook, in this process, against the real CLI."""
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from intellect_jax.launch import Launcher, parse
+
+from test_diloco import CHAOS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "debug_diloco.toml")
+
+# the tiny model and data of the chaos test; the run's length, H and checkpoints are each test's
+_OWN = {"--run.steps", "--diloco.inner_steps"}
+SMALL = [x for i in range(0, len(CHAOS), 2) if CHAOS[i] not in _OWN for x in CHAOS[i:i + 2]] + ["--ckpt.keep", "3"]
+
+
+class Recorder(Launcher):
+    """A launcher that also keeps every line it prints (the coordinator's included)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.out: list[tuple[str, str]] = []
+        self._out_lock = threading.Lock()
+
+    def say(self, who: str, line: str) -> None:
+        with self._out_lock:
+            self.out.append((who, line))
+        super().say(who, line)
+
+    def text(self, who: str | None = None) -> str:
+        with self._out_lock:
+            return "\n".join(f"[{w}] {line}" for w, line in self.out if who is None or w == who)
+
+
+def _launcher(tmp_path, cache_dir, *args, timeout=240):
+    argv = ["--config", CONFIG, "--out-dir", str(tmp_path / "runs"), "--table-every", "0", "--timeout", str(timeout),
+            "--heartbeat-timeout", "5", *SMALL, *args, "--data.cache_dir", cache_dir]
+    a, extra, kills, joins = parse(argv)
+    return Recorder(a, extra, kills, joins)
+
+
+def _run(L: Launcher) -> int:
+    """``L.run()``; whatever happens, no process it started outlives the test."""
+    try:
+        return L.run()
+    finally:
+        for v in L.nodes.values():
+            if v.proc is not None and v.proc.poll() is None:
+                v.proc.send_signal(signal.SIGCONT)
+                v.proc.kill()
+                v.proc.wait()
+        if L.coord is not None and L.coord.poll() is None:
+            L.coord.send_signal(signal.SIGCONT)
+            L.coord.kill()
+            L.coord.wait()
+
+
+def _rows(L: Launcher, node: str) -> list[dict]:
+    path = L.run_dir / node / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _hashes(L: Launcher, nodes, since: dict[str, int] | None = None) -> dict[int, set[str]]:
+    """Outer step -> the hashes of every row the nodes wrote (after row ``since[node]``)."""
+    by_step: dict[int, set[str]] = {}
+    for n in nodes:
+        for r in _rows(L, n)[(since or {}).get(n, 0):]:
+            if "outer_hash" in r:
+                by_step.setdefault(r["outer_step"], set()).add(r["outer_hash"])
+    return by_step
+
+
+def _journal(L: Launcher) -> dict:
+    return json.loads((L.run_dir / "coordinator.journal").read_text())
+
+
+def _ckpts(L: Launcher, node: str) -> list[int]:
+    """Inner steps of the node's committed checkpoints, oldest first."""
+    d = L.run_dir / node / "ckpt"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and (p / "commit_success.txt").exists()) \
+        if d.is_dir() else []
+
+
+def _since_start(v) -> list[str]:
+    """The lines of the node's current process (from the line every process prints as it starts)."""
+    starts = [i for i, line in enumerate(v.lines) if "pseudo-gradient made" in line]
+    return v.lines[starts[-1]:] if starts else []
+
+
+class Script:
+    """A launcher hook that runs ``steps`` (callables returning True when done) in order, one
+    per poll (an exception ends the run: the launcher stops everything and it propagates)."""
+
+    def __init__(self, *steps) -> None:
+        self.steps = list(steps)
+
+    def __call__(self) -> None:
+        if self.steps and self.steps[0]():
+            self.steps.pop(0)
+
+
+def _kill(v) -> None:
+    v.proc.kill()
+    v.proc.wait()
+
+
+# ------------------------------------------------------------------------------------- (a)
+
+
+@pytest.mark.slow
+def test_every_node_restarted_from_its_checkpoint_while_the_coordinator_is_stopped(tmp_path, cache_dir):
+    """2 nodes; after a few outer steps the coordinator is SIGSTOPped, every node SIGKILLed and
+    restarted with --ckpt.resume while it is still stopped; SIGCONT after 20 s (and once both
+    restarted nodes wait for it). The restarted nodes wait out the stall, register as resumed
+    members, nobody is evicted for the coordinator's stall, the run completes without a fork."""
+    H, N = 20, 8
+    L = _launcher(tmp_path, cache_dir, "--nodes", "2", "--run.steps", str(N * H), "--diloco.inner_steps", str(H),
+                  "--ckpt.every", str(H))
+    st: dict = {}
+    names = ("node0", "node1")
+
+    def stop_coordinator() -> bool:
+        if L.progress < 2:
+            return False
+        L.say("test", "SIGSTOP coordinator")
+        L.coord.send_signal(signal.SIGSTOP)
+        st["coord"], st["t_stop"] = L.coord, time.monotonic()
+        return True
+
+    def kill_and_restart() -> bool:
+        # every node holds the newest state and its checkpoint (no barrier passes while the coordinator is stopped)
+        vs = [L.nodes[n] for n in names]
+        k = max(v.live_outer for v in vs)
+        quiet = time.monotonic() - st["t_stop"] >= 3.0 and all(v.live_outer == k for v in vs)
+        if not (quiet and all(k * H in _ckpts(L, n) for n in names)):
+            return False
+        st["k"] = k
+        for v in vs:
+            L.say("test", f"SIGKILL {v.name} (outer step {k}); restarting it with --ckpt.resume")
+            _kill(v)
+        for n in names:
+            L.start_node(n, resume=True)
+        return True
+
+    def cont() -> bool:
+        waited = all(any("waiting for" in line for line in _since_start(L.nodes[n])) for n in names)
+        dt = time.monotonic() - st["t_stop"]
+        if not ((dt >= 20.0 and waited) or dt >= 90.0):
+            return False
+        L.say("test", f"SIGCONT coordinator after {dt:.1f}s")
+        st["coord"].send_signal(signal.SIGCONT)
+        return True
+
+    L.hooks.append(Script(stop_coordinator, kill_and_restart, cont))
+    code = _run(L)
+    out = L.text()
+    assert "k" in st, out[-4000:]
+    assert code == 0 and {v.status for v in L.nodes.values()} == {"done"}, out[-4000:]
+    assert L.nodes["node0"].starts == L.nodes["node1"].starts == 2
+    assert _journal(L)["completed"] is True and _journal(L)["hwm_step"] == N
+    steps = _hashes(L, names)
+    assert all(len(h) == 1 for h in steps.values()) and max(steps) == N, steps
+    k = st["k"]
+    for n in names:
+        mine = "\n".join(_since_start(L.nodes[n]))
+        assert f"resuming from the checkpoint of outer step {k}" in mine, mine[-3000:]
+        assert f"node {n}: waiting for" in mine, mine[-3000:]
+        assert re.search(rf"node {n}: registered with .* after waiting (\d+\.\d)s", mine), mine[-3000:]
+        assert "registered as member" in mine, mine[-3000:]
+    coord = L.text("coord")
+    assert re.search(r"coordinator stalled for (\d+\.\d)s \(it could not act\)", coord), coord[-3000:]
+    stall = max(float(x) for x in re.findall(r"coordinator stalled for (\d+\.\d)s", coord))
+    assert stall >= 15.0, coord[-3000:]
+    assert "no heartbeat" not in out and "missed boundary" not in out, out[-4000:]
+    # only the killed sessions are evicted (their connections closed), each once
+    evicted = [m.groups() for m in re.finditer(r"coordinator: evicted (\S+): (.+)", coord)]
+    assert sorted(n for n, _ in evicted) == ["node0", "node1"] and {why for _, why in evicted} == {"connection lost"}, \
+        evicted
+
+
+# ------------------------------------------------------------------------------------- (b)
+
+
+@pytest.mark.slow
+def test_a_joiner_killed_before_its_next_checkpoint_resumes_from_the_transferred_state(tmp_path, cache_dir):
+    """node2 joins at outer step 2 by live transfer and is SIGKILLed as soon as it has restored
+    the state (before its next checkpoint); restarted with --ckpt.resume it resumes from the
+    checkpoint the transfer wrote (with its own data position), rejoins and finishes."""
+    H, N = 50, 20
+    L = _launcher(tmp_path, cache_dir, "--nodes", "2", "--join", "node2@2", "--run.steps", str(N * H),
+                  "--diloco.inner_steps", str(H), "--ckpt.every", str(H), timeout=300)
+    st: dict = {}
+    v2 = L.nodes["node2"]
+
+    def kill_after_transfer() -> bool:
+        m = next((re.search(r"restored the state of outer step (\d+)", line) for line in v2.lines
+                  if "restored the state of outer step" in line), None)
+        if m is None:
+            return False
+        _kill(v2)
+        st["k"], st["ckpts"], st["progress"] = int(m.group(1)), _ckpts(L, "node2"), L.progress
+        st["rows"] = len(_rows(L, "node2"))
+        L.say("test", f"SIGKILL node2 right after it restored outer step {st['k']}; restarting it with --ckpt.resume")
+        L.start_node("node2", resume=True)
+        return True
+
+    L.hooks.append(Script(kill_after_transfer))
+    code = _run(L)
+    out = L.text()
+    assert "k" in st, out[-4000:]
+    k = st["k"]
+    assert st["ckpts"] == [k * H], st  # killed before its next checkpoint: only the transferred state on disk
+    assert st["rows"] == 0  # ... and before it finished an outer step
+    assert code == 0 and {v.status for v in L.nodes.values()} == {"done"}, out[-4000:]
+    assert "unsupported data iterator state" not in out
+    again = "\n".join(_since_start(v2))
+    assert f"resuming from the checkpoint of outer step {k} " in again, again[-3000:]
+    assert v2.live_outer > k, again[-3000:]  # it rejoined and did outer steps with the run
+    assert re.search(r"registered as (member|joiner)", again) and "nothing to do" not in again, again[-3000:]
+    assert _journal(L)["completed"] is True and _journal(L)["hwm_step"] == N
+    steps = _hashes(L, ["node0", "node1", "node2"])
+    assert all(len(h) == 1 for h in steps.values()) and sorted(steps) == list(range(1, N + 1)), steps
+    mine = _hashes(L, ["node2"])
+    assert mine and min(mine) > k and max(mine) == N, sorted(mine)
+
+
+# ------------------------------------------------------------------------------------- (c)
+
+
+@pytest.mark.slow
+def test_every_holder_lost_between_checkpoints_rolls_back_by_itself(tmp_path, cache_dir):
+    """Checkpoints every 4 outer steps; both nodes SIGKILLed after outer step 6 or 7 (the run
+    has recorded 5 at least) and restarted with --ckpt.resume: they hold outer step 4 only. With
+    no live holder of the newest state for --auto-rollback-after 5 s, the coordinator rolls back
+    to 4 by itself (journaled) and the run completes; the rows written after the rollback agree
+    with each other and with the journal."""
+    H, N, every = 20, 12, 4
+    L = _launcher(tmp_path, cache_dir, "--nodes", "2", "--run.steps", str(N * H), "--diloco.inner_steps", str(H),
+                  "--ckpt.every", str(every * H), "--auto-rollback-after", "5")
+    st: dict = {}
+    names = ("node0", "node1")
+
+    def kill_all() -> bool:
+        if L.progress < every + 2 or not all(every * H in _ckpts(L, n) for n in names):
+            return False
+        vs = [L.nodes[n] for n in names]
+        for v in vs:
+            _kill(v)
+        st["k"] = max(v.live_outer for v in vs)
+        st["ckpts"] = {n: _ckpts(L, n) for n in names}
+        st["rows"] = {n: len(_rows(L, n)) for n in names}
+        L.say("test", f"SIGKILL every node (outer step {st['k']}); restarting them with --ckpt.resume")
+        for n in names:
+            L.start_node(n, resume=True)
+        return True
+
+    L.hooks.append(Script(kill_all))
+    code = _run(L)
+    out = L.text()
+    assert "k" in st, out[-4000:]
+    k = st["k"]
+    assert every < k < 2 * every and all(c[-1] == every * H for c in st["ckpts"].values()), st
+    assert code == 0 and {v.status for v in L.nodes.values()} == {"done"}, out[-4000:]
+    coord = L.text("coord")
+    assert f"rolling back to outer step {every}" in coord, coord[-4000:]
+    j = _journal(L)
+    assert j["completed"] is True and j["hwm_step"] == N
+    assert len(j["rollbacks"]) == 1, j["rollbacks"]
+    rb = j["rollbacks"][0]
+    assert every < rb["from"] <= k and rb["to"] == every and rb["by"].startswith("automatic"), rb
+    for n in names:
+        assert f"resuming from the checkpoint of outer step {every} " in "\n".join(_since_start(L.nodes[n]))
+    after = _hashes(L, names, since=st["rows"])
+    assert all(len(h) == 1 for h in after.values()) and sorted(after) == list(range(every + 1, N + 1)), after
+    assert {s: next(iter(h)) for s, h in after.items() if s > k} == {
+        int(s): h for s, h in j["hashes"].items() if int(s) > k}
+
+
+# ------------------------------------------------------------------------------------- units
+
+
+def test_launch_auto_rollback_after_and_the_chaos_plan(capsys):
+    """--auto-rollback-after is parsed for the coordinator (a negative one is a one-line error);
+    seeded plans draw the new fault kinds, outages after the schedule's other faults."""
+    from intellect_jax.cli import run_main
+    from intellect_jax.diloco.chaos import KINDS, Chaos
+    from intellect_jax.launch import main
+
+    base = ["--config", CONFIG, "--nodes", "2"]
+    assert parse([*base, "--auto-rollback-after", "5"])[0].auto_rollback_after == 5.0
+    assert parse(base)[0].auto_rollback_after is None  # the coordinator's default
+    capsys.readouterr()
+    assert run_main(lambda: main([*base, "--auto-rollback-after", "-1"])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--auto-rollback-after" in err[0], err
+    seen = set()
+    for seed in range(20):
+        plan = Chaos(object(), seed, 6, 30).plan  # type: ignore[arg-type]
+        assert plan == Chaos(object(), seed, 6, 30).plan  # type: ignore[arg-type]
+        kinds = [kind for _, kind in plan]
+        assert set(kinds) <= set(KINDS) and [k for k, _ in plan] == sorted(k for k, _ in plan)
+        assert kinds == [x for x in kinds if x != "outage"] + [x for x in kinds if x == "outage"]
+        seen |= set(kinds)
+    assert seen == set(KINDS)
