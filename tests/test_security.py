@@ -268,7 +268,7 @@ def test_client_commands_fail_in_one_line(tmp_path):
                   "--diloco.inner_steps", "5", "--model.num_layers", "2", "--model.hidden_size", "64",
                   "--model.num_heads", "4", "--model.num_kv_heads", "2", "--model.ffn_size", "128",
                   "--data.seq_len", "32", "--data.bpe_vocab_size", "1024", "--data.cache_dir", str(tmp_path / "cache"),
-                  env={**good, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+                  "--diloco.register_timeout", "3", env={**good, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
     cases = [
         (("intellect_jax.coordinator", "--status", f"127.0.0.1:{dead}"), good, "127.0.0.1"),
         (("intellect_jax.coordinator", "--status", f"127.0.0.1:{dead}"), {"INTELLECT_NET_SECRET": "short"},
@@ -295,3 +295,5 @@ def test_client_commands_fail_in_one_line(tmp_path):
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: ") and f"127.0.0.1:{dead}" in err[0], (
         r.stderr[-1500:])
+    assert "did not answer node" in err[0] and "registration for 3s" in err[0], err  # it waited, then gave up
+    assert "waiting for coordinator" in r.stdout  # and said so when it started waiting

@@ -183,9 +183,11 @@ class CoordinatorClient:
             try:
                 return self._register_waiting()
             except CoordinatorError as e:  # no session follows (complete, refused, unreachable): say so
+                if isinstance(e, RegistrationRefused) and self._name not in str(e):
+                    e = RegistrationRefused(f"{self._name} refused {e}", e.reason)  # the one line names both
                 with self._lock:
                     self._fatal = e
-                raise
+                raise e from None
 
     def _register_waiting(self) -> RegisterReply:
         """Register, retrying transient failures until ``register_timeout`` (see :meth:`register`)."""
@@ -206,14 +208,14 @@ class CoordinatorClient:
                     raise
                 cause: Exception = e
             except TRANSIENT as e:
-                if clock.now() >= deadline:
-                    raise CoordinatorUnavailable(f"{self._name} did not answer node {self.node_id}'s "
-                                                 f"registration for {self.register_timeout:.0f}s ({e})") from e
                 cause = e
             if not waiting:
                 waiting = True
                 self._say(f"node {self.node_id}: waiting for {self._name} ({cause}); retrying for up to "
                           f"{self.register_timeout:.0f}s")
+            if clock.now() >= deadline:
+                raise CoordinatorUnavailable(f"{self._name} did not answer node {self.node_id}'s registration for "
+                                             f"{self.register_timeout:.0f}s ({cause})") from cause
             clock.sleep(min(delay, max(0.0, deadline - clock.now())))
             delay = min(2 * delay, 1.0)
 
