@@ -313,5 +313,8 @@ def test_after_a_restart_a_ring_missing_a_member_is_reported_broken() -> None:
     assert view["epoch_id"] == 3 and not view["epoch_broken"]  # c may still be reconnecting
     r.tick(4.5)
     assert r.m.heartbeat("a", r.s["a"], r.now)["epoch_broken"]
-    r.reg("c", resume=Resume(5, 3, 2, "h5", ("a", "b", "c")))
+    r.reg("c", resume=Resume(4, state_hash="h4"))  # c's process was restarted from its checkpoint
+    assert r.m.heartbeat("b", r.s["b"], r.now)["epoch_broken"]  # the process of epoch 3 is gone
+    r.m.leave("c", r.s["c"], r.now)
+    r.reg("c", resume=Resume(5, 3, 2, "h5", ("a", "b", "c")))  # c's live process came back
     assert not r.m.heartbeat("b", r.s["b"], r.now)["epoch_broken"]

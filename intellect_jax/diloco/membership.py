@@ -229,10 +229,12 @@ class Membership:
         claim = node.claim
         if last is None and claim is not None and claim.members and self._first_reg is not None:
             # restarted (or rebuilding): the node may be inside its epoch's all-reduce; that ring
-            # is broken once a member of it has not come back within a heartbeat timeout
+            # is broken once a member's process of that epoch has not come back within a
+            # heartbeat timeout (a restarted process claims no epoch, or an older one)
             epoch_id = claim.epoch_id
-            broken = now - self._first_reg > self.config.heartbeat_timeout and any(
-                m not in self._nodes for m in claim.members)
+            broken = now - self._first_reg > self.config.heartbeat_timeout and not all(
+                m in self._nodes and self._nodes[m].claim is not None
+                and self._nodes[m].claim.epoch_id >= claim.epoch_id for m in claim.members)  # type: ignore[union-attr]
         adm = node.admission if node.role is Role.ADMITTED else None
         serving = [j.node_id for j in self._nodes.values() if j.role is Role.ADMITTED and not j.received
                    and j.admission is not None and j.admission.donor_id == node_id]
