@@ -423,17 +423,23 @@ def test_launch_arguments_chaos_reference_and_one_line_errors(capsys):
         assert len(err) == 1 and err[0].startswith("error: ") and flag in err[0], err
 
 
+# one schedule of five faults, each of another kind: a node SIGKILL (restarted from its checkpoint
+# as is, damaged or older), a node SIGSTOP, a node and the coordinator SIGKILLed together, an
+# outage of all nodes but one, a coordinator SIGSTOP (`python -m intellect_jax.launch --chaos N`
+# runs any other seed; the seeded simulation carries the breadth)
+CHAOS_SEEDS = (155,)
+
+
 @pytest.mark.slow
 def test_chaos_real_processes(tmp_path):
-    """Two seeded schedules of SIGKILLs (restarts with --ckpt.resume, from damaged or older
-    checkpoints too), SIGSTOPs of 10-30 s and coordinator kills, 30 outer steps each: no fork,
+    """A seeded schedule of five faults of five kinds (CHAOS_SEEDS), 30 outer steps: no fork,
     every node ends cleanly. Every outer step keeps at least one contributor, so each run ends
     no worse than one node training alone without faults (3% slack for rejoins: a joiner's
     first round and its data position). How far below that it lands depends on how long the
     faults kept nodes out (timing), so it is printed, not asserted."""
     summaries = []
-    for i, seed in enumerate((1, 2)):
-        args = ["--nodes", "3", "--chaos", str(seed), "--chaos-faults", "4", "--heartbeat-timeout", "5"]
+    for i, seed in enumerate(CHAOS_SEEDS):
+        args = ["--nodes", "3", "--chaos", str(seed), "--chaos-faults", "5", "--heartbeat-timeout", "5"]
         if i == 0:
             args += ["--chaos-reference", "1"]
         p = _launch(tmp_path, *args, tiny=CHAOS)
