@@ -7,13 +7,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
+from intellect_jax.diloco.clock import RealClock
 from intellect_jax.diloco.coordinator import Coordinator
 from intellect_jax.diloco.journal import RunRecord
 from intellect_jax.diloco.protocol import CoordinatorConfig, CoordinatorUnavailable, Resume
@@ -52,7 +52,7 @@ def test_a_stall_of_the_coordinator_moves_every_deadline() -> None:
     assert [e["node_id"] for e in r.m.status(r.now)["evictions"]][1:] == ["b"]
 
 
-class _ManualClock:
+class _ManualClock(RealClock):
     """Real locks, a time the test sets, no ticker thread (the test ticks)."""
 
     def __init__(self) -> None:
@@ -60,18 +60,6 @@ class _ManualClock:
 
     def now(self) -> float:
         return self.t
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(0)
-
-    def Lock(self) -> Any:  # noqa: N802
-        return threading.Lock()
-
-    def Condition(self, lock: Any = None) -> Any:  # noqa: N802
-        return threading.Condition(lock)
-
-    def Event(self) -> Any:  # noqa: N802
-        return threading.Event()
 
     def spawn(self, target: Any, name: str) -> Any:
         return None
