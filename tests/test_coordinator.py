@@ -349,7 +349,7 @@ def test_rollback_only_when_the_operator_allows_it() -> None:
     ep = ok.barrier(1, ["a"], "h1")["a"]
     assert ep.outer_step == 1
     assert ok.m.record.hwm_step == 1 and 2 not in ok.m.record.hashes and ok.m.record.rollbacks == [
-        {"from": 3, "to": 1, "by": "operator: allow_rollback_to"}]
+        {"from": 3, "to": 1, "by": "operator: allow_rollback_to=1"}]
     assert "rolled the run back from outer step 3 to 1" in " ".join(ok.m.drain_events())
     wrong = Run(allow_rollback_to=1, record=RunRecord.from_json(rec.to_json()))
     assert "diverged" in wrong.reg("b", resume=Resume(1, 0, 0, "hX")).note  # recorded hashes still hold

@@ -151,7 +151,8 @@ class CoordinatorClient:
         if self._view_seq < since + 2:
             return False
         v = self._view
-        return bool(v.get("completed")) or joiner_id not in v.get("serving", ())
+        serving = v.get("serving")
+        return v.get("completed") is True or (isinstance(serving, list) and joiner_id not in serving)
 
     def hold(self, outer_step: int, state_hash: str | None) -> None:
         """This node now holds the state after ``outer_step`` outer steps (claimed if it has to

@@ -96,7 +96,7 @@ class Membership:
         rec.fingerprint = rec.fingerprint or self.config.fingerprint
         rec.outer_steps = rec.outer_steps or self.config.outer_steps
         self._rollback = self.config.allow_rollback_to
-        self._rollback_by = "operator: allow_rollback_to"  # who allowed self._rollback (journaled)
+        self._rollback_by = f"operator: allow_rollback_to={self._rollback}"  # who allowed it (journaled)
         self._nodes: dict[str, Node] = {}
         self._last: Barrier | None = None  # None: not started (fresh, restarted, or emptied)
         self._resumed = rec.hwm_step is not None  # the run has history: no fresh founders
@@ -575,10 +575,7 @@ class Membership:
             return members
         if rec.hwm_step is not None and step < rec.hwm_step:  # allow_rollback_to, an operator's or automatic
             rec.rollbacks.append({"from": rec.hwm_step, "to": step, "by": self._rollback_by})
-            self._event(f"WARNING rolled the run back from outer step {rec.hwm_step} to {step} "
-                        f"({self._rollback_by}={self._rollback})" if self._rollback_by.startswith("operator")
-                        else f"WARNING rolled the run back from outer step {rec.hwm_step} to {step} "
-                        f"({self._rollback_by})")
+            self._event(f"WARNING rolled the run back from outer step {rec.hwm_step} to {step} ({self._rollback_by})")
             rec.truncate(step)
             self._rollback = None
         rec.record(step, recorded, self.config.history)
