@@ -7,7 +7,7 @@
 `benchmarks/diloco_experiment.py` measures through the real system (launcher, coordinator,
 sockets, int8 ring) and so costs a process per node; tuning needs many runs, so this script
 runs the same outer loop (`intellect_jax.diloco.loop.NodeLoop`, the real node's) on N real
-trainers in one process (`intellect_jax.diloco.local.run_local`: threads, in-process
+trainers in one process (`intellect_jax.testing.local.run_local`: threads, in-process
 coordinator, the ring's arithmetic in-process), each node on its own data shard. Same model,
 data, schedule and validation windows as the experiment (`configs/debug_diloco.toml`, warmup
 10%, decay 20% of the steps, 128 held-out sequences). `--mode fp32` (default) averages in fp32,
@@ -63,7 +63,7 @@ def main() -> None:
     from intellect_jax.data.pipeline import make_val_batches
     from intellect_jax.diloco.device_pg import DevicePseudoGradient, host_quantize
     from intellect_jax.diloco.inner import TrainerInner
-    from intellect_jax.diloco.local import run_local
+    from intellect_jax.testing.local import run_local
     from intellect_jax.diloco.loop import LoopConfig
     from intellect_jax.net.comm import RingConfig
     from intellect_jax.trainer.loop import Trainer

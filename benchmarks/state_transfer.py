@@ -2,7 +2,7 @@
 
     sudo python benchmarks/state_transfer.py [--preset 150m] [--mbit 500] [--baseline-s 40]
 
-Two processes, each in its own network namespace with tbf-shaped links (`intellect_jax.net.netns`)
+Two processes, each in its own network namespace with tbf-shaped links (`benchmarks/netns.py`)
 and pinned to its own CPU core (two machines, as far as one VM allows). The donor builds the
 preset's trainer (real model shapes; a small batch so that it makes many inner steps), takes the
 DiLoCo snapshot a donor takes at a boundary, trains for `--baseline-s` seconds alone, then keeps
@@ -98,7 +98,7 @@ def donor(a: argparse.Namespace) -> None:
 
 def joiner(a: argparse.Namespace) -> None:
     from intellect_jax.diloco.inner import TrainerInner
-    from intellect_jax.diloco.protocol import Admission
+    from intellect_jax.coordinator.protocol import Admission
     from intellect_jax.diloco.state import state_hash
     from intellect_jax.diloco.store import CheckpointStore
     from intellect_jax.diloco.transfer import NetTransport
@@ -143,7 +143,7 @@ def main() -> None:
     if a.role == "joiner":
         return joiner(a)
 
-    from intellect_jax.net import netns
+    import netns  # beside this file
 
     why = netns.require_root()
     if why:

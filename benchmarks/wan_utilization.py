@@ -4,7 +4,7 @@
 
 Needs root (network namespaces, veth, tc). N real nodes (`python -m intellect_jax.train
 --diloco.enabled`, one CPU device each) each live in their own network namespace behind a
-tbf-shaped link (`intellect_jax.net.netns`: the rate up and down), with a coordinator in the
+tbf-shaped link (`benchmarks/netns.py`: the rate up and down), with a coordinator in the
 first one. A calibration run (synchronous, 1 Gbit/s links) measures a round's compute time, the
 all-reduce's bytes and its cost on a fast link; for each target share s of a synchronous round
 spent in sync, the link rate is then set so that the all-reduce should take s/(1-s) of a
@@ -38,7 +38,7 @@ def _rows(path: Path) -> list[dict]:
 
 def run_once(a: argparse.Namespace, mbit: float, overlap: bool, tag: str) -> dict:
     """One DiLoCo run of N nodes on links of ``mbit``; returns its measured figures."""
-    from intellect_jax.net.netns import ShapedNet
+    from netns import ShapedNet
 
     out = Path(a.out).absolute()
     name = f"{tag}-{'overlap' if overlap else 'sync'}"
@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     ap.add_argument("--out", default="runs/wan")
     a = ap.parse_args()
-    from intellect_jax.net.netns import require_root
+    from netns import require_root
 
     why = require_root()
     if why:

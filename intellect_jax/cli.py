@@ -12,8 +12,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from pydantic import ValidationError
 
     from intellect_jax.data.errors import DataError
-    from intellect_jax.diloco.journal import JournalError
-    from intellect_jax.diloco.protocol import CoordinatorUnavailable, RegistrationRefused
+    from intellect_jax.coordinator.journal import JournalError
+    from intellect_jax.coordinator.protocol import CoordinatorUnavailable, RegistrationRefused
     from intellect_jax.diloco.loop import DilocoError
     from intellect_jax.net.errors import AuthError, NetError
     from intellect_jax.model.config import ConfigError

@@ -6,11 +6,8 @@ prefixed by node, a live table, and failures: `--kill NODE@K` (SIGKILL NODE whil
 outer step K), `--join NODE@K` (NODE starts with the others, then registers only once the run
 has done K outer steps, so it joins mid-run and gets the state from a live peer),
 `--kill-coordinator K` (SIGKILL the coordinator after outer step K and restart it on the same
-port), or `--chaos SEED`: a seeded random schedule of node SIGKILLs (restarted with
-`--ckpt.resume`, sometimes from a damaged or an older checkpoint), node SIGSTOPs of 10-30 s,
-coordinator SIGKILLs (restarted from the journal) and SIGSTOPs of 5-20 s, correlated outages
-(every running node but one SIGKILLed, then restarted with `--ckpt.resume`), a node and the
-coordinator SIGKILLed together, and a registration after the end, then a summary.
+port). Seeded random fault schedules are `python -m intellect_jax.testing.chaos`, which takes
+these options too.
 `--auto-rollback-after SECONDS` goes to the coordinator (with no live node holding the newest
 state that long, it rolls back by itself to the newest state registered nodes hold). Extra
 `--section.key value` options go to every node.
@@ -60,24 +57,15 @@ def _event(spec: str, flag: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
-_AS_MANY = object()  # --chaos-reference given without a count (argparse would int() a string const)
-
-
-def parse(argv: list[str] | None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    argv = [a for x in argv for a in (x.split("@", 1) if x.startswith("--kill-coordinator@") else [x])]
-    ap = argparse.ArgumentParser(prog="python -m intellect_jax.launch", description=__doc__.split("\n\n")[1])
+def parser(prog: str = "python -m intellect_jax.launch") -> argparse.ArgumentParser:
+    """The launcher's options (the chaos command adds its own to these)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1])
     ap.add_argument("--nodes", type=int, required=True, help="nodes started at once (node0 .. nodeN-1)")
     ap.add_argument("--config", required=True)
     ap.add_argument("--devices-per-node", type=int, default=1, help="fake CPU devices per node")
     ap.add_argument("--kill", action="append", default=[], metavar="NODE@K")
     ap.add_argument("--join", action="append", default=[], metavar="NODE@K")
     ap.add_argument("--kill-coordinator", type=int, default=None, metavar="K")
-    ap.add_argument("--chaos", type=int, default=None, metavar="SEED", help="a seeded random fault schedule")
-    ap.add_argument("--chaos-faults", type=int, default=5, help="faults in a --chaos schedule")
-    ap.add_argument("--chaos-reference", type=int, nargs="?", const=_AS_MANY, default=None, metavar="NODES",
-                    help="with --chaos: first run the job without faults on NODES nodes (default: as many as "
-                         "--nodes), to compare final val losses")
     ap.add_argument("--out-dir", default="runs")
     ap.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
     ap.add_argument("--heartbeat-timeout", type=float, default=10.0, help="the coordinator's")
@@ -86,15 +74,18 @@ def parse(argv: list[str] | None):
                          "newest state (0: never; default: the coordinator's)")
     ap.add_argument("--table-every", type=float, default=10.0, help="seconds between live tables (0: off)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
+    return ap
+
+
+def parse(argv: list[str] | None, ap: argparse.ArgumentParser | None = None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [a for x in argv for a in (x.split("@", 1) if x.startswith("--kill-coordinator@") else [x])]
+    ap = ap or parser()
     args, extra = ap.parse_known_args(argv)
     if args.nodes < 1:
         raise ConfigError(f"--nodes must be >= 1, got {args.nodes}")
     if args.auto_rollback_after is not None and args.auto_rollback_after < 0:
         raise ConfigError(f"--auto-rollback-after must be >= 0 seconds (0: never), got {args.auto_rollback_after}")
-    if args.chaos_reference is _AS_MANY:  # given without a count: as many as the run
-        args.chaos_reference = args.nodes
-    elif args.chaos_reference is not None and args.chaos_reference < 1:
-        raise ConfigError(f"--chaos-reference NODES must be >= 1, got {args.chaos_reference}")
     kills = dict(_event(s, "--kill") for s in args.kill)
     joins = dict(_event(s, "--join") for s in args.join)
     return args, extra, kills, joins
@@ -265,12 +256,7 @@ class Launcher:
 
 def main(argv: list[str] | None = None) -> int:
     args, extra, kills, joins = parse(argv)
-    if args.chaos is not None:
-        from intellect_jax.diloco.chaos import run_chaos
-
-        code = run_chaos(args, extra)
-    else:
-        code = Launcher(args, extra, kills, joins).run()
+    code = Launcher(args, extra, kills, joins).run()
     if code:
         raise SystemExit(code)
     return code

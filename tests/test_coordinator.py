@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from intellect_jax.diloco.client import CoordinatorClient, coordinator_status
-from intellect_jax.diloco.coordinator import Coordinator
-from intellect_jax.diloco.journal import Journal, JournalError, RunRecord
-from intellect_jax.diloco.membership import Membership
-from intellect_jax.diloco.protocol import (
+from intellect_jax.coordinator.client import CoordinatorClient, coordinator_status
+from intellect_jax.coordinator.server import Coordinator
+from intellect_jax.coordinator.journal import Journal, JournalError, RunRecord
+from intellect_jax.coordinator.membership import Membership
+from intellect_jax.coordinator.protocol import (
     PROTOCOL,
     CoordinatorConfig,
     Epoch,
@@ -611,7 +611,7 @@ def test_coordinator_process_sigkilled_and_restarted_mid_barrier() -> None:
 
 VICTIM = """
 import sys, time
-from intellect_jax.diloco.client import CoordinatorClient
+from intellect_jax.coordinator.client import CoordinatorClient
 from intellect_jax.net import TransportConfig, load_secret
 cfg = TransportConfig(run_id="coord-test", secret=load_secret(), io_timeout=5.0)
 c = CoordinatorClient(sys.argv[1], cfg, "victim", "127.0.0.1:9009", fingerprint=sys.argv[2], heartbeat_interval=0.2)

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from intellect_jax.diloco.clock import RealClock
-from intellect_jax.diloco.coordinator import Coordinator
-from intellect_jax.diloco.journal import RunRecord
-from intellect_jax.diloco.protocol import CoordinatorConfig, CoordinatorUnavailable, Resume
-from intellect_jax.diloco.service import CoordinatorService
+from intellect_jax.coordinator.clock import RealClock
+from intellect_jax.coordinator.server import Coordinator
+from intellect_jax.coordinator.journal import RunRecord
+from intellect_jax.coordinator.protocol import CoordinatorConfig, CoordinatorUnavailable, Resume
+from intellect_jax.coordinator.service import CoordinatorService
 from test_coordinator import FP, ROOT, Run, _client, _conf, _env, _tcfg
 
 

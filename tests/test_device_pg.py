@@ -108,7 +108,7 @@ def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
     import json
 
     from intellect_jax.diloco.inner import TrainerInner
-    from intellect_jax.diloco.local import run_local
+    from intellect_jax.testing.local import run_local
     from intellect_jax.diloco.loop import LoopConfig, Outcome
     from intellect_jax.net.comm import RingConfig
     from intellect_jax.trainer.loop import Trainer

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from intellect_jax.diloco import state as S
-from intellect_jax.diloco.protocol import Admission
+from intellect_jax.coordinator.protocol import Admission
 
 from test_train import tiny_cfg
 
@@ -286,8 +286,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _launch(tmp_path, *args, port=None, env=None, tiny=TINY):
-    cmd = [sys.executable, "-m", "intellect_jax.launch", "--config", "configs/debug_diloco.toml",
+def _launch(tmp_path, *args, port=None, env=None, tiny=TINY, module="intellect_jax.launch"):
+    cmd = [sys.executable, "-m", module, "--config", "configs/debug_diloco.toml",
            "--out-dir", str(tmp_path / "runs"), "--table-every", "0", "--timeout", "500",
            *(["--port", str(port)] if port else []), *tiny, *args,
            "--data.cache_dir", str(tmp_path / "cache")]
@@ -321,7 +321,7 @@ def test_join_coordinator_restart_and_refused_nodes(tmp_path):
     p = _launch(tmp_path, "--nodes", "2", "--join", "node2@1", "--kill-coordinator", "3", "--run.steps", "30",
                 port=port, env=env)
     # once the run is going: a node with the wrong secret and one with another model are refused
-    from intellect_jax.diloco.client import coordinator_status
+    from intellect_jax.coordinator.client import coordinator_status
     from intellect_jax.net.transport import TransportConfig
 
     tcfg = TransportConfig(run_id="intellect-jax", secret=secret.encode())
@@ -405,27 +405,28 @@ CHAOS = ["--run.steps", "600", "--diloco.inner_steps", "20", "--model.num_layers
          "--data.bpe_vocab_size", "1024", "--run.eval_every", "0", "--run.log_every", "10"]
 
 
-def test_launch_arguments_chaos_reference_and_one_line_errors(capsys):
-    """--chaos-reference alone means as many nodes as the run; a bad count or --nodes is one line
-    on stderr, exit 2, naming the flag."""
+def test_chaos_arguments_reference_and_one_line_errors(capsys, monkeypatch):
+    """--reference alone means as many nodes as the run; a bad count, --nodes or a launcher-only
+    fault is one line on stderr, exit 2, naming the flag."""
     from intellect_jax.cli import run_main
-    from intellect_jax.launch import main, parse
+    from intellect_jax.testing import chaos
 
-    base = ["--config", "configs/debug_diloco.toml", "--nodes", "3", "--chaos", "1"]
-    assert parse([*base, "--chaos-reference"])[0].chaos_reference == 3
-    assert parse([*base, "--chaos-reference", "1"])[0].chaos_reference == 1
-    assert parse(base)[0].chaos_reference is None
-    for bad, flag in ((["--chaos-reference", "0"], "--chaos-reference"), (["--chaos-reference", "-2"],
-                      "--chaos-reference"), (["--nodes", "0"], "--nodes"), (["--kill", "node1"], "--kill")):
+    seen = []
+    monkeypatch.setattr(chaos, "run_chaos", lambda args, extra: seen.append(args.reference) or 0)
+    base = ["--config", "configs/debug_diloco.toml", "--nodes", "3", "--seed", "1"]
+    for more, want in (([], None), (["--reference"], 3), (["--reference", "1"], 1)):
+        assert chaos.main([*base, *more]) == 0 and seen[-1] == want
+    for bad, flag in ((["--reference", "0"], "--reference"), (["--reference", "-2"], "--reference"),
+                      (["--nodes", "0"], "--nodes"), (["--kill", "node1"], "--kill")):
         capsys.readouterr()
-        assert run_main(lambda: main([*base, *bad])) == 2
+        assert run_main(lambda: chaos.main([*base, *bad])) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and flag in err[0], err
 
 
 # one schedule of five faults, each of another kind: a node SIGKILL (restarted from its checkpoint
 # as is, damaged or older), a node SIGSTOP, a node and the coordinator SIGKILLed together, an
-# outage of all nodes but one, a coordinator SIGSTOP (`python -m intellect_jax.launch --chaos N`
+# outage of all nodes but one, a coordinator SIGSTOP (`python -m intellect_jax.testing.chaos --seed N`
 # runs any other seed; the seeded simulation carries the breadth)
 CHAOS_SEEDS = (155,)
 
@@ -439,10 +440,10 @@ def test_chaos_real_processes(tmp_path):
     faults kept nodes out (timing), so it is printed, not asserted."""
     summaries = []
     for i, seed in enumerate(CHAOS_SEEDS):
-        args = ["--nodes", "3", "--chaos", str(seed), "--chaos-faults", "5", "--heartbeat-timeout", "5"]
+        args = ["--nodes", "3", "--seed", str(seed), "--faults", "5", "--heartbeat-timeout", "5"]
         if i == 0:
-            args += ["--chaos-reference", "1"]
-        p = _launch(tmp_path, *args, tiny=CHAOS)
+            args += ["--reference", "1"]
+        p = _launch(tmp_path, *args, tiny=CHAOS, module="intellect_jax.testing.chaos")
         out = p.communicate(timeout=900)[0]
         line = [ln for ln in out.splitlines() if ln.startswith('{"seed"')]
         assert line, out[-4000:]

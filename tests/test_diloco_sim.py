@@ -1,5 +1,5 @@
 """The DiLoCo node under faults, in process: scripted recovery paths, then hundreds of seeded
-random fault schedules (`intellect_jax.diloco.sim`). Virtual time: a run of minutes takes
+random fault schedules (`intellect_jax.testing.sim`). Virtual time: a run of minutes takes
 milliseconds, whatever the machine's load."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import time
 import pytest
 
 
-from intellect_jax.diloco.clock import Hang, SimClock
+from intellect_jax.testing.clock import Hang, SimClock
 from intellect_jax.diloco.loop import Outcome
-from intellect_jax.diloco.sim import Fault, Script, Sim, SimParams
+from intellect_jax.testing.sim import Fault, Script, Sim, SimParams
 
 SEEDS = {False: 500, True: 200}  # synchronous / overlapped rounds; the CI budget: about a minute on two cores
 
@@ -247,7 +247,7 @@ def test_joiner_killed_right_after_a_live_transfer_resumes_from_that_checkpoint(
     the state it received was checkpointed with n3's own data position; its restart resumes
     from that checkpoint (rounds of 4 s: the run is still at that step, so it registers with
     it, not as behind) and finishes the run."""
-    from intellect_jax.diloco import sim_parts
+    from intellect_jax.testing import sim_parts
 
     saved: list[tuple[str, int, object]] = []
     save = sim_parts._Disk.save
@@ -290,8 +290,8 @@ def test_donor_lets_go_of_a_joiner_that_went_away() -> None:
 
 
 def test_the_checker_names_transient_ends_stall_evictions_and_late_ends() -> None:
-    from intellect_jax.diloco.protocol import CoordinatorUnavailable
-    from intellect_jax.diloco.sim_parts import Proc
+    from intellect_jax.coordinator.protocol import CoordinatorUnavailable
+    from intellect_jax.testing.sim_parts import Proc
 
     sim = Sim(0, SimParams(nodes=2))
     a, b = Proc("n0", 0, [], {}, "fresh"), Proc("n1", 0, [], {}, "fresh", stalls=[(10.0, 12.0)])
@@ -312,10 +312,10 @@ def test_the_checker_names_transient_ends_stall_evictions_and_late_ends() -> Non
 def donor_told_complete_lets_go() -> bool:
     """A donor whose node was evicted (stopped too long) and whose registration again is told
     that the run is complete must let go of the joiner it was serving: ``serving_revoked``."""
-    from intellect_jax.diloco.client import CoordinatorClient
-    from intellect_jax.diloco.journal import MemoryJournal
-    from intellect_jax.diloco.protocol import CoordinatorConfig, RunCompleted
-    from intellect_jax.diloco.service import LocalCoordinator
+    from intellect_jax.coordinator.client import CoordinatorClient
+    from intellect_jax.coordinator.journal import MemoryJournal
+    from intellect_jax.coordinator.protocol import CoordinatorConfig, RunCompleted
+    from intellect_jax.testing.local_coordinator import LocalCoordinator
 
     clock, out = SimClock(), {}
 
@@ -402,7 +402,7 @@ def test_seeded_fault_schedules(overlap: bool) -> None:
         for k, v in r["faults"].items():
             kinds[k] = kinds.get(k, 0) + v
         if not r["ok"]:
-            line = (f"seed {seed}: {'; '.join(r['problems'])} (replay: python -m intellect_jax.diloco.sim "
+            line = (f"seed {seed}: {'; '.join(r['problems'])} (replay: python -m intellect_jax.testing.sim "
                     f"--seed {seed} -v{' --overlap' if overlap else ''})")
             failed.append(line)
     print(f"{n} seeds, {faults} faults, {time.monotonic() - t0:.0f}s")

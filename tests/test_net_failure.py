@@ -10,7 +10,7 @@ import pytest
 
 from intellect_jax.net import RingConfig
 from intellect_jax.net.plan import simulate
-from intellect_jax.net.testing import Fault, rank_data, run_ring_processes
+from intellect_jax.testing.faults import Fault, rank_data, run_ring_processes
 
 pytestmark = pytest.mark.slow
 

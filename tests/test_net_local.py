@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from intellect_jax.net import Communicator, LocalGroup, NetNode, PeerClosed, PeerTimeout, RingConfig, TransportConfig
+from intellect_jax.testing.local_ring import LocalGroup
+from intellect_jax.net import Communicator, NetNode, PeerClosed, PeerTimeout, RingConfig, TransportConfig
 
 
 def _threads(group: LocalGroup, inputs: list[np.ndarray]) -> tuple[list, list]:

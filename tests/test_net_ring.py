@@ -12,7 +12,6 @@ import pytest
 from intellect_jax.net import (
     AuthError,
     ConfigMismatch,
-    LocalGroup,
     NetError,
     NetNode,
     PeerTimeout,
@@ -21,7 +20,7 @@ from intellect_jax.net import (
     TransportConfig,
 )
 from intellect_jax.net.frames import HEADER_LEN
-from intellect_jax.net.local import ring_bytes
+from intellect_jax.testing.local_ring import LocalGroup, ring_bytes
 from intellect_jax.net.plan import simulate
 
 SECRET = b"ring-test-secret-0123456789abcdef"

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from intellect_jax.diloco.guard import GuardConfig, check_average, remember, tree_norm
-from intellect_jax.diloco.local import NumpyInner, run_local
+from intellect_jax.testing.local import NumpyInner, run_local
 from intellect_jax.diloco.loop import LoopConfig, Outcome
-from intellect_jax.diloco.sim import Sim
-from intellect_jax.diloco.sim_parts import Fault, Script, SimParams
+from intellect_jax.testing.sim import Sim
+from intellect_jax.testing.sim_parts import Fault, Script, SimParams
 from intellect_jax.diloco.state import host_copy, init_state, nesterov_sgd, outer_step, pseudo_gradient, state_hash
 from intellect_jax.net.comm import RingConfig
-from intellect_jax.net.local import LocalGroup
+from intellect_jax.testing.local_ring import LocalGroup
 
 RING = RingConfig(mode="int8", block_size=32, piece_numel=64)
 

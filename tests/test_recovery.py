@@ -294,7 +294,7 @@ def test_launch_auto_rollback_after_and_the_chaos_plan(capsys):
     """--auto-rollback-after is parsed for the coordinator (a negative one is a one-line error);
     seeded plans draw the new fault kinds, outages after the schedule's other faults."""
     from intellect_jax.cli import run_main
-    from intellect_jax.diloco.chaos import KINDS, Chaos
+    from intellect_jax.testing.chaos import KINDS, Chaos
     from intellect_jax.launch import main
 
     base = ["--config", CONFIG, "--nodes", "2"]

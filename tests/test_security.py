@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from intellect_jax.diloco.client import CoordinatorClient
-from intellect_jax.diloco.coordinator import Coordinator
-from intellect_jax.diloco.local import NumpyInner
+from intellect_jax.coordinator.client import CoordinatorClient
+from intellect_jax.coordinator.server import Coordinator
+from intellect_jax.testing.local import NumpyInner
 from intellect_jax.diloco.loop import LoopConfig, NodeLoop, NodeParts, Outcome
-from intellect_jax.diloco.protocol import CoordinatorConfig
-from intellect_jax.diloco.sim import Script, Sim, SimParams
-from intellect_jax.diloco.sim_parts import Fault
+from intellect_jax.coordinator.protocol import CoordinatorConfig
+from intellect_jax.testing.sim import Script, Sim, SimParams
+from intellect_jax.testing.sim_parts import Fault
 from intellect_jax.diloco.state import state_hash
 from intellect_jax.diloco.store import MemoryStore
 from intellect_jax.diloco.transfer import NetTransport

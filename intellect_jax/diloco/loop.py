@@ -25,10 +25,10 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from intellect_jax.diloco.client import CoordinatorClient
-from intellect_jax.diloco.clock import REAL, Clock, abort_when
+from intellect_jax.coordinator.client import CoordinatorClient
+from intellect_jax.coordinator.clock import REAL, Clock, abort_when
 from intellect_jax.diloco.guard import GuardConfig, OwnGuard, check_average, inspect, remember, tree_norm
-from intellect_jax.diloco.protocol import Admission, Epoch, Evicted, Resume, RunCompleted
+from intellect_jax.coordinator.protocol import Admission, Epoch, Evicted, Resume, RunCompleted
 from intellect_jax.diloco.state import DilocoState, nesterov_sgd, outer_step, state_hash
 from intellect_jax.net.comm import Communicator
 from intellect_jax.net.errors import NetError, PeerTimeout

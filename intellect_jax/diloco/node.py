@@ -14,7 +14,7 @@ import socket
 import jax
 
 from intellect_jax.config import TrainConfig
-from intellect_jax.diloco.client import CoordinatorClient
+from intellect_jax.coordinator.client import CoordinatorClient
 from intellect_jax.diloco.device_pg import (
     DevicePseudoGradient,
     host_quantize,
@@ -29,7 +29,7 @@ from intellect_jax.diloco.loop import (
     Outcome,
 )
 from intellect_jax.diloco.multihost import Follower, Followers, LeadInner, share_port
-from intellect_jax.diloco.protocol import Epoch
+from intellect_jax.coordinator.protocol import Epoch
 from intellect_jax.diloco.store import CheckpointStore
 from intellect_jax.diloco.transfer import NetTransport
 from intellect_jax.net.auth import load_secret

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from intellect_jax.diloco.state import host_copy, state_hash
 
 if TYPE_CHECKING:
-    from intellect_jax.diloco.clock import Clock
+    from intellect_jax.coordinator.clock import Clock
     from intellect_jax.diloco.loop import NodeLoop, NodeParts, Outcome
 
 

@@ -24,9 +24,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from intellect_jax.diloco.clock import REAL, Clock, abort_when
+from intellect_jax.coordinator.clock import REAL, Clock, abort_when
 from intellect_jax.diloco.loop import TransferFailed
-from intellect_jax.diloco.protocol import Admission
+from intellect_jax.coordinator.protocol import Admission
 from intellect_jax.diloco.state import DilocoState
 from intellect_jax.net.blob import recv_blob, send_blob
 from intellect_jax.net.comm import NetNode

@@ -1,1 +1,1 @@
-"""intellect_jax.kernels."""
+"""intellect_jax.kernels: GPU kernels (Triton, through jax-triton; optional, guarded imports)."""

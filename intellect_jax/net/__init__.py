@@ -2,7 +2,7 @@
 
 The DiLoCo layer needs only :class:`Communicator` (``all_reduce_mean(tree) -> tree`` and
 ``last_stats``); build the real one with :class:`NetNode` + :meth:`NetNode.ring` (or
-:func:`open_ring`) and the in-process fake with :class:`LocalGroup`. See ``docs/net.md``.
+:func:`open_ring`); the in-process fake is :mod:`intellect_jax.testing.local_ring`. See ``docs/net.md``.
 """
 
 from intellect_jax.net.auth import TLSConfig, load_secret
@@ -24,7 +24,6 @@ from intellect_jax.net.errors import (
     PeerTimeout,
     RingClosed,
 )
-from intellect_jax.net.local import LocalCommunicator, LocalGroup
 from intellect_jax.net.listener import Listener
 from intellect_jax.net.transport import Connection, TransportConfig, connect
 
@@ -36,8 +35,6 @@ __all__ = [
     "Connection",
     "FrameError",
     "Listener",
-    "LocalCommunicator",
-    "LocalGroup",
     "NetError",
     "NetNode",
     "PeerClosed",

@@ -4,7 +4,7 @@
 * :class:`SocketCommunicator`: the ring over one ordered peer list for one epoch; its
   connections open on the first call and are reused until :meth:`close` or a failure
   (then build a new one, typically for a new epoch: it costs only new connections).
-* :class:`~intellect_jax.net.local.LocalCommunicator`: the in-process fake, bit-identical.
+* :class:`~intellect_jax.testing.local_ring.LocalCommunicator`: the in-process fake, bit-identical.
 """
 
 from __future__ import annotations

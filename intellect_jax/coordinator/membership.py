@@ -18,8 +18,8 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from intellect_jax.diloco.journal import RunRecord
-from intellect_jax.diloco.protocol import (
+from intellect_jax.coordinator.journal import RunRecord
+from intellect_jax.coordinator.protocol import (
     PROTOCOL,
     Admission,
     CoordinatorConfig,

@@ -1,6 +1,6 @@
 """Compare this layer's blockwise int8 with PRIME's 8-bit codebook scheme at equal bytes.
 
-    python -m intellect_jax.net.quant_compare [--numel 1048576] [--world 4] [--chunk 262144]
+    python benchmarks/quant_compare.py [--numel 1048576] [--world 4] [--chunk 262144]
 
 PRIME (zeroband ``uniform_8bit_quantize``): per ring chunk, bins of width
 6*rms/256 around 0 (so +-3 sigma), codes ``clamp(round(x/w) + 128, 0, 255)``, and a
@@ -130,7 +130,7 @@ def compare(numel: int, world: int, chunk: int, blocks: tuple[int, ...], seed: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m intellect_jax.net.quant_compare", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/quant_compare.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--numel", type=int, default=1 << 20)
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--chunk", type=int, default=1 << 18, help="ring chunk (PRIME codebook scope, our piece)")

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from intellect_jax.cli import run_main
 from intellect_jax.model.config import ConfigError
-from intellect_jax.diloco.client import coordinator_status
-from intellect_jax.diloco.coordinator import Coordinator
-from intellect_jax.diloco.protocol import CoordinatorConfig
+from intellect_jax.coordinator.client import coordinator_status
+from intellect_jax.coordinator.server import Coordinator
+from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.net.auth import load_secret
 from intellect_jax.net.transport import TransportConfig
 

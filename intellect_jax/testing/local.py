@@ -1,6 +1,6 @@
 """A whole DiLoCo run in one process: N nodes as threads running the one outer loop
 (:class:`~.loop.NodeLoop`) against an in-process coordinator, the in-process ring (the socket
-ring's exact arithmetic, :class:`~intellect_jax.net.local.LocalGroup`) and an in-process state
+ring's exact arithmetic, :class:`~intellect_jax.testing.local_ring.LocalGroup`) and an in-process state
 transport. The sweep benchmark replays DiLoCo this way, on real trainers, without sockets.
 """
 
@@ -13,15 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from intellect_jax.diloco.client import CoordinatorClient
-from intellect_jax.diloco.clock import REAL, Clock
+from intellect_jax.coordinator.client import CoordinatorClient
+from intellect_jax.coordinator.clock import REAL, Clock
 from intellect_jax.diloco.loop import Inner, LoopConfig, NodeLoop, NodeParts, Outcome, TransferFailed
-from intellect_jax.diloco.protocol import Admission, CoordinatorConfig, Epoch
-from intellect_jax.diloco.service import LocalCoordinator
+from intellect_jax.coordinator.protocol import Admission, CoordinatorConfig, Epoch
+from intellect_jax.testing.local_coordinator import LocalCoordinator
 from intellect_jax.diloco.state import DilocoState, MomentumState, init_state, pseudo_gradient
 from intellect_jax.diloco.store import MemoryStore
 from intellect_jax.net.comm import RingConfig
-from intellect_jax.net.local import LocalCommunicator, LocalGroup
+from intellect_jax.testing.local_ring import LocalCommunicator, LocalGroup
 
 
 class NumpyInner:

@@ -22,8 +22,8 @@ hashes for one outer step among everything any node recorded, the run completes,
 still alive ends cleanly (none because of a transient coordinator fault) and soon after the
 run completed, no node is evicted for a stall of the coordinator's own, nothing hangs.
 
-    python -m intellect_jax.diloco.sim --seeds 0:200      # prints one line per failing seed
-    python -m intellect_jax.diloco.sim --seed 17 -v       # replay one seed with its event log
+    python -m intellect_jax.testing.sim --seeds 0:200      # prints one line per failing seed
+    python -m intellect_jax.testing.sim --seed 17 -v       # replay one seed with its event log
 """
 
 from __future__ import annotations
@@ -42,13 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from intellect_jax.diloco.client import CoordinatorClient
-from intellect_jax.diloco.clock import SimClock
-from intellect_jax.diloco.journal import MemoryJournal
+from intellect_jax.coordinator.client import CoordinatorClient
+from intellect_jax.testing.clock import SimClock
+from intellect_jax.coordinator.journal import MemoryJournal
 from intellect_jax.diloco.loop import LoopConfig, NodeLoop, NodeParts, Outcome
-from intellect_jax.diloco.protocol import CoordinatorConfig, CoordinatorUnavailable
-from intellect_jax.diloco.service import LocalCoordinator, ServiceStopped
-from intellect_jax.diloco.sim_parts import (HOOKS, Fault, Killed, Proc, Script, SimInner, SimParams, _Comm, _Disk,
+from intellect_jax.coordinator.protocol import CoordinatorConfig, CoordinatorUnavailable
+from intellect_jax.coordinator.service import ServiceStopped
+from intellect_jax.testing.local_coordinator import LocalCoordinator
+from intellect_jax.testing.sim_parts import (HOOKS, Fault, Killed, Proc, Script, SimInner, SimParams, _Comm, _Disk,
                                             _Gated, _Group, _StallWire, _Transport, corrupt)
 from intellect_jax.diloco.state import DilocoState, state_hash
 from intellect_jax.net.comm import RingConfig
@@ -640,7 +641,7 @@ class Sim:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m intellect_jax.diloco.sim", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m intellect_jax.testing.sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=None, help="replay one seed")
     ap.add_argument("--seeds", default="0:50", help="a range START:END of seeds")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the event log of each seed")
@@ -656,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(r["log"]))
         if not r["ok"]:
             bad += 1
-            print(f"seed {seed}: FAILED: {'; '.join(r['problems'])}  (replay: python -m intellect_jax.diloco.sim "
+            print(f"seed {seed}: FAILED: {'; '.join(r['problems'])}  (replay: python -m intellect_jax.testing.sim "
                   f"--seed {seed} -v)", flush=True)
     n = len(seeds)
     print(f"{n - bad}/{n} seeds passed in {time.monotonic() - t0:.1f}s; faults injected: {dict(total)}")

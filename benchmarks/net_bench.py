@@ -1,6 +1,6 @@
 """Benchmark the ring all-reduce against torch.distributed gloo on the same links.
 
-    python -m intellect_jax.net.bench --nodes 4 --numel 25000000 --mode int8 \
+    python benchmarks/net_bench.py --nodes 4 --numel 25000000 --mode int8 \
         [--repeats 5] [--shape-mbit 500] [--streams 1] [--block 64] [--no-gloo]
 
 Spawns N node processes (each in its own network namespace with tbf-shaped links when
@@ -29,13 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from intellect_jax.net import netns, quant
+import netns  # beside this file
+
+from intellect_jax.net import quant
 
 PORT = 29400
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m intellect_jax.net.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="benchmarks/net_bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--numel", type=int, default=25_000_000)
     p.add_argument("--mode", choices=quant.MODES, default="int8")
@@ -128,11 +130,11 @@ def _launch(a: argparse.Namespace, net: netns.ShapedNet | None, gloo: bool) -> l
         peers, gloo_port = [f"127.0.0.1:{p}" for p in ports[:-1]], ports[-1]
     env = dict(os.environ, GLOO_SOCKET_IFNAME=netns.IFNAME if net is not None else "lo",
                OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     procs = []
     for i in range(a.nodes):
-        cmd = [sys.executable, "-m", "intellect_jax.net.bench", "--worker", "--rank", str(i),
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(i),
                "--peers", ",".join(peers), "--gloo-port", str(gloo_port if gloo else 0)] + _passthrough(a)
         # own session per node: like separate machines, each node gets its own scheduler group
         procs.append(subprocess.Popen((net.exec_prefix(i) if net else []) + cmd, env=env, start_new_session=True,

@@ -1,5 +1,6 @@
-"""`python -m intellect_jax.launch --chaos SEED`: a seeded random fault schedule against real
-processes (the real CLI, sockets, coordinator and checkpoints), then a summary.
+"""`python -m intellect_jax.testing.chaos --seed SEED --nodes N --config C`: a seeded random fault
+schedule against real processes (the real CLI, sockets, coordinator and checkpoints), then a
+summary. It takes every option of `python -m intellect_jax.launch` too.
 
 Faults, fired as the run passes randomly chosen outer steps (kinds as the summary counts them):
 
@@ -20,8 +21,8 @@ After the run, one more node registers and must be told that the run is complete
 (one JSON line) gives the faults (and how many of each kind fired, and any left unfired), the
 outer steps done, the steps whose hashes disagree across every node that ever logged them,
 every node's exit status, the mean number of contributors per outer step, and the final
-validation loss against a fault-free run of the same job (`--chaos-reference`, on as many
-nodes or, e.g., on one: every outer step keeps a contributor, so a run with faults should end
+validation loss against a fault-free run of the same job (on as many
+nodes or, e.g., on one (`--reference [NODES]`): every outer step keeps a contributor, so a run with faults should end
 no worse than one node training alone).
 """
 
@@ -32,6 +33,7 @@ import json
 import shutil
 import signal
 import statistics
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -39,7 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from intellect_jax.launch import Launcher, NodeView
+from intellect_jax.cli import run_main
+from intellect_jax.launch import Launcher, NodeView, parse, parser
+from intellect_jax.model.config import ConfigError
 
 KINDS = ("kill", "kill", "stop", "coordinator", "coordinator_stop", "outage", "node_and_coordinator")
 HOW = ("resume", "resume", "damaged", "older")  # which checkpoint a killed node comes back from
@@ -280,16 +284,16 @@ def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
     H, n_outer = cfg.diloco.inner_steps, cfg.run.steps // cfg.diloco.inner_steps
     extra = [*extra, "--ckpt.every", str(H), "--ckpt.keep", "3"]  # a checkpoint at every boundary
     ref = None
-    if args.chaos_reference is not None:
-        n_ref = args.chaos_reference
+    if args.reference is not None:
+        n_ref = args.reference
         base = Launcher(argparse.Namespace(**{**vars(args), "nodes": n_ref}), extra, {}, {},
                         run_name=f"{cfg.run.name}-reference{n_ref}")
         if base.run() != 0:
             print("the fault-free reference run failed", flush=True)
             return 1
         ref = summarize(base.run_dir, n_outer)
-    L = Launcher(args, extra, {}, {}, run_name=f"{cfg.run.name}-chaos{args.chaos}")
-    chaos = Chaos(L, args.chaos, args.chaos_faults, n_outer)
+    L = Launcher(args, extra, {}, {}, run_name=f"{cfg.run.name}-chaos{args.seed}")
+    chaos = Chaos(L, args.seed, args.faults, n_outer)
     L.hooks.append(chaos.tick)
     t0 = time.monotonic()
     L.run()  # (returns once no node is running, stopped or waiting for its restart)
@@ -309,7 +313,7 @@ def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
     late_ok = late_code == 0
     ok = (not s["forked_steps"] and s["completed"] and s["outer_steps"] == n_outer and late_ok
           and all(st == "done" for st in statuses.values()))
-    out = {"seed": args.chaos, "ok": ok, "faults": chaos.injected, "fault_counts": dict(chaos.fired),
+    out = {"seed": args.seed, "ok": ok, "faults": chaos.injected, "fault_counts": dict(chaos.fired),
            "not_fired": [f"{kind} at outer step {k}" for k, kind in chaos.plan] + dropped, **s, "node_exits": statuses,
            "late_registration_exit": late_code, "seconds": round(time.monotonic() - t0, 1)}
     if ref is not None:
@@ -318,3 +322,31 @@ def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
             out["val_loss_ratio"] = round(s["final_val_loss"] / ref["final_val_loss"], 4)
     print(json.dumps(out), flush=True)
     return 0 if ok else 1
+
+
+_AS_MANY = object()  # --reference given without a count (argparse would int() a string const)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(prog="python -m intellect_jax.testing.chaos")
+    ap.description = __doc__.split("\n\n")[0]
+    ap.add_argument("--seed", type=int, required=True, help="seeds the random fault schedule")
+    ap.add_argument("--faults", type=int, default=5, help="faults in the schedule")
+    ap.add_argument("--reference", type=int, nargs="?", const=_AS_MANY, default=None, metavar="NODES",
+                    help="first run the job without faults on NODES nodes (default: as many as --nodes), "
+                         "to compare final val losses")
+    args, extra, kills, joins = parse(argv, ap)
+    if kills or joins or args.kill_coordinator is not None:
+        raise ConfigError("--kill, --join and --kill-coordinator are the launcher's; a chaos run draws its faults")
+    if args.reference is _AS_MANY:
+        args.reference = args.nodes
+    elif args.reference is not None and args.reference < 1:
+        raise ConfigError(f"--reference NODES must be >= 1, got {args.reference}")
+    code = run_chaos(args, extra)
+    if code:
+        raise SystemExit(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

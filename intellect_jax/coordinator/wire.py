@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from intellect_jax.diloco.coordinator import CHANNEL, Address, recv_msg, send_msg
-from intellect_jax.diloco.protocol import (
+from intellect_jax.coordinator.server import CHANNEL, Address, recv_msg, send_msg
+from intellect_jax.coordinator.protocol import (
     CoordinatorError,
     CoordinatorUnavailable,
     Evicted,

@@ -13,17 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from intellect_jax.diloco.client import CoordinatorClient
-from intellect_jax.diloco.local import NumpyInner
+from intellect_jax.coordinator.client import CoordinatorClient
+from intellect_jax.testing.local import NumpyInner
 from intellect_jax.diloco.loop import Outcome, TransferFailed
-from intellect_jax.diloco.protocol import Admission, Epoch
+from intellect_jax.coordinator.protocol import Admission, Epoch
 from intellect_jax.diloco.state import DilocoState
 from intellect_jax.net.comm import CommStats
 from intellect_jax.net.errors import PeerClosed, PeerTimeout
-from intellect_jax.net.local import LocalGroup
+from intellect_jax.testing.local_ring import LocalGroup
 
 if TYPE_CHECKING:
-    from intellect_jax.diloco.sim import Sim
+    from intellect_jax.testing.sim import Sim
 
 HOOKS = ("train", "sync", "allreduce", "serve", "receive", "admit", "register")
 

@@ -16,9 +16,9 @@ import logging
 import threading
 from typing import Any, Self
 
-from intellect_jax.diloco.journal import Journal
-from intellect_jax.diloco.protocol import PROTOCOL, CoordinatorConfig, ProtocolError
-from intellect_jax.diloco.service import CoordinatorService, ServiceStopped, error_reply
+from intellect_jax.coordinator.journal import Journal
+from intellect_jax.coordinator.protocol import PROTOCOL, CoordinatorConfig, ProtocolError
+from intellect_jax.coordinator.service import CoordinatorService, ServiceStopped, error_reply
 from intellect_jax.net import Connection, Listener, NetError, PeerTimeout, TransportConfig
 from intellect_jax.net.frames import MsgType
 

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import asdict, fields, replace
 from typing import Any, Self
 
-from intellect_jax.diloco.clock import REAL, Clock
-from intellect_jax.diloco.coordinator import Address
-from intellect_jax.diloco.protocol import (
+from intellect_jax.coordinator.clock import REAL, Clock
+from intellect_jax.coordinator.server import Address
+from intellect_jax.coordinator.protocol import (
     PROTOCOL,
     Admission,
     CoordinatorError,
@@ -45,7 +45,7 @@ from intellect_jax.diloco.protocol import (
     RunCompleted,
     StaleSession,
 )
-from intellect_jax.diloco.wire import TRANSIENT, SocketWire, Wire, coordinator_status, reply_error
+from intellect_jax.coordinator.wire import TRANSIENT, SocketWire, Wire, coordinator_status, reply_error
 from intellect_jax.net import AuthError, PeerTimeout, TransportConfig
 
 __all__ = ["Admission", "CoordinatorClient", "CoordinatorError", "CoordinatorUnavailable", "Epoch", "Evicted",

@@ -1,86 +1,19 @@
-"""Time and blocking for the DiLoCo control plane, behind one object so tests can replace it.
+"""Virtual time for the seeded simulation: :class:`SimClock` and its lock, condition and event.
 
-Production code asks its clock for the time (`now`), to `sleep`, for locks, conditions and
-events, and to `spawn` threads. :class:`RealClock` hands out `time.monotonic` and the
-`threading` primitives. :class:`SimClock` runs the very same code in *virtual* time: when every
-thread it knows is blocked in one of its primitives, it jumps to the earliest deadline, so a
-test can run minutes of heartbeats, timeouts and backoffs in milliseconds, independent of how
-loaded the machine is, and a run where every thread waits forever is reported as a hang
-instead of blocking the test.
+It runs the very same control-plane code as :class:`~intellect_jax.coordinator.clock.RealClock`
+in *virtual* time: when every thread it knows is blocked in one of its primitives, it jumps to
+the earliest deadline, so a test can run minutes of heartbeats, timeouts and backoffs in
+milliseconds, independent of how loaded the machine is, and a run where every thread waits
+forever is reported as a hang instead of blocking the test.
 """
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import threading
-import time
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
-
-
-class Clock(Protocol):
-    def now(self) -> float: ...
-
-    def sleep(self, seconds: float) -> None: ...
-
-    def Lock(self) -> Any: ...  # noqa: N802 - mirrors threading's factory names
-
-    def Condition(self, lock: Any = None) -> Any: ...  # noqa: N802
-
-    def Event(self) -> Any: ...  # noqa: N802
-
-    def spawn(self, target: Callable[[], Any], name: str) -> Any: ...
-
-
-class RealClock:
-    """Wall-clock monotonic time and the `threading` module."""
-
-    def now(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(max(0.0, seconds))
-
-    def Lock(self) -> Any:  # noqa: N802
-        return threading.Lock()
-
-    def Condition(self, lock: Any = None) -> Any:  # noqa: N802
-        return threading.Condition(lock)
-
-    def Event(self) -> Any:  # noqa: N802
-        return threading.Event()
-
-    def spawn(self, target: Callable[[], Any], name: str) -> threading.Thread:
-        t = threading.Thread(target=target, name=name, daemon=True)
-        t.start()
-        return t
-
-
-REAL = RealClock()
-
-
-@contextlib.contextmanager
-def abort_when(clock: Clock, broken: Callable[[], bool], abort: Callable[[], None],
-               interval: float) -> Iterator[None]:
-    """While the body runs, check ``broken()`` every ``interval`` and call ``abort()`` once if it
-    turns true (e.g. a ring member was evicted: unblock the all-reduce now instead of at its
-    deadline)."""
-    done = clock.Event()
-
-    def watch() -> None:
-        while not done.wait(interval):
-            if broken():
-                abort()
-                return
-
-    clock.spawn(watch, name="abort-watch")
-    try:
-        yield
-    finally:
-        done.set()
-
+from collections.abc import Callable
+from typing import Any
 
 class Hang(RuntimeError):
     """Every thread of a simulation waits with no deadline: nothing can ever happen again."""

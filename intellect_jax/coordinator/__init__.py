@@ -1,0 +1,15 @@
+"""intellect_jax.coordinator: who is in the run, and its one history.
+
+- :mod:`.protocol`: the typed messages (every request is parsed against them) and the config;
+- :mod:`.membership`: the membership's state machine (registration, heartbeats, barriers and
+  epochs, admission of joiners, strikes, hash agreement, completion);
+- :mod:`.journal`: the run's record on disk (one hash per outer step), reloaded on restart;
+- :mod:`.service`: membership + journal + timeouts behind ``handle(request)``;
+- :mod:`.server`: the socket server over the service; ``python -m intellect_jax.coordinator``
+  runs it (``__main__``);
+- :mod:`.client` and :mod:`.wire`: what a node uses to talk to a coordinator;
+- :mod:`.clock`: time and threads behind one object, so the simulation can run this very code
+  in virtual time.
+
+It imports nothing of the node, the trainer or the model. See docs/coordinator.md.
+"""
