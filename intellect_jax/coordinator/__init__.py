@@ -2,7 +2,9 @@
 
 - :mod:`.protocol`: the typed messages (every request is parsed against them) and the config;
 - :mod:`.membership`: the membership's state machine (registration, heartbeats, barriers and
-  epochs, admission of joiners, strikes, hash agreement, completion);
+  epochs, evictions, completion) over the node table of :mod:`.roster`, with its rules beside
+  it: :mod:`.admission` (refusals, joiners' donors), :mod:`.history` (hash agreement, rollbacks,
+  the wait for lost state), :mod:`.policing` (sit-outs and strikes);
 - :mod:`.journal`: the run's record on disk (one hash per outer step), reloaded on restart;
 - :mod:`.service`: membership + journal + timeouts behind ``handle(request)``;
 - :mod:`.server`: the socket server over the service; ``python -m intellect_jax.coordinator``

@@ -1,0 +1,101 @@
+"""Who gets into the run, and how a joiner gets the run's state.
+
+A registration is refused outright for a wrong protocol, model or run length, a duplicate or
+invalid id, or a completed run (:func:`check_registration`). Joiners wait (``PENDING``) for the
+next boundary; a barrier then gives each one a donor among its members, round robin in ring
+order (:func:`admit`), and the donor streams it the state after the next outer step. A joiner
+whose donor is gone, or whose transfer failed, is re-queued (:func:`requeue`) for the next
+boundary. These are rules over the :mod:`.roster` records; :class:`~.membership.Membership`
+applies them to its table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from intellect_jax.coordinator.journal import RunRecord
+from intellect_jax.coordinator.protocol import PROTOCOL, Admission, Peer, RegistrationRefused, RunCompleted
+from intellect_jax.coordinator.roster import Node, Role
+
+
+def check_registration(node_id: str, addr: str, protocol: int, fingerprint: str, outer_steps: int | None,
+                       nodes: dict[str, Node], rec: RunRecord) -> None:
+    """Raise :class:`RegistrationRefused` (or :class:`RunCompleted`) if this node may not register."""
+    if protocol != PROTOCOL:
+        raise RegistrationRefused(f"node {node_id}: protocol version {protocol} != coordinator's {PROTOCOL}",
+                                  "protocol")
+    if not node_id or len(node_id) > 128 or not addr:
+        raise RegistrationRefused(f"invalid node id {node_id!r} or ring address {addr!r}", "invalid")
+    if node_id in nodes:
+        raise RegistrationRefused(f"node id {node_id!r} is already registered and alive "
+                                  f"(ring address {nodes[node_id].addr})", "duplicate")
+    if rec.fingerprint is not None and fingerprint != rec.fingerprint:
+        raise RegistrationRefused(f"node {node_id}: model config fingerprint {fingerprint} != run's "
+                                  f"{rec.fingerprint}", "fingerprint")
+    if outer_steps is not None and rec.outer_steps is not None and outer_steps != rec.outer_steps:
+        raise RegistrationRefused(f"node {node_id}: run length {outer_steps} outer steps != run's "
+                                  f"{rec.outer_steps}", "outer_steps")
+    if rec.completed:
+        raise RunCompleted(f"the run is complete: all {rec.outer_steps} outer steps are done "
+                           f"(final state hash {str(rec.hwm_hash)[:16]})")
+
+
+def admit(pending: list[Node], members: list[Node], step: int, epoch_id: int, seq: int,
+          say: Callable[[str], None]) -> int:
+    """Barrier ``step`` formed with ``members`` (ring order): give each pending joiner a donor,
+    round robin, for the state of outer step ``step + 1``; joiners take ring places after the
+    members in admission order (``seq``: the counter of such places; returns it advanced)."""
+    for i, j in enumerate(pending):
+        donor = members[i % len(members)]
+        seq += 1
+        j.role, j.order, j.received = Role.ADMITTED, (1, seq), False
+        j.admission = Admission(donor.node_id, donor.addr, step, step + 1, epoch_id)
+        say(f"admitted joiner {j.node_id} at boundary {step}: state of outer step {step + 1} "
+            f"from donor {donor.node_id}")
+    return seq
+
+
+def served_by(nodes: Iterable[Node], donor_id: str) -> list[Node]:
+    """The admitted joiners still waiting for ``donor_id``'s state."""
+    return [j for j in nodes if j.role is Role.ADMITTED and not j.received
+            and j.admission is not None and j.admission.donor_id == donor_id]
+
+
+def serving(nodes: Iterable[Node], step: int) -> dict[str, tuple[Peer, ...]]:
+    """donor -> the joiners (in the given order) it streams the state of outer step ``step`` to."""
+    serve: dict[str, list[Peer]] = {}
+    for j in nodes:
+        if j.role is Role.ADMITTED and not j.received and j.admission and j.admission.outer_step == step:
+            serve.setdefault(j.admission.donor_id, []).append((j.node_id, j.addr))
+    return {d: tuple(s) for d, s in serve.items()}
+
+
+def requeue(joiner: Node, why: str, say: Callable[[str], None]) -> None:
+    """Back to waiting for the next boundary (and a new donor)."""
+    joiner.role, joiner.received = Role.PENDING, False
+    say(f"joiner {joiner.node_id} re-queued: {why}")
+
+
+def admission_of(node: Node, outer_step: int, epoch_id: int, rec: RunRecord) -> Admission | None:
+    """A joiner's admission, if it has one. A joiner promoted to member with the state it
+    brought (a rebuild) gets itself as donor: no transfer."""
+    if node.role is Role.MEMBER:
+        step = node.claim.outer_step if node.claim else outer_step
+        return Admission(node.node_id, node.addr, -1, step, epoch_id)
+    if node.role is Role.PENDING and rec.completed:
+        raise RunCompleted(f"the run completed all {rec.outer_steps} outer steps while {node.node_id} waited "
+                           "for admission")
+    return node.admission if node.role is Role.ADMITTED else None
+
+
+def received(node: Node, step: int, run_step: int | None, say: Callable[[str], None]) -> bool:
+    """The joiner holds the state after outer step ``step`` (``run_step``: the boundary a started
+    run heads for, else None); False: re-queued, it waits for a new admission."""
+    adm = node.admission
+    if adm is None or adm.outer_step != step or (run_step is not None and run_step != step):
+        return False
+    if node.role is Role.PENDING:  # re-queued (donor gone) after the transfer had in fact finished
+        node.role = Role.ADMITTED
+    node.received = True
+    say(f"joiner {node.node_id} received the state of outer step {step} from {adm.donor_id}")
+    return node.role is Role.ADMITTED

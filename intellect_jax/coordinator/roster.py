@@ -1,0 +1,100 @@
+"""The membership's node table: who a registered node is to the run (its :class:`Role`), what it
+brought and where it waits, and the barriers formed from it.
+
+Plain records and pure queries over them, shared by :mod:`.membership` (which owns the table)
+and the rules split out of it (:mod:`.admission`, :mod:`.history`, :mod:`.policing`), so none of
+those needs the :class:`~.membership.Membership` itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from intellect_jax.coordinator.protocol import Admission, Epoch, Peer, Resume
+
+
+class Role(str, enum.Enum):
+    MEMBER = "member"  # has the run's state; expected at every barrier
+    PENDING = "pending"  # joiner waiting for the next boundary
+    ADMITTED = "admitted"  # joiner with a donor; expected at the barrier ``admission.outer_step``
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int
+    time: float
+    state_hash: str | None
+    retry: bool
+    sits_out: str | None = None  # why this node contributes zeros to the next all-reduce
+    report: dict | None = None  # on the all-reduce before: {"avg_failed": bool, "accused": [node, why] | None}
+
+
+@dataclass(eq=False)  # identity semantics: nodes go in sets
+class Node:
+    node_id: str
+    addr: str
+    devices: int
+    session: str
+    role: Role
+    order: tuple[int, int]  # ring order key (then node id)
+    last_seen: float
+    fresh: bool = False  # founding member of a fresh run (no progress to resume)
+    arrival: Arrival | None = None
+    outbox: Epoch | None = None  # result of the barrier it waits at
+    admission: Admission | None = None
+    received: bool = False  # admitted joiner reported state_received
+    claim: Resume | None = None  # the state the node brought (a joiner's may resume a rebuild)
+    sit_outs: int = 0  # barriers in a row at which it sat out
+    strikes: int = 0  # failed rounds in which its ring successor blamed it
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """A completed barrier."""
+
+    step: int
+    epoch_id: int
+    members: tuple[Peer, ...]
+    sessions: tuple[str, ...] = ()  # of the members, to tell whether the epoch's ring is intact
+    serve: dict[str, tuple[Peer, ...]] = field(default_factory=dict)
+    hash_mismatch: tuple[Peer, ...] = ()
+    changed: bool = True
+    sitting_out: tuple[str, ...] = ()
+
+
+def ordered(nodes: Iterable[Node]) -> list[Node]:
+    """Ring order: members first (by their resumed rank), then joiners by admission."""
+    return sorted(nodes, key=lambda n: (n.order, n.node_id))
+
+
+def waiting(nodes: Iterable[Node], step: int) -> list[Node]:
+    """The nodes waiting at boundary ``step``."""
+    return [n for n in nodes if n.arrival is not None and n.arrival.step == step]
+
+
+def forming(nodes: Iterable[Node], last: Barrier | None, floor: int) -> tuple[int, set[Node], set[Node]] | None:
+    """The barrier being formed: (step, nodes arrived, nodes expected); ``floor``: the boundary a
+    run that has not started (``last`` None) waits at."""
+    nodes = list(nodes)
+    members = {n for n in nodes if n.role is Role.MEMBER}
+    if last is None:
+        arrived = set(waiting(nodes, floor))
+        return (floor, arrived, members | arrived) if arrived else None
+    k = last.step
+    retry = set(waiting(nodes, k))
+    if retry:  # (members already at k+1 would have evicted them)
+        return k, retry, members
+    nxt = set(waiting(nodes, k + 1))
+    if not nxt:
+        return None
+    joiners = {n for n in nodes if n.role is Role.ADMITTED and n.admission and n.admission.outer_step == k + 1}
+    return k + 1, nxt, members | joiners
+
+
+def view(b: Barrier, node_id: str) -> Epoch:
+    """Barrier ``b`` as member ``node_id`` receives it."""
+    rank = [p[0] for p in b.members].index(node_id)
+    return Epoch(b.epoch_id, b.step, b.members, rank, b.serve.get(node_id, ()), b.hash_mismatch, b.changed,
+                 b.sitting_out)
