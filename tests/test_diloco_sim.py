@@ -291,7 +291,7 @@ def test_donor_lets_go_of_a_joiner_that_went_away() -> None:
 
 def test_the_checker_names_transient_ends_stall_evictions_and_late_ends() -> None:
     from intellect_jax.coordinator.protocol import CoordinatorUnavailable
-    from intellect_jax.testing.sim_parts import Proc
+    from intellect_jax.testing.sim_world import Proc
 
     sim = Sim(0, SimParams(nodes=2))
     a, b = Proc("n0", 0, [], {}, "fresh"), Proc("n1", 0, [], {}, "fresh", stalls=[(10.0, 12.0)])

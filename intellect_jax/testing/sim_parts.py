@@ -1,138 +1,33 @@
-"""The stand-ins and fault points of the DiLoCo fault simulation (see :mod:`.sim`): the fault
-and schedule types, a node process's record, and the in-process parts a simulated node runs
-with: a numpy trainer, the ring (the int8 ring's exact arithmetic), the state transport, the
-disk, and the wrappers that route a node's calls through its fault points."""
+"""The stand-ins a simulated node runs with (see :mod:`.sim`): a numpy trainer
+(:class:`SimInner`), the ring (the int8 ring's exact arithmetic), the state transport, the disk,
+and the wrappers that route a node's calls through its fault points. Each sees the simulation
+only as its :class:`~.sim_world.World`."""
 
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from intellect_jax.coordinator.client import CoordinatorClient
-from intellect_jax.testing.local import NumpyInner
-from intellect_jax.diloco.loop import Outcome, TransferFailed
 from intellect_jax.coordinator.protocol import Admission, Epoch
+from intellect_jax.diloco.loop import TransferFailed
 from intellect_jax.diloco.state import DilocoState
 from intellect_jax.net.comm import CommStats
 from intellect_jax.net.errors import PeerClosed, PeerTimeout
+from intellect_jax.testing.local import NumpyInner
 from intellect_jax.testing.local_ring import LocalGroup
+from intellect_jax.testing.sim_plan import Fault, Script, SimParams
+from intellect_jax.testing.sim_world import Group, Killed, Proc, World
 
-if TYPE_CHECKING:
-    from intellect_jax.testing.sim import Sim
-
-HOOKS = ("train", "sync", "allreduce", "serve", "receive", "admit", "register")
-
-
-class Killed(BaseException):
-    """The simulated node process died (SIGKILL): nothing of it runs any more."""
-
-
-@dataclass(frozen=True)
-class SimParams:
-    nodes: int = 4
-    outer_steps: int = 10
-    inner_steps: int = 4
-    step_time: float = 0.01
-    ring_time: float = 0.01
-    transfer_time: float = 0.2
-    heartbeat_interval: float = 0.2
-    heartbeat_timeout: float = 1.0
-    join_window: float = 2.0  # above the clients' longest reconnect backoff (1 s)
-    # above the longest coordinator pause (as a deployment's 120 s is above ordinary 10-30 s stalls)
-    reconnect_timeout: float = 60.0
-    connect_timeout: float = 10.0  # a request's handshake (a paused coordinator longer than this: PeerTimeout)
-    transfer_timeout: float = 20.0
-    ring_deadline: float = 20.0
-    max_time: float = 900.0  # virtual seconds before the run counts as not completing
-    dim: int = 96
-    fault_prob: float = 0.6  # chance that an incarnation gets a fault
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    coordinator_restarts: int = 2  # at most
-    coordinator_pauses: int = 2  # at most (SIGSTOP of the coordinator for 0.05-30 s, log-uniform)
-    max_pause: float = 30.0
-    node_and_coordinator_prob: float = 0.15  # chance of one event that kills a node and the coordinator together
-    late_coordinator_prob: float = 0.1  # chance that the coordinator starts after the founders
-    start_in_window_prob: float = 0.4  # per coordinator crash/pause: a node killed as it starts (restarts inside it)
-    outage_prob: float = 0.3  # chance of one event that kills several nodes at once
-    all_but_one_prob: float = 0.3  # of those outages: every live node but one
-    all_prob: float = 0.25  # of those outages: every live node
-    auto_rollback_after: float | None = 20.0  # the coordinator's (None: the operator rolls back by hand)
-    ckpt_every: int = 0  # outer steps between checkpoints (0: drawn, mostly 1, sometimes 2 or 3)
-    end_bound: float = 5.0  # a process still running this long after the run completed (and it could act) hangs
-    late_joiners: int = 1  # at most
-    overlap: bool = False  # overlapped rounds (diloco/overlap.py)
-    overlap_delay: int | None = 0  # their tau; 0: drawn from the seed (when ready, or 1..inner_steps)
-
-
-@dataclass(frozen=True)
-class Fault:
-    hook: str  # one of HOOKS, or "poison" (nth = the outer step's all-reduce to poison)
-    nth: int  # on this node process's nth call of that hook
-    kind: str  # "kill" | "stall" | "partial" (allreduce: some ranks finish, the victim dies) | "poison"
-    when: str = "before"  # "before" | "during" | "after"; poison: "own" (a broken host: its own
-    #                       pseudo-gradient is bad) | "wire" (malicious: it sends bad values anyway)
-    seconds: float = 0.0  # stall length
-    value: str = ""  # poison: "nan" | "inf" | "x1000"
-
-
-@dataclass
-class Script:
-    """A hand-written schedule instead of the seeded one (tests of one recovery path): faults per
-    node process (``"n1#0"``: node n1's first process), driver events ``(time, "coordinator" |
-    "join" | "outage", arg)`` (an outage's arg: comma-separated node ids) and how each node
-    restarts after a kill (``"latest"``, ``"stale"``, ``"empty"``; default latest)."""
-
-    faults: dict[str, list[Fault]] = field(default_factory=dict)
-    events: list[tuple[float, str, str]] = field(default_factory=list)
-    restarts: dict[str, str] = field(default_factory=dict)
-    # more driver events: (t, "pause", "20") stops the coordinator for 20 s (SIGSTOP); (t,
-    # "coordinator", "5") crashes it for 5 s (arg optional); (t, "kill+coordinator", "n1") SIGKILLs
-    # n1 and crashes the coordinator at once; (t, "outage", "all-but-one") kills every live node
-    # but one, (t, "outage", "all") every live node. Restart mode "none": the node stays dead.
-
-
-@dataclass
-class Proc:
-    """One process of one node (a restart is a new Proc with the same node id and disk)."""
-
-    node_id: str
-    number: int
-    faults: list[Fault]
-    disk: dict[int, DilocoState]
-    start_from: str  # "fresh" | "latest" | "stale" | "empty"
-    started_at: float = 0.0
-    dead: bool = False
-    killed_at: float | None = None
-    ended_at: float | None = None  # when its main thread ended (any way)
-    restarted: bool = False
-    stalled_until: float = 0.0
-    stalls: list[tuple[float, float]] = field(default_factory=list)  # (from, until) of each SIGSTOP
-    counts: Counter = field(default_factory=Counter)
-    outcome: Outcome | None = None
-    error: str | None = None
-    exc: BaseException | None = None  # the unhandled exception behind ``error``
-    client: CoordinatorClient | None = None
-    mailbox: dict[int, Any] = field(default_factory=dict)
-    receiving: int | None = None  # the outer step whose state it waits for (a donor can connect)
-
-    @property
-    def name(self) -> str:
-        return f"{self.node_id}#{self.number}"
-
-    @property
-    def addr(self) -> str:
-        return f"sim://{self.name}"
+# re-exported: tests (test_overlap, test_security) import the schedule types from here
+__all__ = ["Fault", "Killed", "Proc", "Script", "SimInner", "SimParams"]
 
 
 class _StallWire:
     """The coordinator wire of one process: nothing gets through while the process is stopped,
-    and a paused coordinator (:meth:`Sim.pause_coordinator`) is seen as a real client sees a
+    and a paused coordinator (:meth:`.Sim.pause_coordinator`) is seen as a real client sees a
     SIGSTOPped coordinator's sockets: a new connection's handshake (``open``, ``request``) gets
     no answer, so a pause that outlasts its timeout costs that timeout and a
     :class:`PeerTimeout`; a heartbeat on the open session waits up to ``patience`` for its reply
@@ -140,7 +35,7 @@ class _StallWire:
     Closing the session never waits: the kernel closes a dead process's socket, the coordinator
     reads it when it runs again."""
 
-    def __init__(self, wire: Any, proc: Proc, sim: Sim) -> None:
+    def __init__(self, wire: Any, proc: Proc, sim: World) -> None:
         self.w, self.proc, self.sim, self.clock, self.name = wire, proc, sim, sim.clock, wire.name
 
     def _pause(self) -> None:
@@ -187,7 +82,7 @@ class _StallWire:
 class _Gated:
     """Calls of the named methods pass through a fault point before and after."""
 
-    def __init__(self, target: Any, proc: Proc, sim: Sim, hooks: dict[str, str]) -> None:
+    def __init__(self, target: Any, proc: Proc, sim: World, hooks: dict[str, str]) -> None:
         self._t, self._proc, self._sim, self._hooks = target, proc, sim, hooks
 
     def __getattr__(self, name: str) -> Any:
@@ -215,7 +110,7 @@ class SimInner(NumpyInner):
     """The numpy trainer in virtual time, with fault points around its compute; its records go
     to the simulation's log of every row any node wrote."""
 
-    def __init__(self, sim: Sim, proc: Proc, target: np.ndarray) -> None:
+    def __init__(self, sim: World, proc: Proc, target: np.ndarray) -> None:
         super().__init__(target, sim.init, np.mean(sim.targets[: sim.p.nodes], axis=0), step_time=sim.p.step_time,
                          clock=sim.clock)
         self.sim, self.proc = sim, proc
@@ -249,23 +144,13 @@ class SimInner(NumpyInner):
         return self.sim.poison(self.proc, "own", step // self.sim.p.inner_steps, pg)
 
 
-class _Group:
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.inputs: dict[int, Any] = {}
-        self.members: dict[int, Proc] = {}
-        self.results: list[Any] | None = None
-        self.error: str | None = None
-        self.fail_ranks: set[int] = set()
-
-
 class _Comm:
     """One rank of an in-process ring for one epoch; results are the int8 ring's exact bits."""
 
-    def __init__(self, sim: Sim, proc: Proc, ep: Epoch) -> None:
+    def __init__(self, sim: World, proc: Proc, ep: Epoch) -> None:
         self.sim, self.proc, self.rank, self.world_size, self.epoch = sim, proc, ep.rank, ep.world_size, ep.epoch_id
         self.step = ep.outer_step + 1
-        self.group = sim.groups.setdefault((ep.epoch_id, ep.outer_step), _Group(ep.world_size))
+        self.group = sim.groups.setdefault((ep.epoch_id, ep.outer_step), Group(ep.world_size))
         self.last_stats = CommStats(world_size=ep.world_size, mode="int8")
         self.inspect: Any = None  # as the socket ring's: shown the predecessor's own contribution
         self.suspect: tuple[int, str] | None = None
@@ -329,24 +214,10 @@ def _flat(tree: Any) -> np.ndarray:
     return np.concatenate([np.asarray(x, np.float32).reshape(-1) for x in jax.tree.leaves(tree)])
 
 
-def corrupt(tree: Any, value: str) -> Any:
-    """A copy of a pseudo-gradient tree with NaN, Inf, or every value x1000."""
-    import jax
-
-    def bad(x: np.ndarray) -> np.ndarray:
-        y = np.array(x, np.float32, copy=True)
-        if value == "x1000":
-            return y * np.float32(1000)
-        y.reshape(-1)[: max(1, y.size // 100)] = np.nan if value == "nan" else np.inf
-        return y
-
-    return jax.tree.map(bad, tree)
-
-
 class _Transport:
     """In-process state transfer: the donor's thread delivers a copy after ``transfer_time``."""
 
-    def __init__(self, sim: Sim, proc: Proc) -> None:
+    def __init__(self, sim: World, proc: Proc) -> None:
         self.sim, self.proc = sim, proc
 
     def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any],
@@ -373,7 +244,7 @@ class _Transport:
         def dial() -> bool:
             deadline = clock.now() + sim.p.transfer_timeout
             while True:
-                sim._wait_unstalled(proc)
+                sim.wait_unstalled(proc)
                 with sim.cond:
                     if target is not None and not target.dead and target.receiving == step \
                             and target.stalled_until <= clock.now():
@@ -395,7 +266,7 @@ class _Transport:
                     stop("the coordinator no longer admits it (while sending)")
                     return False
                 clock.sleep(min(every, end - clock.now()))
-                sim._wait_unstalled(proc)
+                sim.wait_unstalled(proc)
             return True
 
         def run() -> None:
@@ -406,7 +277,7 @@ class _Transport:
                 sim.gate(proc, "serve", "during")
                 if not send(sim.p.transfer_time / 2):
                     return
-                sim._wait_unstalled(proc)
+                sim.wait_unstalled(proc)
                 if cancelled():
                     stop("the coordinator no longer admits it (before delivering)")
                     return
@@ -452,7 +323,7 @@ class _Transport:
 class _Disk:
     """A node's checkpoints: they outlive its processes (keep the newest 3)."""
 
-    def __init__(self, sim: Sim, proc: Proc, held: DilocoState | None) -> None:
+    def __init__(self, sim: World, proc: Proc, held: DilocoState | None) -> None:
         self.sim, self.proc, self.held = sim, proc, held
 
     def latest(self) -> DilocoState | None:

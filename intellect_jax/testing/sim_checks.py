@@ -1,0 +1,130 @@
+"""The invariants a fault simulation (:mod:`.sim`) checks, as functions of what it recorded:
+never two hashes for one outer step (:func:`forks`), every process ends cleanly (:func:`ends`),
+no eviction that only the coordinator's own stall explains (:func:`stall_evictions`), and no
+process that lingers long after the run completed (:func:`late_ends`). Each returns the
+violations as lines; :meth:`.Sim.check` gathers them."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from intellect_jax.coordinator.journal import RunRecord
+from intellect_jax.coordinator.protocol import CoordinatorConfig, CoordinatorUnavailable
+from intellect_jax.net.errors import NetError
+from intellect_jax.testing.sim_plan import SimParams
+from intellect_jax.testing.sim_world import Proc
+
+TRANSIENT_ENDS = (CoordinatorUnavailable, NetError, OSError, TimeoutError)  # no process may end of these
+
+Window = tuple[float, float]  # (from, until)
+
+
+def forks(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord) -> list[str]:
+    """Outer steps with two hashes among the rows nodes logged, or one other than the recorded."""
+    by_step: dict[int, set[str]] = {}
+    for _, _, row in rows:
+        by_step.setdefault(row["outer_step"], set()).add(row["outer_hash"])
+    out = []
+    for k, hs in sorted(by_step.items()):
+        if len(hs) > 1:
+            out.append(f"FORK: outer step {k} has {len(hs)} hashes: {sorted(h[:12] for h in hs)}")
+        elif k in rec.hashes and rec.hashes[k] not in hs:
+            out.append(f"FORK: outer step {k} recorded {rec.hashes[k][:12]}, nodes logged {list(hs)[0][:12]}")
+    return out
+
+
+def ends(procs: list[Proc]) -> list[str]:
+    """Processes still alive that never finished, or ended of an exception (a transient
+    coordinator fault above all: the client must wait those out)."""
+    out = []
+    for q in procs:
+        if not q.dead and q.outcome is None and q.error is None:
+            out.append(f"{q.name} never finished")
+        elif q.error and isinstance(q.exc, TRANSIENT_ENDS):
+            out.append(f"{q.name} ended because of a transient coordinator fault: {q.error}")
+        elif q.error:
+            out.append(f"{q.name}: unhandled {q.error}")
+    return out
+
+
+def stall_evictions(coord_events: list[tuple[float, str]], procs: list[Proc], pauses: list[Window],
+                    downtimes: list[Window], p: SimParams, cfg: CoordinatorConfig) -> list[str]:
+    """Evictions that no fault of the node explains: caused by the coordinator's own stall.
+
+    Which evictions: for silence ("no heartbeat for Xs", "missed boundary ...") and for a
+    session its client dropped ("connection lost": a client that gives its session up while
+    the coordinator is paused). Such an eviction of node N at time t is explained if in the
+    window it was judged on some process of N was SIGKILLed, was SIGSTOPped, or (for a
+    dropped session) ended or the coordinator crashed and restarted. The window ends at t
+    and reaches back ``X + slack`` (heartbeat), ``boundary_timeout + slack`` (boundary) or
+    ``reconnect_timeout + slack`` (dropped session: as long as a client may take to give
+    up) seconds as the coordinator counts them: net of its own pauses (the stalls it
+    excuses) and, to be safe, of its crashes, so the window reaches back over every pause
+    or crash inside it (``X`` as the line says; ``slack``: two heartbeat intervals and two
+    ticks). E.g. a node stopped 2.1-8.4 s, then a coordinator pause 3.8-22.5 s: the node is
+    evicted at 22.5 s for the 1 s of silence it had before the pause: explained. Anything
+    else (a stall the coordinator failed to excuse, a heartbeat or session lost in a stalled
+    wire) is reported."""
+    out = []
+    slack = 2 * p.heartbeat_interval + 2 * cfg.tick_interval
+    outside = sorted(pauses + downtimes, key=lambda w: -w[1])
+    for t, line in coord_events:
+        m = re.match(r"evicted (\S+): (no heartbeat for ([\d.]+)s|missed boundary|connection lost)", line)
+        if not m:
+            continue
+        node, why = m.group(1), m.group(2)
+        dropped = why == "connection lost"
+        need = slack + (float(m.group(3)) if m.group(3) else p.reconnect_timeout if dropped
+                        else cfg.boundary_timeout)
+        start = t  # walk back from t over `need` seconds the coordinator counted (it skips its pauses)
+        for a, b in outside:
+            if a >= start:
+                continue
+            if b < start:
+                if start - b >= need:
+                    break
+                need -= start - b
+            start = a
+        start -= need
+        mine = [q for q in procs if q.node_id == node]
+        explained = any((q.killed_at is not None and start <= q.killed_at <= t)
+                        or any(a <= t and b >= start for a, b in q.stalls) for q in mine)
+        if dropped and not explained:
+            explained = (any(q.ended_at is not None and start <= q.ended_at <= t for q in mine)
+                         or any(a <= t and b >= start for a, b in downtimes))
+        if not explained:
+            out.append(f"{node} evicted at {t:.1f}s ({why}) with no kill or stall of it since "
+                       f"{start:.1f}s: the coordinator's own stall got it evicted")
+    return out
+
+
+def late_ends(procs: list[Proc], completed_at: float | None, outside: list[Window], end_bound: float,
+              log: list[str]) -> list[str]:
+    """Processes that ended more than ``end_bound`` after the run completed and they could act
+    again: after the completion, the process's start, its own last stall, and the end of
+    the coordinator's last pause or crash (``outside``; a donor that never lets go of a joiner
+    shows here, as a node waiting on a transfer)."""
+    if completed_at is None:
+        return []
+    out = []
+    coord = max([b for _, b in outside], default=0.0)
+    for q in procs:
+        if q.dead or q.ended_at is None:
+            continue
+        settle = max([completed_at, q.started_at, coord] + [b for _, b in q.stalls])
+        if q.ended_at - settle > end_bound:
+            out.append(f"{q.name} ended {q.ended_at - settle:.1f}s after the run completed (bound "
+                       f"{end_bound:.0f}s){why_late(q, log)}")
+    return out
+
+
+def why_late(q: Proc, log: list[str]) -> str:
+    """A diagnosis of a late end, where the log shows one (product bugs known to cause it)."""
+    mine = [line.split("] ", 1)[1] for line in log if f" [{q.name}] " in line]
+    told = next((i for i, line in enumerate(mine) if line.startswith("nothing to do: the run is complete")), None)
+    if told is not None and any(re.match(r"serving \S+ failed: not reachable", line) for line in mine[told:]):
+        return (": DONOR NEVER LET GO: its registration again was told the run is complete, yet its "
+                "transfers waited out transfer_timeout (CoordinatorClient.serving_revoked stays False: "
+                "register() cleared _fatal and a refused registration sets no view)")
+    return ""

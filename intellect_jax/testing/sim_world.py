@@ -1,0 +1,177 @@
+"""What the simulated processes of a fault simulation (:mod:`.sim`) share: virtual time and one
+condition, the event log, the rows every node recorded, the rings being formed, and the fault
+points through which a process dies (:meth:`World.kill`), stalls or is poisoned
+(:meth:`World.gate`, :meth:`World.poison`).
+
+:class:`World` is all the simulated parts (:mod:`.sim_parts`) see of the simulation; the driver
+(:class:`~.sim_driver.Sim`) extends it with the coordinator and the schedule, so the parts never
+import the driver.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from intellect_jax.coordinator.client import CoordinatorClient
+from intellect_jax.diloco.loop import Outcome
+from intellect_jax.diloco.state import DilocoState
+from intellect_jax.net.comm import RingConfig
+from intellect_jax.testing.clock import SimClock
+from intellect_jax.testing.sim_plan import Fault, SimParams
+
+
+class Killed(BaseException):
+    """The simulated node process died (SIGKILL): nothing of it runs any more."""
+
+
+@dataclass
+class Proc:
+    """One process of one node (a restart is a new Proc with the same node id and disk)."""
+
+    node_id: str
+    number: int
+    faults: list[Fault]
+    disk: dict[int, DilocoState]
+    start_from: str  # "fresh" | "latest" | "stale" | "empty"
+    started_at: float = 0.0
+    dead: bool = False
+    killed_at: float | None = None
+    ended_at: float | None = None  # when its main thread ended (any way)
+    restarted: bool = False
+    stalled_until: float = 0.0
+    stalls: list[tuple[float, float]] = field(default_factory=list)  # (from, until) of each SIGSTOP
+    counts: Counter = field(default_factory=Counter)
+    outcome: Outcome | None = None
+    error: str | None = None
+    exc: BaseException | None = None  # the unhandled exception behind ``error``
+    client: CoordinatorClient | None = None
+    mailbox: dict[int, Any] = field(default_factory=dict)
+    receiving: int | None = None  # the outer step whose state it waits for (a donor can connect)
+
+    @property
+    def name(self) -> str:
+        return f"{self.node_id}#{self.number}"
+
+    @property
+    def addr(self) -> str:
+        return f"sim://{self.name}"
+
+
+class Group:
+    """The ranks of one all-reduce meeting in process (one per epoch and boundary)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.inputs: dict[int, Any] = {}
+        self.members: dict[int, Proc] = {}
+        self.results: list[Any] | None = None
+        self.error: str | None = None
+        self.fail_ranks: set[int] = set()
+
+
+class World:
+    """The shared state and fault points of one seeded simulation (see the module docstring)."""
+
+    def __init__(self, seed: int, params: SimParams | None = None) -> None:
+        self.seed, self.p = seed, params or SimParams()
+        self.rng = np.random.default_rng(seed)
+        self.clock = SimClock()
+        self.cond = self.clock.Condition()
+        self.log: list[str] = []
+        self.ring_cfg = RingConfig(mode="int8", block_size=32, piece_numel=64, deadline=self.p.ring_deadline)
+        self.rows: list[tuple[str, int, dict[str, Any]]] = []  # (proc, inner step, row) as recorded
+        self.groups: dict[tuple[int, int], Group] = {}  # (epoch, boundary): an epoch spans steps
+        self.by_addr: dict[str, Proc] = {}
+        self.injected: Counter = Counter()
+        self.paused_until = 0.0  # the coordinator is SIGSTOPped until then
+        self.pausing = False  # a pause is under way (its thread holds, or waits for, the service's lock)
+        rs = np.random.default_rng(12345)  # the task itself is the same for every seed
+        p = self.p
+        self.targets = [rs.standard_normal(p.dim).astype(np.float32) for _ in range(p.nodes + p.late_joiners + 2)]
+        self.init = {"w": rs.standard_normal(p.dim).astype(np.float32), "u": np.zeros((4, 8), np.float32)}
+
+    def say(self, who: str, line: str) -> None:
+        self.log.append(f"{self.clock.now():9.3f} [{who}] {line}")
+
+    def coordinator_paused(self) -> bool:
+        return self.pausing or self.paused_until > self.clock.now()
+
+    # ---- fault points --------------------------------------------------------------------------
+    def gate(self, proc: Proc, hook: str, when: str, during: Callable[[float], None] | None = None) -> Fault | None:
+        """A fault point of ``proc``: dies, stalls, or returns a fault the caller acts on."""
+        if proc.dead:
+            raise Killed()
+        self.wait_unstalled(proc)
+        if when == "before":
+            proc.counts[hook] += 1
+        n = proc.counts[hook] - 1
+        for f in proc.faults:
+            if f.hook == hook and f.nth == n and f.when == when:
+                proc.faults.remove(f)
+                self.injected[f"{f.kind}@{hook}/{when}"] += 1
+                self.say(proc.name, f"FAULT {f.kind} at {hook} #{n} ({when})")
+                if f.kind == "kill":
+                    self.kill(proc)
+                if f.kind == "stall":
+                    proc.stalled_until = self.clock.now() + f.seconds
+                    proc.stalls.append((self.clock.now(), proc.stalled_until))
+                    self.clock.sleep(f.seconds)
+                    self.say(proc.name, f"resumes after a {f.seconds:.2f}s stall")
+                return f
+        return None
+
+    def poison(self, proc: Proc, where: str, step: int, tree: Any) -> Any:
+        """``tree`` as the node's pseudo-gradient of outer step ``step`` (``where``: "own" before its
+        own check, "wire" on its way into the ring), corrupted if a poison fault says so."""
+        for f in proc.faults:
+            if f.hook == "poison" and f.when == where and f.nth == step:
+                self.injected[f"poison {f.value} ({where})"] += 1
+                self.say(proc.name, f"FAULT poison ({f.value}, {where}) at outer step {step}")
+                return corrupt(tree, f.value)
+        return tree
+
+    def wait_unstalled(self, proc: Proc) -> None:
+        """A stopped process's thread resumes when the stop ends (or dies with it)."""
+        left = proc.stalled_until - self.clock.now()
+        if left > 0:
+            self.clock.sleep(left)
+        if proc.dead:
+            raise Killed()
+
+    def kill_from_outside(self, proc: Proc) -> None:
+        """SIGKILL from another thread: the process's own threads die at their next step."""
+        try:
+            self.kill(proc)
+        except Killed:
+            pass
+
+    def kill(self, proc: Proc) -> None:
+        """SIGKILL: the process is gone (its session drops, its rings and transfers fail)."""
+        if proc.dead:
+            raise Killed()
+        proc.dead, proc.killed_at = True, self.clock.now()
+        self.say(proc.name, "SIGKILL")
+        if proc.client is not None:
+            proc.client.close()
+        with self.cond:
+            self.cond.notify_all()
+        raise Killed()
+
+
+def corrupt(tree: Any, value: str) -> Any:
+    """A copy of a pseudo-gradient tree with NaN, Inf, or every value x1000."""
+    import jax
+
+    def bad(x: np.ndarray) -> np.ndarray:
+        y = np.array(x, np.float32, copy=True)
+        if value == "x1000":
+            return y * np.float32(1000)
+        y.reshape(-1)[: max(1, y.size // 100)] = np.nan if value == "nan" else np.inf
+        return y
+
+    return jax.tree.map(bad, tree)
