@@ -11,12 +11,14 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from intellect_jax.net import (
     AuthError,
+    ConfigMismatch,
     FrameError,
     NetNode,
     PeerClosed,
@@ -24,9 +26,15 @@ from intellect_jax.net import (
     TLSConfig,
     TransportConfig,
     load_secret,
+    parse_address,
+    recv_arrays,
     recv_blob,
+    recv_msg,
+    send_arrays,
     send_blob,
+    send_msg,
 )
+from intellect_jax.net.arrays import recv_array_head, spec
 from intellect_jax.net.frames import HEADER_LEN, MsgType, pack_header, payload_tag
 from intellect_jax.net.listener import Listener
 from intellect_jax.net.transport import Connection, connect
@@ -317,3 +325,83 @@ def test_load_secret(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(AuthError):
         TransportConfig(run_id="r", secret=b"short")
     assert SECRET.decode() not in repr(_cfg())
+
+
+def test_json_messages_must_be_objects() -> None:
+    a, b, _, _ = _pair()
+    send_msg(a, {"op": "x", "n": [1, 2]})
+    assert recv_msg(b, _deadline()) == {"op": "x", "n": [1, 2]}
+    bad = [b"[1, 2]", b'"text"', b"3", b"null", b"{not json", b"\xff\xfe", b"[" * 50_000 + b"]" * 50_000]
+    for raw in bad:  # valid JSON that is no object, invalid JSON, bad UTF-8, nesting past the recursion limit
+        a.send(MsgType.META, raw)
+        with pytest.raises(FrameError, match="JSON"):
+            recv_msg(b, _deadline())
+    send_msg(a, {"pad": "x" * 200})
+    with pytest.raises(FrameError, match="above 100"):
+        recv_msg(b, _deadline(), max_len=100)
+    with pytest.raises(TypeError):
+        send_msg(a, [1, 2])  # type: ignore[arg-type]
+    a.close(), b.close()
+
+
+def test_arrays_round_trip_in_every_dtype_and_shape() -> None:
+    a, b, _, _ = _pair()
+    arrays = [np.arange(12, dtype=np.float32).reshape(3, 4), np.linspace(-2, 2, 7).astype(ml_dtypes.bfloat16),
+              np.asarray(-5, np.int8), np.empty((0, 3), ml_dtypes.bfloat16), np.zeros(0, np.float32),
+              np.arange(20, dtype=np.int32).reshape(4, 5)[:, ::2],  # strided: sent as a contiguous copy
+              np.arange(3, dtype=">f4"), np.array([True, False])]
+    got: dict[str, object] = {}
+    t = threading.Thread(target=lambda: got.update(r=recv_arrays(b, max_bytes=1 << 20, deadline=_deadline())))
+    t.start()
+    sent = send_arrays(a, arrays, {"step": 3}, deadline=_deadline())
+    t.join(5)
+    meta, back = got["r"]  # type: ignore[misc]
+    assert meta == {"step": 3} and sent == sum(x.nbytes for x in arrays)
+    for x, y in zip(arrays, back, strict=True):
+        assert y.dtype == x.dtype.newbyteorder("=") and y.shape == x.shape and np.array_equal(x, y)
+    with pytest.raises(ValueError, match="dtype complex64"):
+        send_arrays(a, [np.zeros(2, np.complex64)])
+    a.close(), b.close()
+
+
+def test_array_headers_are_checked_before_allocating() -> None:
+    a, b, _, _ = _pair()
+
+    def head(arrays: object, **limits: object) -> object:
+        send_msg(a, {"arrays": arrays})
+        return recv_array_head(b, deadline=_deadline(), **limits)
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(FrameError, match="more than the 1000 bytes"):
+            head([["float32", [1 << 40, 1 << 40]]], max_bytes=1000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    with pytest.raises(FrameError, match="5 arrays announced, more than 4"):
+        head([["int8", [1]]] * 5, max_bytes=1000, max_count=4)
+    with pytest.raises(FrameError, match="dtype 'object' refused"):
+        head([["object", [1]]], max_bytes=1000)
+    with pytest.raises(FrameError, match="dtype 'float64' refused"):
+        head([["float64", [1]]], max_bytes=1000, dtypes={"float32"})
+    for malformed in (None, {"x": 1}, [["float32"]], [["float32", [-1]]], [["float32", [1.5]]], [["float32", 3]],
+                      [["float32", [True]]], [[7, [1]]]):
+        with pytest.raises(FrameError, match="malformed|without"):
+            head(malformed, max_bytes=1000)
+    like = [spec(np.zeros((2, 3), np.float32))]
+    with pytest.raises(ConfigMismatch, match=r"array 0 is float32\[3, 2\], expected float32\[2, 3\]"):
+        head([["float32", [3, 2]]], like=like)
+    with pytest.raises(ConfigMismatch, match="sent 2 arrays, expected 1"):
+        head([["float32", [2, 3]]] * 2, like=like)
+    assert head([["float32", [2, 3]]], like=like) == ({}, like)
+    a.close(), b.close()
+
+
+def test_parse_address() -> None:
+    assert parse_address("10.0.0.1:29500") == ("10.0.0.1", 29500)
+    assert parse_address("[::1]:80") == ("::1", 80)
+    assert parse_address(("h", 0)) == parse_address(["h", "0"]) == ("h", 0)
+    for bad in ("no-port", "h:", "h:-1", "h:65536", "h:x", ("h",), ("h", 1, 2), (3, 4), ("h", 1.5), 42, None):
+        with pytest.raises(ValueError, match="address"):
+            parse_address(bad)  # type: ignore[arg-type]

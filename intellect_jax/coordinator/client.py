@@ -30,7 +30,6 @@ from dataclasses import asdict, fields, replace
 from typing import Any, Self
 
 from intellect_jax.coordinator.clock import REAL, Clock
-from intellect_jax.coordinator.server import Address
 from intellect_jax.coordinator.protocol import (
     PROTOCOL,
     Admission,
@@ -46,7 +45,7 @@ from intellect_jax.coordinator.protocol import (
     StaleSession,
 )
 from intellect_jax.coordinator.wire import TRANSIENT, SocketWire, Wire, coordinator_status, reply_error
-from intellect_jax.net import AuthError, PeerTimeout, TransportConfig
+from intellect_jax.net import Address, AuthError, PeerTimeout, TransportConfig
 
 __all__ = ["Admission", "CoordinatorClient", "CoordinatorError", "CoordinatorUnavailable", "Epoch", "Evicted",
            "ProtocolError", "RegisterReply", "RegistrationRefused", "RunCompleted", "SocketWire",

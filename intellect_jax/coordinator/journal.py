@@ -3,8 +3,8 @@
 `RunRecord` holds the high-water mark (the newest outer step whose state hash the coordinator
 recorded, and that hash), the recorded hashes of recent outer steps, whether the run is
 complete, its length in outer steps, its model fingerprint and the next epoch id. The
-coordinator writes it to a small JSON file after every change (write to a temporary file,
-fsync, rename: a crash leaves the old or the new record, never half of one) and reloads it on
+coordinator writes it to a small JSON file after every change (:func:`~intellect_jax.files.atomic_write`:
+a crash leaves the old or the new record, never half of one) and reloads it on
 restart, so a restarted coordinator still knows which states are behind, and a finished run
 stays finished.
 """
@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from intellect_jax.files import atomic_write
 
 VERSION = 1
 
@@ -109,13 +110,7 @@ class Journal:
         d = rec.to_json()
         if d == self._saved:
             return False
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{uuid.uuid4().hex}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(d, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        atomic_write(self.path, json.dumps(d, sort_keys=True))
         self._saved = d
         return True
 

@@ -11,7 +11,6 @@ so neither side's I/O timeout fires.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from typing import Any, Self
@@ -19,27 +18,21 @@ from typing import Any, Self
 from intellect_jax.coordinator.journal import Journal
 from intellect_jax.coordinator.protocol import PROTOCOL, CoordinatorConfig, ProtocolError
 from intellect_jax.coordinator.service import CoordinatorService, ServiceStopped, error_reply
-from intellect_jax.net import Connection, Listener, NetError, PeerTimeout, TransportConfig
-from intellect_jax.net.frames import MsgType
-
-Address = tuple[str, int]
+from intellect_jax.net import (
+    Address,
+    Connection,
+    FrameError,
+    Listener,
+    NetError,
+    PeerTimeout,
+    TransportConfig,
+    recv_msg,
+    send_msg,
+)
 
 CHANNEL = "coordinator"
 MAX_MSG = 1 << 20
 log = logging.getLogger("intellect_jax.coordinator")
-
-
-def send_msg(conn: Connection, msg: dict[str, Any], deadline: float | None = None) -> None:
-    """Send one JSON message."""
-    conn.send(MsgType.META, json.dumps(msg, separators=(",", ":")).encode(), deadline=deadline)
-
-
-def recv_msg(conn: Connection, deadline: float | None = None) -> dict[str, Any]:
-    """Receive one JSON object (raises ``ValueError`` on a malformed one)."""
-    msg = json.loads(conn.recv(MsgType.META, deadline=deadline, max_len=MAX_MSG)[1])
-    if not isinstance(msg, dict):
-        raise ValueError("a request must be a JSON object")
-    return msg
 
 
 class Coordinator:
@@ -131,12 +124,12 @@ class Coordinator:
         try:
             while not self._stop.is_set():
                 try:
-                    req = recv_msg(conn)
+                    req = recv_msg(conn, max_len=MAX_MSG)
                 except PeerTimeout:  # a quiet session: the heartbeat timeout decides, not io_timeout
                     if session is None or not svc.locked(lambda now: svc.membership.alive(*session)):
                         return
                     continue
-                except ValueError as e:
+                except FrameError as e:  # not a JSON object, or a broken frame: say why, then hang up
                     send_msg(conn, error_reply(ProtocolError(f"malformed request: {e}")))
                     return
                 reply = svc.handle(req, session, keepalive=lambda: send_msg(conn, {"wait": True}))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from intellect_jax.coordinator.server import CHANNEL, Address, recv_msg, send_msg
+from intellect_jax.coordinator.server import CHANNEL, MAX_MSG
 from intellect_jax.coordinator.protocol import (
     CoordinatorError,
     CoordinatorUnavailable,
@@ -17,8 +17,17 @@ from intellect_jax.coordinator.protocol import (
     RunCompleted,
     StaleSession,
 )
-from intellect_jax.net import Connection, NetError, PeerTimeout, TransportConfig, connect
-from intellect_jax.net.comm import parse_address
+from intellect_jax.net import (
+    Address,
+    Connection,
+    NetError,
+    PeerTimeout,
+    TransportConfig,
+    connect,
+    parse_address,
+    recv_msg,
+    send_msg,
+)
 
 _ERRORS = {c.__name__: c for c in (RegistrationRefused, Evicted, ProtocolError, StaleSession, CoordinatorUnavailable,
                                    RunCompleted)}
@@ -60,7 +69,7 @@ class SocketWire:
         try:
             deadline = time.monotonic() + max(timeout, self.cfg.handshake_timeout)
             send_msg(conn, msg, deadline)
-            reply = recv_msg(conn, deadline)
+            reply = recv_msg(conn, deadline, MAX_MSG)
         except BaseException:
             conn.close()
             raise
@@ -78,7 +87,7 @@ class SocketWire:
         end = time.monotonic() + patience
         while True:
             try:
-                return recv_msg(handle, end)
+                return recv_msg(handle, end, MAX_MSG)
             except PeerTimeout as e:
                 if not e.idle or time.monotonic() >= end:
                     raise
@@ -92,7 +101,7 @@ class SocketWire:
         try:
             send_msg(conn, msg, deadline)
             while True:
-                reply = recv_msg(conn, deadline)
+                reply = recv_msg(conn, deadline, MAX_MSG)
                 if not reply.get("wait"):
                     return reply
         finally:

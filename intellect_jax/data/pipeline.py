@@ -208,10 +208,6 @@ class DataIterator:
                 close()
             self._it = None
 
-    def peek(self, step: int) -> dict:
-        """The batch at position ``step`` (random access; does not move the iterator)."""
-        return self._batches[step]
-
 
 def _source_info(sp: SourceSplit) -> dict:
     return {

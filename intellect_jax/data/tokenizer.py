@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -15,6 +13,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from ..files import atomic_write
 from .config import BUNDLED, DataConfig
 from .errors import DataError
 
@@ -142,16 +141,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def bundled_tokenizer(vocab_size: int, cache_dir: str | Path) -> Tok:
     """BPE trained on the bundled corpus, cached under ``cache_dir/tokenizers``."""
     from .sources import BUNDLED_FILES, CORPUS_DIR, iter_documents
@@ -168,7 +157,7 @@ def bundled_tokenizer(vocab_size: int, cache_dir: str | Path) -> Tok:
         except Exception:  # noqa: BLE001 - a corrupt cache entry is retrained
             pass
     tok = train_bpe(iter_documents(BUNDLED), vocab_size)
-    _atomic_write_text(path, tok.to_str())
+    atomic_write(path, tok.to_str())
     return _make_tok(tok, BOS_TOKEN, EOS_TOKEN, name)
 
 

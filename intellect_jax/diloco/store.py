@@ -12,7 +12,6 @@ without a disk: the sweep benchmark, the simulation).
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,13 +21,9 @@ import numpy as np
 
 from intellect_jax.diloco.state import DilocoState, MomentumState, state_hash, to_host
 from intellect_jax.trainer.checkpoint import Checkpointer, CheckpointError
-from intellect_jax.trainer.loop import Trainer
+from intellect_jax.trainer.loop import Trainer, warn
 
 ITEM = "diloco"
-
-
-def _warn(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 class CheckpointStore:
@@ -36,7 +31,7 @@ class CheckpointStore:
     ``resume``, or another node's run directory ``init_from`` (e.g. on shared storage)."""
 
     def __init__(self, trainer: Trainer, *, resume: bool = False, init_from: str | None = None,
-                 meta: dict[str, Any] | None = None, warn: Callable[[str], None] = _warn) -> None:
+                 meta: dict[str, Any] | None = None, warn: Callable[[str], None] = warn) -> None:
         self.t, self.resume, self.init_from, self.warn = trainer, resume, init_from, warn
         self.meta = meta or {}
 

@@ -2,8 +2,9 @@
 layer, in the background, while it keeps training.
 
 No disk and no orbax on the donor: the snapshot (host numpy, taken at the boundary) goes out
-leaf by leaf in `DilocoState.arrays()` order (one META frame naming every leaf's path, dtype
-and shape, then one blob per leaf, each frame MAC-checked and each blob checked end to end),
+leaf by leaf in `DilocoState.arrays()` order as one array list (:mod:`intellect_jax.net.arrays`:
+a header with the meta, every leaf's path, dtype and shape, then one blob per leaf, each frame
+MAC-checked and each blob checked end to end),
 so the donor's own periodic checkpoint (its one orbax path) can never collide with it. The
 joiner receives every leaf straight into its final numpy buffer; the outer loop then checks
 the state hash, writes the state as the joiner's own checkpoint and restores it from there
@@ -16,33 +17,29 @@ dialling a joiner that is gone.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from intellect_jax.coordinator.clock import REAL, Clock, abort_when
 from intellect_jax.diloco.loop import TransferFailed
 from intellect_jax.coordinator.protocol import Admission
 from intellect_jax.diloco.state import DilocoState
-from intellect_jax.net.blob import recv_blob, send_blob
+from intellect_jax.net.arrays import recv_array_data, recv_array_head, send_arrays, spec
 from intellect_jax.net.comm import NetNode
-from intellect_jax.net.errors import PeerTimeout
-from intellect_jax.net.frames import MsgType
-
-MAX_HEADER = 1 << 24
+from intellect_jax.net.errors import ConfigMismatch, PeerTimeout
+from intellect_jax.net.transport import recv_msg, send_msg
 
 
 def channel(joiner_id: str, outer_step: int) -> str:
     return f"state/{joiner_id}/{outer_step}"
 
 
-def leaf_specs(tree: Any) -> list[list[Any]]:
-    return [[jax.tree_util.keystr(p), np.dtype(x.dtype).str, list(x.shape)]
-            for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+def leaf_paths(tree: Any) -> list[str]:
+    """The leaves' paths, so that a state of another structure is refused even if its shapes match."""
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 class NetTransport:
@@ -97,17 +94,13 @@ class NetTransport:
     def send(self, joiner_addr: str, joiner_id: str, snapshot: DilocoState, meta: dict[str, Any],
              timeout: float, cancelled: Callable[[], bool] = lambda: False) -> int:
         arrays = snapshot.arrays()
-        leaves = jax.tree.leaves(arrays)
         deadline = time.monotonic() + timeout
         cpu0 = time.thread_time()
-        sent = 0
         conn = self._dial(joiner_addr, joiner_id, meta["outer_step"], deadline, cancelled)
         with conn, abort_when(self.clock, cancelled, conn.abort, self.watch_interval):
-            head = {**meta, "leaves": leaf_specs(arrays)}
-            conn.send(MsgType.META, json.dumps(head).encode(), deadline=deadline)
-            for x in leaves:
-                sent += send_blob(conn, np.ascontiguousarray(x), chunk_bytes=self.chunk_bytes, deadline=deadline)
-            conn.recv(MsgType.META, deadline=deadline, max_len=1 << 12)  # the joiner's receipt
+            sent = send_arrays(conn, jax.tree.leaves(arrays), {**meta, "paths": leaf_paths(arrays)},
+                               deadline=deadline, chunk_bytes=self.chunk_bytes)
+            recv_msg(conn, deadline, max_len=1 << 12)  # the joiner's receipt
         self.last = {"bytes": sent, "seconds": time.monotonic() - (deadline - timeout),
                      "cpu_s": time.thread_time() - cpu0}  # this thread's CPU time (hashing, syscalls)
         return sent
@@ -132,17 +125,16 @@ class NetTransport:
         t0 = time.monotonic()  # the transfer itself, from the donor's connection
         arrays = template.arrays()
         treedef = jax.tree.structure(arrays)
-        want = leaf_specs(arrays)
+        like = [spec(x) for x in jax.tree.leaves(arrays)]
         with conn, abort_when(clock, cancelled, conn.abort, self.watch_interval):
             end = time.monotonic() + timeout
-            head = json.loads(conn.recv(MsgType.META, deadline=end, max_len=MAX_HEADER)[1])
-            if head.get("leaves") != want:
-                raise TransferFailed(f"donor {adm.donor_id} sent a state of another shape "
-                                     f"({len(head.get('leaves', []))} arrays, expected {len(want)})")
-            bufs = [np.empty(shape, np.dtype(dt)) for _, dt, shape in want]
-            for b in bufs:
-                recv_blob(conn, into=b, max_bytes=b.nbytes, deadline=end)
-            conn.send(MsgType.META, b'{"ok": true}', deadline=end)
+            try:
+                meta, specs = recv_array_head(conn, like=like, deadline=end)
+            except ConfigMismatch as e:
+                raise TransferFailed(f"donor {adm.donor_id} sent a state of another shape ({e})") from None
+            if meta.pop("paths", None) != leaf_paths(arrays):
+                raise TransferFailed(f"donor {adm.donor_id} sent a state of another shape (other leaf paths)")
+            bufs = recv_array_data(conn, specs, deadline=end)
+            send_msg(conn, {"ok": True}, end)
         self.last = {"bytes": sum(b.nbytes for b in bufs), "seconds": time.monotonic() - t0}
-        meta = {k: v for k, v in head.items() if k != "leaves"}
         return meta, template.with_arrays(jax.tree.unflatten(treedef, bufs))

@@ -1,10 +1,13 @@
 """intellect_jax.net: authenticated, quantized ring all-reduce between DiLoCo nodes (numpy + sockets).
 
 The DiLoCo layer needs only :class:`Communicator` (``all_reduce_mean(tree) -> tree`` and
-``last_stats``); build the real one with :class:`NetNode` + :meth:`NetNode.ring` (or
-:func:`open_ring`); the in-process fake is :mod:`intellect_jax.testing.local_ring`. See ``docs/net.md``.
+``last_stats``); build the real one with :class:`NetNode` + :meth:`NetNode.ring`; the in-process
+fake is :mod:`intellect_jax.testing.local_ring`. Above the frames, every layer exchanges JSON
+objects (:func:`send_msg` / :func:`recv_msg`), lists of arrays (:func:`send_arrays` /
+:func:`recv_arrays`) and blobs (:func:`send_blob` / :func:`recv_blob`). See ``docs/net.md``.
 """
 
+from intellect_jax.net.arrays import recv_arrays, send_arrays
 from intellect_jax.net.auth import TLSConfig, load_secret
 from intellect_jax.net.blob import recv_blob, send_blob
 from intellect_jax.net.comm import (
@@ -13,7 +16,6 @@ from intellect_jax.net.comm import (
     NetNode,
     RingConfig,
     SocketCommunicator,
-    open_ring,
 )
 from intellect_jax.net.errors import (
     AuthError,
@@ -25,9 +27,18 @@ from intellect_jax.net.errors import (
     RingClosed,
 )
 from intellect_jax.net.listener import Listener
-from intellect_jax.net.transport import Connection, TransportConfig, connect
+from intellect_jax.net.transport import (
+    Address,
+    Connection,
+    TransportConfig,
+    connect,
+    parse_address,
+    recv_msg,
+    send_msg,
+)
 
 __all__ = [
+    "Address",
     "AuthError",
     "CommStats",
     "Communicator",
@@ -46,7 +57,11 @@ __all__ = [
     "TransportConfig",
     "connect",
     "load_secret",
-    "open_ring",
+    "parse_address",
+    "recv_arrays",
     "recv_blob",
+    "recv_msg",
+    "send_arrays",
     "send_blob",
+    "send_msg",
 ]

@@ -19,10 +19,17 @@ import numpy as np
 
 from intellect_jax.net import quant, tree as treelib
 from intellect_jax.net.errors import ConfigMismatch, PeerTimeout, RingClosed
-from intellect_jax.net.frames import MsgType
 from intellect_jax.net.ring import Links, Workspace, ring_all_reduce
 from intellect_jax.net.listener import Listener
-from intellect_jax.net.transport import Address, Connection, TransportConfig, connect
+from intellect_jax.net.transport import (
+    Address,
+    Connection,
+    TransportConfig,
+    connect,
+    parse_address,
+    recv_msg,
+    send_msg,
+)
 
 T = TypeVar("T")
 
@@ -130,14 +137,6 @@ def _copy_into(flat: np.ndarray, out: np.ndarray | None) -> np.ndarray:
     return out
 
 
-def parse_address(addr: Address | str) -> Address:
-    """``"host:port"`` or ``(host, port)`` -> ``(host, port)``."""
-    if isinstance(addr, str):
-        host, _, port = addr.rpartition(":")
-        return host.strip("[]"), int(port)
-    return str(addr[0]), int(addr[1])
-
-
 class NetNode:
     """A node's endpoint: a listener that stays up, plus outgoing connections on demand."""
 
@@ -183,7 +182,7 @@ class SocketCommunicator:
     """
 
     def __init__(self, node: NetNode, peers: Sequence[Address | str], rank: int, *, epoch: int = 0,
-                 config: RingConfig | None = None, owns_node: bool = False) -> None:
+                 config: RingConfig | None = None) -> None:
         self.node, self.rank, self.epoch = node, rank, epoch
         self.peers = [parse_address(p) for p in peers]
         self.world_size = len(self.peers)
@@ -194,7 +193,6 @@ class SocketCommunicator:
         if piece_bytes > node.cfg.max_frame_bytes:
             raise ValueError(f"a ring piece of {self.config.piece_numel} values is {piece_bytes} bytes, above "
                              f"max_frame_bytes={node.cfg.max_frame_bytes}; lower piece_numel")
-        self._owns_node = owns_node
         self._aborted = False
         self.inspect: Any = None  # (theirs, ours) -> reason | None, shown the predecessor's own pieces
         self.suspect: tuple[int, str] | None = None  # (predecessor rank, reason) after a call
@@ -253,10 +251,8 @@ class SocketCommunicator:
 
     def _check_meta(self, links: Links, meta: dict[str, Any], deadline: float) -> None:
         """Send our parameters downstream, compare with the upstream rank's."""
-        mine = json.dumps(meta, sort_keys=True).encode()
-        links.out[0].send(MsgType.META, mine, deadline=deadline)
-        _, theirs_raw = links.inn[0].recv(MsgType.META, deadline=deadline, max_len=1 << 16)
-        theirs = json.loads(theirs_raw)
+        send_msg(links.out[0], meta, deadline)
+        theirs = recv_msg(links.inn[0], deadline, max_len=1 << 16)
         diff = sorted(k for k in set(meta) | set(theirs) if meta.get(k) != theirs.get(k))
         if diff:
             prv = (self.rank - 1) % self.world_size
@@ -325,28 +321,11 @@ class SocketCommunicator:
         self.node.listener.discard(f"ring/{self.epoch}/")
 
     def close(self) -> None:
-        """Close the ring's connections (and the node, if this communicator created it)."""
+        """Close the ring's connections (the node stays up for the next ring)."""
         self._teardown()
-        if self._owns_node:
-            self.node.close()
 
     def __enter__(self) -> SocketCommunicator:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def open_ring(rank: int, peers: Sequence[Address | str], *, secret: bytes, run_id: str, mode: str = "int8",
-              block_size: int = 64, deadline: float = 300.0, streams: int = 1, epoch: int = 0,
-              node: NetNode | None = None, **ring_kwargs: Any) -> SocketCommunicator:
-    """Build a :class:`SocketCommunicator` from plain parameters.
-
-    Without ``node`` a listener is bound at ``peers[rank]`` and closed with the ring.
-    """
-    cfg = RingConfig(mode=mode, block_size=block_size, deadline=deadline, streams=streams, **ring_kwargs)
-    owns = node is None
-    if node is None:
-        host, port = parse_address(peers[rank])
-        node = NetNode(TransportConfig(run_id=run_id, secret=secret), host, port)
-    return SocketCommunicator(node, peers, rank, epoch=epoch, config=cfg, owns_node=owns)

@@ -6,17 +6,21 @@
   ``io_timeout`` without progress and never past the caller's deadline.
 * :func:`connect` dials a peer (retrying until a timeout) and runs the client handshake;
   :class:`~intellect_jax.net.listener.Listener` is the accepting side.
+* :func:`send_msg` / :func:`recv_msg`: one JSON object in a ``META`` frame, the one way every
+  layer exchanges small messages (requests, commands, headers).
 
 A connection supports one sending and one receiving thread at a time.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import ssl
 import struct
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +40,23 @@ from intellect_jax.net.frames import (
 
 Address = tuple[str, int]
 Buffer = bytes | bytearray | memoryview | np.ndarray
+MAX_MSG = 1 << 20  # default size limit of one JSON message
+
+
+def parse_address(addr: Address | str) -> Address:
+    """``"host:port"`` (IPv6 hosts in brackets) or ``(host, port)`` -> ``(host, port)``; addresses
+    also come from peers (a ring's member list), so anything else raises ``ValueError``."""
+    if isinstance(addr, str):
+        host, sep, port = addr.rpartition(":")
+        host = host.strip("[]")
+    elif isinstance(addr, (tuple, list)) and len(addr) == 2:
+        (host, port), sep = addr, ":"
+    else:
+        raise ValueError(f"not an address: {str(addr)[:80]!r}")
+    if not sep or not isinstance(host, str) or type(port) not in (int, str) \
+            or not str(port).isdigit() or int(port) >= 1 << 16:  # port 0: listen on any free port
+        raise ValueError(f"not a host:port address: {str(addr)[:80]!r}")
+    return host, int(port)
 
 
 @dataclass(frozen=True)
@@ -272,6 +293,27 @@ class Connection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def send_msg(conn: Connection, msg: dict[str, Any], deadline: float | None = None) -> None:
+    """Send one JSON object (compact) in a ``META`` frame."""
+    if not isinstance(msg, dict):
+        raise TypeError(f"a message is a JSON object, not {type(msg).__name__}")
+    conn.send(MsgType.META, json.dumps(msg, separators=(",", ":")).encode(), deadline=deadline)
+
+
+def recv_msg(conn: Connection, deadline: float | None = None, max_len: int = MAX_MSG) -> dict[str, Any]:
+    """Receive one JSON object of at most ``max_len`` bytes. Anything else (bad UTF-8, bad JSON,
+    a valid JSON value that is not an object) raises :class:`FrameError` here, so callers may
+    index the result without meeting the peer's mistakes as ``AttributeError`` later."""
+    _, raw = conn.recv(MsgType.META, deadline=deadline, max_len=max_len)
+    try:
+        msg = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON; nesting too deep
+        raise FrameError(f"{conn.peer}: malformed JSON message ({e})") from None
+    if not isinstance(msg, dict):
+        raise FrameError(f"{conn.peer}: a message must be a JSON object, got {type(msg).__name__}")
+    return msg
 
 
 def connect(cfg: TransportConfig, address: Address, channel: str, *, timeout: float | None = None,
