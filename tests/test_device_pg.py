@@ -9,12 +9,16 @@ import triton
 from flax import nnx
 from test_train import tiny_cfg
 
+from intellect_jax.diloco.config import DilocoConfig
 from intellect_jax.diloco.device_pg import (
     DevicePseudoGradient,
+    PgPath,
     Piece,
     assemble,
     host_quantize,
+    pg_path,
 )
+from intellect_jax.diloco.parts import DilocoError
 from intellect_jax.kernels import quant_triton as K
 from intellect_jax.model import sharding as S
 from intellect_jax.model.config import ModelConfig
@@ -94,6 +98,48 @@ def test_no_anchor_is_an_error():
         DevicePseudoGradient(BLOCK, host_quantize).pieces({"w": jnp.zeros(3)})
 
 
+PATHS = [  # settings, processes, kernel runs here -> (device, kernel, overlap) or the error
+    ({}, 1, False, (True, False, True)),  # overlapped by default: the device path, host codec
+    ({}, 1, True, (True, True, True)),
+    ({}, 2, True, (True, True, False)),  # several processes: device, synchronous
+    ({}, 2, False, (True, False, False)),
+    ({"overlap": False}, 1, False, (False, False, False)),  # "auto" without the kernel: host
+    ({"overlap": False}, 1, True, (True, True, False)),  # "auto" with it: device
+    ({"overlap": False, "pseudo_gradient": "device"}, 1, False, (True, False, False)),
+    ({"pseudo_gradient": "host"}, 1, True, (False, False, False)),
+    ({"mode": "fp32"}, 1, False, (False, False, False)),  # unset overlap needs the int8 wire
+    ({"mode": "fp32"}, 1, True, (True, True, False)),
+    ({"mode": "fp32", "overlap": True}, 1, False, (True, False, True)),
+    ({"block_size": 48}, 1, True, (True, False, True)),  # the kernel needs power-of-two blocks
+    ({"block_size": 48, "overlap": False}, 1, True, (False, False, False)),
+    ({"block_size": 48}, 2, True, (True, False, False)),
+    ({"pseudo_gradient": "host"}, 2, False, "needs a single-process node"),
+    ({"overlap": True}, 2, True, "not available on a node of several processes"),
+]
+
+
+@pytest.mark.parametrize("settings,processes,kernel,want", PATHS)
+def test_the_pseudo_gradient_path_decision_table(settings, processes, kernel, want):
+    d = DilocoConfig(**settings)
+    if isinstance(want, str):
+        with pytest.raises(DilocoError, match=want):
+            pg_path(d, processes, kernel)
+        return
+    path = pg_path(d, processes, kernel)
+    assert (path.device, path.kernel, path.overlap) == want
+    dpg = path.build(d.block_size)
+    assert (dpg is not None) == path.device
+    if dpg is not None:
+        assert dpg.block == d.block_size and dpg.quantize is (K.quantize if path.kernel else host_quantize)
+
+
+def test_the_path_says_what_it_runs():
+    assert PgPath(False, False, False).describe(None) == "pseudo-gradient made on the host; synchronous rounds"
+    assert PgPath(True, True, True).describe(5) == ("pseudo-gradient made on the devices, quantized by the Triton "
+                                                    "kernel; overlapped rounds: each average merged 5 inner steps "
+                                                    "into the next round")
+
+
 def test_host_stand_in_equals_the_interpreted_kernel():
     x = jnp.asarray(np.random.default_rng(0).standard_normal(5000).astype(np.float32))
     for a, b in zip(host_quantize(x, BLOCK), interpreted_kernel(x, BLOCK)):
@@ -111,11 +157,11 @@ def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
     from intellect_jax.testing.local import run_local
     from intellect_jax.diloco.loop import LoopConfig, Outcome
     from intellect_jax.net.comm import RingConfig
-    from intellect_jax.trainer.loop import Trainer
+    from intellect_jax.trainer.loop import Role, Trainer
 
     H, outer = 4, 5
     trainers = [Trainer(tiny_cfg(tmp_path / f"n{i}", cache_dir, run={"steps": H * outer, "log_every": 1}),
-                        node_rank=i, node_count=2, periodic_save=False, evaluate=False, resume=False)
+                        node_rank=i, node_count=2, role=Role.INNER)
                 for i in range(2)]
     dpgs = [DevicePseudoGradient(BLOCK, host_quantize) for _ in trainers]
     try:

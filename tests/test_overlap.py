@@ -105,6 +105,22 @@ def test_overlapped_loop_equals_the_reference_bit_for_bit(tau):
     assert {m["outer_step"]: m["outer_hash"] for _, m in sync[0].records}[R] != want[R]
 
 
+def test_synchronous_loop_equals_the_reference_with_no_delay():
+    """Synchronous rounds are the variant with tau = 0 (the average merged at the round's first
+    step, with no progress to keep) and no training thread: bit for bit the same history."""
+    n, H, R = 3, 5, 6
+    targets, init, goal = _task(n)
+    inners = [NumpyInner(targets[i], init, goal) for i in range(n)]
+    outs = run_local(LoopConfig(inner_steps=H, outer_steps=R), inners, RING)
+    assert set(outs) <= {Outcome.FINISHED, Outcome.COMPLETED}
+    want, final = reference(n, H, R, 0)
+    for x in inners:
+        assert {m["outer_step"]: m["outer_hash"] for _, m in x.records} == want
+        assert all(np.array_equal(x.weights[k], final.outer_params[k]) for k in final.outer_params)
+        rows = [m for _, m in x.records]
+        assert all(0 <= m["utilization"] <= 1 and "overlap_wait_s" not in m and "delay_steps" not in m for m in rows)
+
+
 def test_merging_when_ready_equals_the_reference_at_the_steps_it_chose():
     """The default: each node merges an average at the first inner step after it is ready. With
     steps of 2 ms the merge points vary by node and round (0 when the average is ready first); replayed at the delays the rows report,
@@ -144,12 +160,12 @@ def test_real_trainers_learn_with_overlapped_rounds(tmp_path, cache_dir):
 
     from intellect_jax.diloco.device_pg import DevicePseudoGradient, host_quantize
     from intellect_jax.diloco.inner import TrainerInner
-    from intellect_jax.trainer.loop import Trainer
+    from intellect_jax.trainer.loop import Role, Trainer
     from test_train import tiny_cfg
 
     H, outer = 4, 6
     trainers = [Trainer(tiny_cfg(tmp_path / f"n{i}", cache_dir, run={"steps": H * outer, "log_every": 1}),
-                        node_rank=i, node_count=2, periodic_save=False, evaluate=False, resume=False)
+                        node_rank=i, node_count=2, role=Role.INNER)
                 for i in range(2)]
     try:
         inners = [TrainerInner(t, DevicePseudoGradient(64, host_quantize)) for t in trainers]
@@ -195,12 +211,16 @@ def test_overlap_settings_are_checked():
     from pydantic import ValidationError
 
     from intellect_jax.diloco.config import DilocoConfig
+    from intellect_jax.diloco.device_pg import pg_path
+
+    def overlapped(d: DilocoConfig, processes: int) -> bool:
+        return pg_path(d, processes, kernel=False).overlap
 
     assert DilocoConfig(inner_steps=50, overlap=True, overlap_delay=50).overlap_delay == 50
-    # unset: on wherever it runs; an explicit choice stands
-    assert DilocoConfig().overlapped(1) and not DilocoConfig().overlapped(2)
-    assert not DilocoConfig(pseudo_gradient="host").overlapped(1) and not DilocoConfig(overlap=False).overlapped(1)
-    assert not DilocoConfig(mode="fp32").overlapped(1) and DilocoConfig(mode="fp32", overlap=True).overlapped(1)
+    # unset: on wherever it runs; an explicit choice stands (the whole table: test_device_pg)
+    assert overlapped(DilocoConfig(), 1) and not overlapped(DilocoConfig(), 2)
+    assert not overlapped(DilocoConfig(pseudo_gradient="host"), 1) and not overlapped(DilocoConfig(overlap=False), 1)
+    assert not overlapped(DilocoConfig(mode="fp32"), 1) and overlapped(DilocoConfig(mode="fp32", overlap=True), 1)
     with pytest.raises(ValidationError, match=r"overlap_delay \(51\) must be <= inner_steps \(50\)"):
         DilocoConfig(inner_steps=50, overlap_delay=51)
     with pytest.raises(ValidationError, match="overlap needs the device pseudo-gradient"):

@@ -16,6 +16,10 @@ outer params, cast to the param dtype), and at the next boundary:
 The decoded values are exactly what the host codec would give for the same shard (the kernel
 equals it bit for bit), so a node's contribution carries one int8 rounding more than on the
 host path: each value moves by at most half a step of its block's scale.
+
+:func:`pg_path` is the one place that decides, from the ``[diloco]`` settings and the node's
+shape, whether a node takes this path or the host's, with which quantizer, and whether its
+rounds overlap (overlapped rounds keep their anchor on the devices, so they need this path).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from intellect_jax.diloco.config import DilocoConfig
+from intellect_jax.diloco.parts import DilocoError
 from intellect_jax.net import quant
 
 Quantize = Callable[[jax.Array, int], tuple[Any, Any]]  # flat float32 on one device -> (scales, codes)
@@ -65,13 +71,16 @@ def kernel_available() -> bool:
     return True
 
 
+def kernel_quantize() -> Quantize:
+    """The Triton kernel (imported only when asked for: the ``[gpu]`` extra)."""
+    from intellect_jax.kernels.quant_triton import quantize
+
+    return quantize
+
+
 def default_quantize() -> Quantize:
     """The Triton kernel on a GPU node, the host codec elsewhere."""
-    if kernel_available():
-        from intellect_jax.kernels.quant_triton import quantize
-
-        return quantize
-    return host_quantize
+    return kernel_quantize() if kernel_available() else host_quantize
 
 
 @jax.jit
@@ -161,3 +170,48 @@ class DevicePseudoGradient:
     def __call__(self, params: Any, like: Any) -> Any:
         """The host pseudo-gradient of a single-process node."""
         return self.pull(self.diff(params), like)
+
+
+@dataclass(frozen=True)
+class PgPath:
+    """How a node makes its pseudo-gradient and runs its rounds (decided by :func:`pg_path`)."""
+
+    device: bool  # made on the devices, int8 per shard (else fp32 params pulled to the host)
+    kernel: bool  # quantized by the Triton kernel (else the host codec on each shard); device only
+    overlap: bool  # overlapped rounds (diloco.overlap); device only
+
+    def build(self, block: int) -> DevicePseudoGradient | None:
+        """The node's device pseudo-gradient (None: the host path)."""
+        if not self.device:
+            return None
+        return DevicePseudoGradient(block, kernel_quantize() if self.kernel else host_quantize)
+
+    def describe(self, tau: int | None) -> str:
+        """One log line; ``tau``: diloco.overlap_delay."""
+        made = (f"on the devices, quantized by {'the Triton kernel' if self.kernel else 'the host codec'}"
+                if self.device else "on the host")
+        when = f"{tau} inner steps into the next round" if tau else "when ready"
+        return f"pseudo-gradient made {made}; " + (f"overlapped rounds: each average merged {when}"
+                                                    if self.overlap else "synchronous rounds")
+
+
+def pg_path(d: DilocoConfig, processes: int, kernel: bool) -> PgPath:
+    """The pseudo-gradient path of a node of ``processes`` processes; ``kernel``: the Triton
+    kernel runs here (:func:`kernel_available`).
+
+    A node of several processes gathers its shards' pieces at the lead: the device path, never
+    overlapped (not available yet). A single-process node overlaps its rounds unless told not to
+    (``diloco.overlap`` unset: with the int8 wire format and a pseudo_gradient other than
+    "host"), which takes the device path; else "device" and "host" are obeyed and "auto" takes
+    the device path where the kernel runs. The kernel needs power-of-two blocks."""
+    multi = processes > 1
+    if multi and d.pseudo_gradient == "host":
+        raise DilocoError("diloco.pseudo_gradient = \"host\" needs a single-process node; a node of several "
+                          "processes makes it per shard (\"device\" or \"auto\")")
+    if multi and d.overlap:
+        raise DilocoError("diloco.overlap is not available on a node of several processes yet (leave it unset "
+                          "or false)")
+    overlap = (not multi and d.pseudo_gradient != "host" and d.mode == "int8") if d.overlap is None else d.overlap
+    kernel = kernel and d.pow2_block
+    device = multi or overlap or d.pseudo_gradient == "device" or (d.pseudo_gradient == "auto" and kernel)
+    return PgPath(device=device, kernel=device and kernel, overlap=overlap)

@@ -1,12 +1,13 @@
 """The DiLoCo outer loop of one node: the one implementation behind the real node
 (:mod:`.node`), the in-process sweep benchmark and the fault simulation.
 
-`NodeLoop` is handed its collaborators (:class:`NodeParts`) instead of building them: the inner
-trainer, the coordinator client, a ring factory, the state transport and the checkpoint
-store, plus a clock. A node obtains its state one of three ways: founding a fresh run, resuming
-from its own (or a shared) checkpoint, or joining and taking a live peer's state. Then, per
-round: H inner steps, pseudo-gradient, barrier, ring all-reduce (retried over new epochs),
-outer step, state streamed to the joiners this node donates to, checkpoint, evaluation.
+`NodeLoop` is handed its collaborators (:class:`~.parts.NodeParts`) instead of building them:
+the inner trainer, the coordinator client, a ring factory, the state transport and the
+checkpoint store, plus a clock. A node obtains its state one of three ways: founding a fresh
+run, resuming from its own (or a shared) checkpoint, or joining and taking a live peer's state.
+Then, per round: H inner steps, pseudo-gradient, barrier, ring all-reduce (retried over new
+epochs), outer step, checkpoint, state streamed to the joiners this node donates to,
+evaluation. One round loop runs synchronous and overlapped rounds alike (:mod:`.overlap`).
 
 Recovery: any :class:`Evicted` (stalled, behind, diverged, a lost session) sends the node back
 to registration with the state it holds; a joiner whose transfer fails or whose donor vanishes
@@ -17,123 +18,23 @@ history did not keep.
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
 
-from intellect_jax.coordinator.client import CoordinatorClient
-from intellect_jax.coordinator.clock import REAL, Clock, abort_when
-from intellect_jax.diloco.guard import GuardConfig, OwnGuard, check_average, inspect, remember, tree_norm
+from intellect_jax.coordinator.clock import abort_when
 from intellect_jax.coordinator.protocol import Admission, Epoch, Evicted, Resume, RunCompleted
-from intellect_jax.diloco.state import DilocoState, nesterov_sgd, outer_step, state_hash
-from intellect_jax.net.comm import Communicator
+from intellect_jax.diloco.guard import OwnGuard, check_average, inspect, remember, tree_norm
+from intellect_jax.diloco.overlap import Gate, Round
+from intellect_jax.diloco.parts import DilocoError, Inner, LoopConfig, NodeParts, Outcome, TransferFailed
+from intellect_jax.diloco.state import DilocoState, host_copy, nesterov_sgd, outer_step, state_hash
 from intellect_jax.net.errors import NetError, PeerTimeout
 
-
-class DilocoError(RuntimeError):
-    pass
-
-
-class TransferFailed(NetError):
-    """A joiner did not get a usable state from its donor (gone, stalled, revoked, bad hash)."""
-
-
-class Inner(Protocol):
-    """The node's inner trainer, as the outer loop sees it."""
-
-    step: int
-
-    def train(self, until: int, stop: Callable[[], bool] | None = None) -> dict[str, Any]: ...  # stop: checked per step
-
-    def pseudo_gradient(self, outer_params: Any) -> Any: ...  # outer - inner, a host fp32 tree
-
-    def init_state(self, tx: Any) -> DilocoState: ...  # outer step 0 of a fresh run
-
-    def set_params(self, params: Any) -> None: ...
-
-    def snapshot(self) -> Any: ...  # a host copy of the inner optimizer state
-
-    def live_opt_state(self) -> Any: ...  # the inner optimizer state as it is (a checkpoint takes it)
-
-    def data_state(self) -> dict | None: ...
-
-    def adopt(self, s: DilocoState) -> None: ...  # params := outer params; opt state, step, data if given
-
-    def template(self) -> DilocoState: ...  # shapes and dtypes of a transferred state
-
-    def evaluate(self, params: Any = None) -> float: ...  # the current params, or the given host params
-
-    def record(self, step: int, metrics: dict[str, Any]) -> None: ...
-
-    # overlapped rounds (LoopConfig.overlap): the params a round started from are its anchor
-    def capture(self) -> Any: ...  # the round's pseudo-gradient (anchor - params), cheaply; anchor := params
-
-    def pull(self, captured: Any, like: Any) -> Any: ...  # its host fp32 tree (may run while training)
-
-    def place(self, outer_params: Any) -> Any: ...  # a device copy of host params (may run while training)
-
-    def stash(self) -> Any: ...  # a copy of the inner optimizer state the next steps leave alone (no wait)
-
-    def merge(self, placed: Any) -> None: ...  # params := placed + (params - anchor); anchor := placed
-
-
-class Transport(Protocol):
-    def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any],
-              cancelled: Callable[[], bool]) -> Any: ...  # an event, set once sent, failed or cancelled
-
-    def receive(self, adm: Admission, template: DilocoState, cancelled: Callable[[], bool],
-                timeout: float) -> tuple[dict[str, Any], DilocoState]: ...
-
-
-class Store(Protocol):
-    """The node's one checkpointing path."""
-
-    def latest(self) -> DilocoState | None: ...  # newest readable checkpoint to start from (or None)
-
-    def save(self, s: DilocoState, *, wait: bool = False) -> None: ...
-
-    def load(self, inner_step: int) -> DilocoState: ...
-
-
-class Outcome(str, enum.Enum):
-    FINISHED = "finished"  # this node did the run's last outer step
-    STOPPED = "stopped"  # the job ended at run.stop_at; resume later
-    COMPLETED = "completed"  # the run was already complete (another node finished it)
-
-
-@dataclass(frozen=True)
-class LoopConfig:
-    inner_steps: int
-    outer_steps: int  # the run's length
-    stop_at: int | None = None  # this job ends after this many outer steps
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    max_retries: int = 5
-    transfer_timeout: float = 600.0
-    admission_timeout: float = 3600.0
-    watch_interval: float = 1.0  # how often an all-reduce or a transfer checks the coordinator's view
-    ckpt_every: int = 0  # inner steps (checkpoints at outer boundaries that are multiples, and the last)
-    eval_every: int = 0  # inner steps
-    guard: GuardConfig = GuardConfig()
-    overlap: bool = False  # train round k+1 while round k's all-reduce and outer step run (see .overlap)
-    overlap_delay: int | None = None  # tau: inner steps from sending a pseudo-gradient to merging its average (None: when ready)
-
-
-@dataclass
-class NodeParts:
-    node_id: str
-    inner: Inner
-    client: CoordinatorClient
-    ring: Callable[[Epoch], Communicator]
-    transport: Transport
-    store: Store
-    clock: Clock = REAL
-    log: Callable[[str], None] = print
-    serving: list[Any] = field(default_factory=list)
+# what callers import from here: the loop and what it is handed
+__all__ = ["DilocoError", "Inner", "LoopConfig", "NodeLoop", "NodeParts", "OuterResult", "Outcome", "TransferFailed",
+           "claim_of"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +65,23 @@ def claim_of(s: DilocoState | None) -> Resume | None:
 
 
 class NodeLoop:
+    """One node's part in a DiLoCo run, from registration to leaving (:meth:`run`).
+
+    Phases: *obtain a state* (resume the checkpoint the store holds or found the run from the
+    seeded initial state, and register with it; a joiner waits for admission and receives a
+    live donor's state through the store, :meth:`_join`); *rounds* (:meth:`_rounds`): H inner
+    steps, then the outer step (:meth:`outer`: own check, barrier, all-reduce retried over new
+    epochs, check of the average, Nesterov), checkpoint, serving the joiners this node donates
+    to, evaluation, the metrics row; *finish*: the last barrier records the final hash, then
+    leave. An :class:`Evicted` anywhere goes back to registration with the state held.
+
+    It owns the outer state (:attr:`state`: host fp32 params and momentum, no inner optimizer
+    state or data position, which stay in the trainer), the outer optimizer, the guard of its
+    own pseudo-gradients, the newest outer step's metrics row until the run confirms its hash,
+    and the clock origin of its rows. Everything else (trainer, coordinator, ring, transport,
+    store) is handed in and only driven from here.
+    """
+
     def __init__(self, cfg: LoopConfig, parts: NodeParts) -> None:
         self.cfg, self.p = cfg, parts
         self.tx = nesterov_sgd(cfg.outer_lr, cfg.outer_momentum)
@@ -267,37 +185,112 @@ class NodeLoop:
 
     # ---- rounds --------------------------------------------------------------------------------
     def _rounds(self) -> Outcome:
-        if self.cfg.overlap:
-            from intellect_jax.diloco.overlap import overlapped_rounds
+        """Rounds from the held state to the job's end, then the last barrier (see :mod:`.overlap`).
 
-            return overlapped_rounds(self)
-        p, cfg, H = self.p, self.cfg, self.cfg.inner_steps
-        s = self.state
-        assert s is not None
-        k, h = s.outer_step, state_hash(s)
+        At the window before round r (training paused; round r-1 just ended) round r-1's outer
+        step is applied. Overlapped, round r trains on a thread meanwhile and merges the new
+        outer params ``tau`` steps in. Synchronous, the same with no thread: the trainer takes
+        the new outer params at once and round r trains here afterwards."""
+        p, cfg = self.p, self.cfg
+        assert self.state is not None
+        k, h = self.state.outer_step, state_hash(self.state)
         p.client.hold(k, h)
         report = None  # on the last all-reduce, for the coordinator (sent with the next barrier)
-        while k < self.stop_at:
-            t0 = p.clock.now()
-            self.t_first = self.t_first if self.t_first is not None else t0
-            last = p.inner.train(until=(k + 1) * H)
-            t1 = p.clock.now()
-            o = self.outer(s, p.inner.pseudo_gradient(s.outer_params), report)
-            s, report = o.state, o.report
-            p.inner.set_params(s.outer_params)
-            self.state, k, h = s, s.outer_step, state_hash(s)
-            p.client.hold(k, h)
-            sync_s = p.clock.now() - t1
-            self._serve(o.ep, s)
-            if self.due(cfg.ckpt_every, k):
-                p.store.save(s._replace(inner_opt_state=p.inner.live_opt_state(), data=p.inner.data_state()))
-            compute_s = t1 - t0
-            self._pending = {**o.row(h), "sync_s": sync_s, "compute_s": compute_s,
-                             "utilization": compute_s / max(compute_s + sync_s, 1e-9), "elapsed_s": self.elapsed(),
-                             "round_start_s": t0 - self.t_first,
-                             **({"val_loss": p.inner.evaluate()} if self.due(cfg.eval_every, k) else {})}
-            self._say(k, o, last, sync_s, h)
+        ended: Round | None = None  # the round that ended at this window, its outer step not applied
+        captured: Any = None  # its pseudo-gradient, captured on the devices (overlapped rounds)
+        running: Round | None = None
+        gate: Gate | None = None
+        last: dict[str, Any] = {}  # the training metrics of the newest round
+        r = k  # the round that starts at this window
+        try:
+            while True:
+                beside = cfg.overlap and r < self.stop_at  # round r trains while round r-1's outer step runs
+                ckpt = ended is not None and self.due(cfg.ckpt_every, r)
+                keep = (p.inner.stash(), p.inner.data_state()) if ckpt and beside else None  # to the host below
+                idle_s = p.clock.now() - ended.t1 if ended is not None and ended.t1 is not None else 0.0
+                gate = Gate(p.clock) if beside and ended is not None else None
+                running = self._round(r, gate, thread=True) if beside else None
+                closed = None  # round r-1's outer step (beside round r or before it) and its row
+                if ended is not None:
+                    closed = self._close(ended, captured, report, gate, ckpt=ckpt, keep=keep, idle_s=idle_s)
+                    report, k, h = closed[0].report, closed[0].state.outer_step, closed[1]["outer_hash"]
+                if running is None:  # nothing trained beside the outer step
+                    if closed is not None:
+                        self._publish(*closed, last, held=True)
+                        closed = None
+                    if r >= self.stop_at:
+                        break
+                    running = self._round(r, None, thread=False)  # synchronous: round r trains here
+                last = running.join()  # ---- the next window -------------------------------------
+                ended, running = running, None
+                if closed is not None:
+                    closed[1]["delay_steps"] = ended.delay  # the round that merged this average
+                    self._publish(*closed, last, held=False)
+                captured = p.inner.capture() if cfg.overlap else None
+                r += 1
+        finally:
+            if running is not None:  # evicted or failed mid-round: the trainer is left idle first
+                if gate is not None:
+                    gate.shut()
+                running.done.wait()
         return self._finish(k, h, report)
+
+    def _close(self, ended: Round, captured: Any, report: dict | None, gate: Gate | None, *, ckpt: bool,
+               keep: tuple[Any, Any] | None, idle_s: float) -> tuple[OuterResult, dict[str, Any]]:
+        """Close round ``ended``: its outer step, held as the node's state; its outer params to the
+        round training beside (``gate``) or, when none does, to the trainer; the checkpoint if due
+        (``keep``: the optimizer state and data position stashed at the window, else the live
+        ones); its metrics row. ``captured``: its pseudo-gradient (overlapped rounds)."""
+        p, s = self.p, self.state
+        assert s is not None
+        t1 = p.clock.now()
+        pg = p.inner.pull(captured, s.outer_params) if self.cfg.overlap else p.inner.pseudo_gradient(s.outer_params)
+        o = self.outer(s, pg, report)
+        s = o.state
+        if gate is None:  # nothing trains: the trainer takes the outer params now
+            p.inner.set_params(s.outer_params)
+        self.state, h = s, state_hash(s)
+        p.client.hold(s.outer_step, h)
+        sync_s = p.clock.now() - t1
+        if gate is not None:
+            gate.open(p.inner.place(s.outer_params))  # host -> device off the training path
+        if ckpt:  # off the training thread, after the gate opened
+            opt, data = (host_copy(keep[0]), keep[1]) if keep else (p.inner.live_opt_state(), p.inner.data_state())
+            p.store.save(s._replace(inner_opt_state=opt, data=data))
+        return o, self._row(o, h, ended, sync_s, idle_s)
+
+    def _round(self, r: int, gate: Gate | None, *, thread: bool) -> Round:
+        """Round r's inner steps, on a thread merging what ``gate`` brings (overlapped) or here."""
+        tau, H = self.cfg.overlap_delay, self.cfg.inner_steps  # tau None: merge when ready
+        rd = Round(self.p.inner, self.p.clock, (r + 1) * H, merge_at=None if tau is None else r * H + tau,
+                   gate=gate, thread=thread)
+        self.t_first = rd.t0 if self.t_first is None else self.t_first
+        return rd
+
+    def _row(self, o: OuterResult, h: str, ended: Round, sync_s: float, idle_s: float) -> dict[str, Any]:
+        """The metrics row of outer step ``o`` (made from round ``ended``); ``idle_s``: the
+        trainer's pause at the window before the next round."""
+        compute_s, t_first = ended.compute_s, self.t_first
+        assert t_first is not None
+        row = {**o.row(h), "sync_s": sync_s, "compute_s": compute_s}
+        if self.cfg.overlap:  # the trainer waited at the merge point and the window only
+            wait_s = ended.wait_s + idle_s
+            row |= {"overlap_wait_s": wait_s, "utilization": compute_s / max(compute_s + wait_s, 1e-9),
+                    "delay_steps": 0}
+        else:  # the trainer waited for the whole outer step
+            row["utilization"] = compute_s / max(compute_s + sync_s, 1e-9)
+        return row | {"elapsed_s": self.elapsed(), "round_start_s": ended.t0 - t_first}
+
+    def _publish(self, o: OuterResult, row: dict[str, Any], last: dict[str, Any], *, held: bool) -> None:
+        """At a window: serve the joiners of ``o``'s epoch with its state, evaluate it if due
+        (``held``: the trainer holds its outer params; else they are evaluated from the host),
+        queue its row (written once the next barrier confirms it) and say it."""
+        s = o.state
+        self._serve(o.ep, s)
+        if self.due(self.cfg.eval_every, s.outer_step):
+            row["val_loss"] = self.p.inner.evaluate(None if held else s.outer_params)
+        self._pending = row
+        self._say(s.outer_step, o, last, row["sync_s"], row["outer_hash"])
 
     def elapsed(self) -> float:
         """Seconds since this node's first round began: Σ compute_s / elapsed_s is its utilization."""

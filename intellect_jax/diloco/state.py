@@ -36,13 +36,31 @@ class MomentumState(NamedTuple):
 
 
 class DilocoState(NamedTuple):
+    """One node's DiLoCo state at outer boundary ``outer_step`` (the module docstring says which
+    parts are shared, transferred and hashed)."""
+
     outer_params: Tree
+    """θ_k: fp32 numpy on the host, the same bits on every node (hashed). The trainer's params
+    equal them at the boundary (cast to the param dtype), so they are not stored apart."""
     outer_opt_state: MomentumState
+    """The outer Nesterov momentum (:func:`nesterov_sgd`): fp32 numpy, the same bits on every node
+    (hashed), so any node's copy continues the run."""
     inner_opt_state: Tree
+    """This node's inner (AdamW) optimizer state: host numpy in a checkpoint or a transfer (a
+    joiner takes its donor's), None in the state the loop holds (the live one stays in the
+    trainer). Not hashed: each node's moments are its own."""
     outer_step: int
+    """k: outer steps applied so far (hashed); the run's history names each state by it."""
     inner_step: int
+    """Inner steps done at this boundary, ``outer_step`` x H: where the trainer's step counter
+    and learning-rate schedule resume (a joiner's included)."""
     data: dict | None = None
-    norms: tuple[float, ...] = ()  # recent accepted average pseudo-gradient norms (the average check)
+    """This node's data-iterator position (its own shard): checkpointed so a restart does not
+    repeat or skip tokens, never transferred (a joiner keeps its own) nor hashed; None: not taken."""
+    norms: tuple[float, ...] = ()
+    """Norms of the recent accepted averages, oldest first (at most ``GuardConfig.history``): what
+    the check of the next average compares it with (:mod:`.guard`). Every node must judge alike,
+    so they are part of the shared, hashed state."""
 
     def arrays(self) -> dict[str, Tree]:
         """The array part, in the one leaf order used by checkpoints, transfers and hashes."""
