@@ -66,7 +66,7 @@ def main() -> None:
     from intellect_jax.testing.local import run_local
     from intellect_jax.diloco.loop import LoopConfig
     from intellect_jax.net.comm import RingConfig
-    from intellect_jax.trainer.loop import Trainer
+    from intellect_jax.trainer.loop import Role, Trainer
 
     raw = tomllib.loads((ROOT / "configs/debug_diloco.toml").read_text())
     raw.pop("diloco")
@@ -87,7 +87,7 @@ def main() -> None:
         cfgs = [C.validate({**raw, "run": {**raw["run"], "name": f"{tag}/node{r}"}}) for r in range(M)]
     except C.ConfigError as e:
         sys.exit(f"error: {e}")
-    trainers = [Trainer(c, node_rank=r, node_count=M, periodic_save=False, evaluate=False, resume=False)
+    trainers = [Trainer(c, node_rank=r, node_count=M, role=Role.INNER)
                 for r, c in enumerate(cfgs)]
     t0 = trainers[0]
     val = make_val_batches(cfgs[0].data.model_copy(update={"batch_size": 8}), t0.tok,

@@ -39,7 +39,7 @@ def main() -> None:
     from intellect_jax import config as C
     from intellect_jax.diloco.device_pg import default_quantize, kernel_available
     from intellect_jax.net import quant
-    from intellect_jax.trainer.loop import Trainer
+    from intellect_jax.trainer.loop import Role, Trainer
 
     devs = jax.devices()
     out: dict = {"devices": len(devs), "device_kind": devs[0].device_kind, "platform": devs[0].platform,
@@ -53,7 +53,7 @@ def main() -> None:
             "optim": {"lr": 3e-4, "warmup_steps": max(1, a.steps // 10), "decay_steps": max(1, a.steps // 5)},
             "ckpt": {"every": 0},
         })
-        t = Trainer(cfg, periodic_save=False, evaluate=False)
+        t = Trainer(cfg, role=Role.INNER)
         t0 = time.perf_counter()
         t.train()
         wall = time.perf_counter() - t0

@@ -43,9 +43,9 @@ def _cfg(a: argparse.Namespace, name: str):
 
 
 def _trainer(a: argparse.Namespace, name: str):
-    from intellect_jax.trainer.loop import Trainer
+    from intellect_jax.trainer.loop import Role, Trainer
 
-    return Trainer(_cfg(a, name), periodic_save=False, evaluate=False, resume=False)
+    return Trainer(_cfg(a, name), role=Role.INNER)
 
 
 def donor(a: argparse.Namespace) -> None:

@@ -9,13 +9,22 @@ from __future__ import annotations
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Optional, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    create_model,
+)
 
 from intellect_jax.data.config import DataConfig
 from intellect_jax.diloco.config import DilocoConfig
-from intellect_jax.model.config import ConfigError, DType, ModelConfig
+from intellect_jax.model.config import ConfigError, ModelConfig
 from intellect_jax.trainer.optim import OptimConfig
 
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
@@ -38,35 +47,37 @@ class RunConfig(BaseModel):
     compile_cache: str | None = "~/.cache/intellect_jax/xla"  # persistent XLA cache (restarts)
 
 
-class ModelSection(BaseModel):
-    """A preset plus optional overrides of any architecture / dtype field."""
+class _ModelSection(BaseModel):
+    """A preset (or a Hugging Face dir) plus optional overrides of any architecture / dtype field."""
 
     model_config = _FROZEN
 
     preset: str = "debug"
     init_from: str | None = None  # a Hugging Face Llama dir: architecture + weights to start from
-    vocab_size: PositiveInt | None = None
-    hidden_size: PositiveInt | None = None
-    num_layers: PositiveInt | None = None
-    num_heads: PositiveInt | None = None
-    num_kv_heads: PositiveInt | None = None
-    ffn_size: PositiveInt | None = None
-    max_seq_len: PositiveInt | None = None
-    rope_theta: PositiveFloat | None = None
-    tie_embeddings: bool | None = None
-    param_dtype: DType | None = None
-    compute_dtype: DType | None = None
-    remat: bool | None = None
-    scan_unroll: PositiveInt | None = None
-    attention_impl: Literal["auto", "xla", "cudnn"] | None = None
 
     def build(self) -> ModelConfig:
-        over = {k: v for k, v in self.model_dump(exclude={"preset", "init_from"}).items() if v is not None}
+        over = {k: v for k in ModelConfig.model_fields if (v := getattr(self, k)) is not None}
         if self.init_from:
             from intellect_jax.model.hf import read_hf_config
 
             return read_hf_config(self.init_from, **over)
         return ModelConfig.preset(self.preset, **over)
+
+
+def _model_section() -> type[_ModelSection]:
+    """`[model]` adds to its own keys an optional override of every `ModelConfig` field, with
+    that field's type and constraints (None: the preset's value). Derived, not copied, so that
+    a field added to `ModelConfig` can be set in TOML and on the command line at once."""
+    fields: dict[str, Any] = {}
+    for name, f in ModelConfig.model_fields.items():
+        assert name not in _ModelSection.model_fields, f"ModelConfig.{name} clashes with a [model] key"
+        typ = Annotated[(f.annotation, *f.metadata)] if f.metadata else f.annotation
+        fields[name] = (Optional[typ], Field(None, description=f.description))
+    return create_model("ModelSection", __base__=_ModelSection, __module__=__name__,
+                        __doc__=_ModelSection.__doc__, **fields)
+
+
+ModelSection = _model_section()
 
 
 class MeshConfig(BaseModel):
@@ -144,6 +155,60 @@ def validate(raw: dict[str, Any], where: str = "config") -> TrainConfig:
     return cfg
 
 
+_TRUE, _FALSE = "true", "false"
+
+
+def _bool_options(model: type[BaseModel], path: tuple[str, ...] = ()) -> dict[tuple[str, ...], bool]:
+    """Every boolean option under ``model`` by its key path (``*``: any list index), mapped to
+    whether it is optional (``bool | None``: tyro takes a value) or plain (tyro: a flag)."""
+    out: dict[tuple[str, ...], bool] = {}
+    for name, f in model.model_fields.items():
+        t, key = f.annotation, (*path, name)
+        args = get_args(t)
+        if t is bool or set(args) == {bool, type(None)}:
+            out[key] = t is not bool
+        elif isinstance(t, type) and issubclass(t, BaseModel):
+            out |= _bool_options(t, key)
+        elif get_origin(t) in (list, tuple) and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+            out |= _bool_options(args[0], (*key, "*"))
+    return out
+
+
+def _bool_values(argv: list[str]) -> list[str]:
+    """Boolean options take ``true``/``false`` (any case, as in TOML) on the command line too:
+    ``--ckpt.resume true``, ``--diloco.overlap=false``, ``--run.no_progress false``. Rewritten
+    into tyro's forms (a flag for a plain bool, ``True``/``False``/``None`` for an optional one);
+    a bare flag still works. Any other value is refused in one line naming the option."""
+    bools = _bool_options(TrainConfig)
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        flag, eq, value = arg.partition("=")
+        *head, last = flag.removeprefix("--").split(".")
+        neg = last.startswith(("no_", "no-"))
+        key = tuple("*" if p.isdigit() else p for p in head)
+        optional = bools.get((*key, last))
+        if not arg.startswith("--") or (optional is None and not (neg and bools.get((*key, last[3:])) is False)):
+            out.append(arg)
+            continue
+        if not eq:
+            if i == len(argv) or argv[i].startswith("-"):
+                out.append(arg)  # a bare flag (an optional bool without a value: tyro says so)
+                continue
+            value, i = argv[i], i + 1
+        v = value.lower()
+        if v not in (_TRUE, _FALSE) and not (optional and v == "none"):
+            raise ConfigError(f"{flag}: expected true or false, got {value!r}")
+        if optional:
+            out += [flag, v.capitalize()]
+        else:
+            on = (v == _TRUE) != neg
+            name = last[3:] if neg else last
+            out.append("--" + ".".join([*head, name if on else f"no_{name}"]))
+    return out
+
+
 def parse_args(argv: list[str] | None = None, description: str = "") -> TrainConfig:
     """`--config FILE` (TOML) then `--section.key value` overrides; `--help` lists them all."""
     import tyro
@@ -157,7 +222,7 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> TrainCon
         base = load_toml(argv[i + 1])
         del argv[i : i + 2]
     try:
-        cfg, unknown = tyro.cli(TrainConfig, default=base, args=argv, description=description,
+        cfg, unknown = tyro.cli(TrainConfig, default=base, args=_bool_values(argv), description=description,
                                 use_underscores=True, return_unknown_args=True)
     except ValidationError as e:
         raise ConfigError(_one_line(e, "command line")) from None

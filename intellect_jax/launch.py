@@ -3,8 +3,8 @@
 Runs a whole elastic DiLoCo run on this machine: a coordinator (with a journal in the run
 directory) and N node processes, each with its own slice of fake CPU devices, their logs
 prefixed by node, a live table, and failures: `--kill NODE@K` (SIGKILL NODE while it works on
-outer step K), `--join NODE@K` (NODE starts with the others, then registers only once the run
-has done K outer steps, so it joins mid-run and gets the state from a live peer),
+outer step K), `--join NODE@K` (NODE starts once the run has done K outer steps, as the nodes'
+output shows, so it joins mid-run and gets the state from a live peer),
 `--kill-coordinator K` (SIGKILL the coordinator after outer step K and restart it on the same
 port). Seeded random fault schedules are `python -m intellect_jax.testing.chaos`, which takes
 these options too.
@@ -88,6 +88,10 @@ def parse(argv: list[str] | None, ap: argparse.ArgumentParser | None = None):
         raise ConfigError(f"--auto-rollback-after must be >= 0 seconds (0: never), got {args.auto_rollback_after}")
     kills = dict(_event(s, "--kill") for s in args.kill)
     joins = dict(_event(s, "--join") for s in args.join)
+    founder = next((n for n in joins if n in {f"node{i}" for i in range(args.nodes)}), None)
+    if founder is not None:
+        raise ConfigError(f"--join {founder}@{joins[founder]}: {founder} is one of the --nodes {args.nodes} started at "
+                          "once; a joiner needs another name")
     return args, extra, kills, joins
 
 
@@ -104,7 +108,7 @@ class Launcher:
         if not Path(args.config).is_file():
             raise FileNotFoundError(f"--config {args.config}: no such file")
         founders = [f"node{i}" for i in range(args.nodes)]
-        self.names = founders + [n for n in joins if n not in founders]
+        self.names = founders + list(joins)
         self.nodes = {n: NodeView(n) for n in self.names}
         self.port = args.port or _free_port()
         self.env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
@@ -180,8 +184,6 @@ class Launcher:
         cmd += ["--run.name", f"{self.run_name}/{name}"]
         if resume:
             cmd += ["--ckpt.resume"]
-        if name in self.joins and not resume:  # starts now, registers once the run has done that many outer steps
-            cmd += ["--diloco.join_after", str(self.joins[name])]
         view = self.nodes.setdefault(name, NodeView(name))
         view.proc = subprocess.Popen(cmd, env=dict(self.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
@@ -201,7 +203,8 @@ class Launcher:
     def run(self) -> int:
         self.start_coordinator()
         for n in self.names:
-            self.start_node(n)
+            if n not in self.joins:  # joiners start in `_events`, once the run is far enough
+                self.start_node(n)
         t_end = time.monotonic() + self.args.timeout
         t_table = time.monotonic() + self.args.table_every
         try:
@@ -248,6 +251,11 @@ class Launcher:
                 v.status = "killed"
         with self.lock:
             k = self.progress
+        idle = not any(v.status == "running" for v in self.nodes.values())  # (it will be told the run is over)
+        for name, k_join in self.joins.items():
+            if self.nodes[name].status == "pending" and (k >= k_join or idle):
+                self.say("launch", f"the run has done {k} outer steps: starting {name}")
+                self.start_node(name)
         kc = self.args.kill_coordinator
         if kc is not None and not self.coord_killed and k >= kc:
             self.coord_killed = True

@@ -1,10 +1,8 @@
 """A DiLoCo node of several processes: the shard plumbing in-process, and a real run of a node of
 2 processes x 4 CPU devices beside a node of 1 process x 8 devices."""
 
-import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +24,8 @@ from intellect_jax.diloco.multihost import (
 from intellect_jax.net.comm import NetNode
 from intellect_jax.net.errors import FrameError
 from intellect_jax.net.transport import TransportConfig
+
+from helpers import TINY_ARGS, free_port, hashes, one_history, rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,21 +99,13 @@ def test_parts_cross_a_connection_and_bad_ones_are_refused():
         a.close(), b.close(), lead.close()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-TINY = ["--model.num_layers", "2", "--model.hidden_size", "64", "--model.num_heads", "4", "--model.num_kv_heads",
-        "2", "--model.ffn_size", "128", "--data.seq_len", "32", "--data.batch_size", "8",
-        "--data.bpe_vocab_size", "1024", "--run.log_every", "1", "--run.no-progress"]
+TINY = [*TINY_ARGS, "--data.batch_size", "8", "--run.log_every", "1", "--run.no-progress"]
 
 
 def _run(tmp_path, nodes, *, min_nodes, H, outer, more=()):
     """A coordinator and the given nodes ({name: (processes, devices each, extra args)}) to the end;
     returns every process's output by "name" / "name.i"."""
-    secret, port = secrets.token_hex(32), _free_port()
+    secret, port = secrets.token_hex(32), free_port()
     env = dict(os.environ, INTELLECT_NET_SECRET=secret, JAX_PLATFORMS="cpu")
     coord = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
                               str(port), "--min-nodes", str(min_nodes), "--heartbeat-timeout", "60",
@@ -123,25 +115,18 @@ def _run(tmp_path, nodes, *, min_nodes, H, outer, more=()):
             "--run.out_dir", str(tmp_path / "runs"), "--data.cache_dir", str(tmp_path / "cache"),
             "--run.steps", str(H * outer), "--diloco.inner_steps", str(H), "--diloco.coordinator",
             f"127.0.0.1:{port}", "--diloco.data_ranks", str(len(nodes)), *more]
-    procs, early = {}, {}
+    procs = {}
     for rank, (name, (n, devices, extra)) in enumerate(nodes.items()):
         cmd = [*base, "--run.name", name, "--diloco.node_id", name, "--diloco.data_rank", str(rank), *extra]
-        dist = str(_free_port())
+        dist = str(free_port())
         for i in range(n):
             d = ["--dist.coordinator_address", f"127.0.0.1:{dist}", "--dist.num_processes", str(n),
                  "--dist.process_id", str(i)] if n > 1 else []
             procs[f"{name}.{i}" if n > 1 else name] = subprocess.Popen(
                 [*cmd, *d], cwd=ROOT, env=dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if "--diloco.join_after" in extra:  # the others start once this node is ready and waiting
-            lead = f"{name}.0" if n > 1 else name
-            early[lead] = ""
-            while "waiting for the run" not in early[lead]:
-                line = procs[lead].stdout.readline()
-                assert line, early[lead][-2000:]
-                early[lead] += line
     try:
-        outs = {k: early.get(k, "") + p.communicate(timeout=540)[0] for k, p in procs.items()}
+        outs = {k: p.communicate(timeout=540)[0] for k, p in procs.items()}
     finally:
         for p in [*procs.values(), coord]:
             p.kill()
@@ -152,11 +137,7 @@ def _run(tmp_path, nodes, *, min_nodes, H, outer, more=()):
 
 
 def _rows(tmp_path, name):
-    return [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-
-
-def _hashes(rows):
-    return {r["outer_step"]: r["outer_hash"] for r in rows if "outer_hash" in r}
+    return rows(tmp_path / "runs" / name)
 
 
 @pytest.mark.slow
@@ -168,8 +149,8 @@ def test_two_process_node_and_one_process_node_share_one_history(tmp_path):
                 more=["--run.eval_every", str(3 * H), "--ckpt.every", str(3 * H)])
     assert "pseudo-gradient made on the devices" in outs["a.0"] and "followed" in outs["a.1"], outs["a.1"][-500:]
     ra, rb = _rows(tmp_path, "a"), _rows(tmp_path, "b")
-    ha, hb = _hashes(ra), _hashes(rb)
-    assert sorted(ha) == list(range(1, outer + 1)) and ha == hb, (ha, hb)
+    ha, hb = hashes(ra), hashes(rb)
+    assert sorted(ha) == list(range(1, outer + 1)) and ha == hb == one_history([ra, rb]), (ha, hb)
     for r in (ra, rb):
         loss = [x["loss"] for x in r if "loss" in x]
         assert np.mean(loss[-H:]) < np.mean(loss[:H]) - 0.3, loss
@@ -188,7 +169,9 @@ def test_two_process_node_and_one_process_node_share_one_history(tmp_path):
 
 @pytest.mark.slow
 def test_a_late_two_process_node_takes_the_live_state_then_loses_a_process(tmp_path):
-    """b founds the run alone; a (2 processes x 4 devices, ready first) joins after outer step 2:
+    """b founds the run alone and ends that job after outer step 2; a (2 processes x 4 devices)
+    registers while nobody holds the state, then b resumes from its checkpoint, so a joins after
+    outer step 2 whatever the machine's speed:
     it receives b's state (its lead restores it and hands each process its slices, optimizer
     state included) and trains beside b with b's hashes. Then SIGKILL of a's second process:
     a's lead exits non-zero within the runtime's heartbeat timeout (no hang), and b, alone
@@ -197,7 +180,7 @@ def test_a_late_two_process_node_takes_the_live_state_then_loses_a_process(tmp_p
     import time
 
     H, outer = 4, 14
-    secret, port, dist = secrets.token_hex(32), _free_port(), _free_port()
+    secret, port, dist = secrets.token_hex(32), free_port(), free_port()
     env = dict(os.environ, INTELLECT_NET_SECRET=secret, JAX_PLATFORMS="cpu")
     coord = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
                               str(port), "--min-nodes", "1", "--heartbeat-timeout", "5", "--boundary-timeout", "20",
@@ -215,16 +198,20 @@ def test_a_late_two_process_node_takes_the_live_state_then_loses_a_process(tmp_p
             seen += line
         return seen
 
+    b = [*base, "--run.name", "b", "--diloco.node_id", "b", "--diloco.data_rank", "1"]
+    b_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    first = subprocess.run([*b, "--run.stop_at", str(2 * H)], cwd=ROOT, env=b_env, capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     procs = {f"a.{i}": subprocess.Popen(
-        [*base, "--run.name", "a", "--diloco.node_id", "a", "--diloco.data_rank", "0", "--diloco.join_after", "2",
+        [*base, "--run.name", "a", "--diloco.node_id", "a", "--diloco.data_rank", "0",
          "--dist.coordinator_address", f"127.0.0.1:{dist}", "--dist.num_processes", "2", "--dist.process_id", str(i),
          "--dist.heartbeat_timeout", "10"], cwd=ROOT, env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)}
     try:
-        seen_a = until(procs["a.0"], "waiting for the run")
-        procs["b"] = subprocess.Popen([*base, "--run.name", "b", "--diloco.node_id", "b", "--diloco.data_rank", "1"],
-                                      cwd=ROOT, env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen_a = until(procs["a.0"], "registered as joiner")
+        procs["b"] = subprocess.Popen([*b, "--ckpt.resume"], cwd=ROOT, env=b_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True)
         seen_a = until(procs["a.0"], "nodes), loss", seen_a, times=2)  # joined, and two outer steps beside b
         procs["a.1"].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
@@ -238,6 +225,6 @@ def test_a_late_two_process_node_takes_the_live_state_then_loses_a_process(tmp_p
     assert "receiving the state of outer step" in out_a, out_a[-2000:]
     assert procs["a.0"].returncode != 0 and a_exit_s < 60, (a_exit_s, out_a[-2000:])
     assert procs["b"].returncode == 0, out_b[-3000:]
-    ha, hb = _hashes(_rows(tmp_path, "a")), _hashes(_rows(tmp_path, "b"))
+    ha, hb = hashes(_rows(tmp_path, "a")), hashes(_rows(tmp_path, "b"))
     assert sorted(hb) == list(range(1, outer + 1)) and ha and min(ha) >= 3, (ha, hb)  # rows land once the next barrier confirms them
     assert all(hb[k] == h for k, h in ha.items()), (ha, hb)

@@ -22,14 +22,15 @@ class DilocoConfig(BaseModel):
     pseudo_gradient: Literal["auto", "device", "host"] = "auto"
     # train round k+1 while round k's all-reduce and outer step run (diloco/overlap.py); None:
     # wherever it runs as asked (a single-process node, the int8 wire format, whose pseudo_gradient
-    # is not "host": overlapped rounds quantize each node's contribution on its devices)
+    # is not "host": overlapped rounds quantize each node's contribution on its devices). What a
+    # node runs is decided by diloco.device_pg.pg_path from these settings
     overlap: bool | None = None
     # tau: the average of round k lands this many inner steps into round k+1, keeping the node's
     # progress since; default: at the first inner step after it is ready. A fixed tau makes runs
     # reproducible; the inner loop waits there if the all-reduce is not done
     overlap_delay: PositiveInt | None = None
     streams: PositiveInt = 1  # parallel TCP streams per ring link
-    coordinator: str | None = None  # host:port; None with enabled=true hosts one in-process
+    coordinator: str | None = None  # host:port of the run's coordinator (a node requires it)
     run_id: str = "intellect-jax"
     node_id: str | None = None  # default: <hostname>-<pid>
     listen: str = "127.0.0.1:0"  # ring / state-transfer listener (host:port)
@@ -46,19 +47,12 @@ class DilocoConfig(BaseModel):
     register_timeout: PositiveFloat = 600.0
     transfer_timeout: PositiveFloat = 600.0  # a joiner's wait for its state
     admission_timeout: PositiveFloat = 3600.0  # a joiner's wait for the next boundary
-    join_after: NonNegativeInt = 0  # register only once the run has done this many outer steps
     init_from: str | None = None  # another node's run dir (shared storage): start from its checkpoint
 
     @property
     def pow2_block(self) -> bool:
         """The device quantizer's blocks are powers of two >= 16."""
         return self.block_size >= 16 and not self.block_size & (self.block_size - 1)
-
-    def overlapped(self, processes: int) -> bool:
-        """Whether a node of this many processes runs overlapped rounds."""
-        if self.overlap is not None:
-            return self.overlap
-        return processes == 1 and self.pseudo_gradient != "host" and self.mode == "int8"
 
     @model_validator(mode="after")
     def _check(self) -> DilocoConfig:

@@ -9,7 +9,8 @@ program every process must run, in the same order, so the lead's inner trainer
 it (:class:`Follower`):
 
 ========  ===========================================================================
-train     every process runs the inner steps up to ``until`` (SPMD)
+train     every process runs the inner steps up to ``until`` (SPMD); with ``asks``, the lead
+          sends a ``go`` before each step with its own ``stop()``'s answer, which all obey
 eval      every process evaluates; the lead keeps the value
 pg        ``anchor − params`` per shard; followers send their int8 pieces (1 + 4/block
           bytes per value); the lead assembles the node's pseudo-gradient
@@ -32,8 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -47,17 +47,15 @@ from intellect_jax.diloco.device_pg import (
 )
 from intellect_jax.diloco.inner import TrainerInner
 from intellect_jax.diloco.state import DilocoState, to_host
-from intellect_jax.net.blob import recv_blob, send_blob
+from intellect_jax.net.arrays import recv_array_data, recv_array_head, send_arrays
 from intellect_jax.net.comm import NetNode
 from intellect_jax.net.errors import FrameError, NetError
-from intellect_jax.net.frames import MsgType
-from intellect_jax.net.transport import Connection, TransportConfig, connect
+from intellect_jax.net.transport import Connection, TransportConfig, connect, recv_msg, send_msg
 from intellect_jax.trainer.loop import Trainer
 
 Bounds = tuple[tuple[int, int], ...]
 Part = tuple[int, Bounds, list[np.ndarray]]  # leaf index, its (start, stop) per dimension, arrays
-DTYPES = {"float32", "bfloat16", "float16", "int8", "int32"}
-MAX_HEAD = 64 << 20
+PART_DTYPES = {"float32", "bfloat16", "float16", "int8", "int32"}
 IDLE = 7 * 24 * 3600.0  # a follower waits this long for the lead's next command (a dead lead closes the socket)
 
 
@@ -73,44 +71,45 @@ def share_port(port: int) -> int:
 
 
 # ---- parts of arrays on the wire ------------------------------------------------------------
-def _raw(a: np.ndarray) -> np.ndarray:
-    """The bytes of an array as a flat uint8 view (bfloat16 has no buffer format)."""
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-
-
 def send_parts(conn: Connection, parts: Sequence[Part]) -> int:
-    head = [[leaf, [list(b) for b in bounds], [[a.dtype.name, list(a.shape)] for a in arrs]]
-            for leaf, bounds, arrs in parts]
-    conn.send(MsgType.META, json.dumps(head).encode())
-    return sum(send_blob(conn, _raw(a)) for _, _, arrs in parts for a in arrs)
+    """Parts as one array list (:mod:`intellect_jax.net.arrays`) whose header says, per part, its
+    leaf, bounds and how many of the arrays are its own."""
+    layout = [[leaf, [list(b) for b in bounds], len(arrs)] for leaf, bounds, arrs in parts]
+    return send_arrays(conn, [a for _, _, arrs in parts for a in arrs], {"parts": layout})
 
 
-def recv_parts(conn: Connection, *, max_bytes: int) -> list[Part]:
-    """Parts from a peer process; at most ``max_bytes`` in all (the size of what is expected)."""
-    head = json.loads(conn.recv(MsgType.META, max_len=MAX_HEAD)[1])
-    out: list[Part] = []
-    left = max_bytes
-    for leaf, bounds, specs in head:
-        arrs = []
-        for dt, shape in specs:
-            if dt not in DTYPES:
-                raise FrameError(f"{conn.peer}: array of dtype {dt!r} refused")
-            a = np.empty([int(n) for n in shape], np.dtype(dt))
-            if a.nbytes > left:
-                raise FrameError(f"{conn.peer}: sent more than the {max_bytes} bytes expected")
-            recv_blob(conn, into=_raw(a), max_bytes=a.nbytes)
-            left -= a.nbytes
-            arrs.append(a)
-        out.append((int(leaf), tuple((int(a), int(b)) for a, b in bounds), arrs))
-    return out
+def _layout(peer: str, raw: Any, count: int, per_part: int | None) -> list[tuple[int, Bounds, int]]:
+    """The header's part list, checked: leaf indices, (start, stop) pairs, array counts."""
+    def nat(x: Any) -> bool:
+        return type(x) is int and x >= 0
+
+    def pair(b: Any) -> bool:
+        return isinstance(b, list) and len(b) == 2 and all(map(nat, b)) and b[0] <= b[1]
+
+    def part(p: Any) -> bool:
+        return (isinstance(p, list) and len(p) == 3 and nat(p[0]) and isinstance(p[1], list)
+                and all(map(pair, p[1])) and nat(p[2]) and per_part in (None, p[2]))
+
+    if not isinstance(raw, list) or not all(map(part, raw)) or sum(p[2] for p in raw) != count:
+        raise FrameError(f"{peer}: malformed part list for {count} arrays: {str(raw)[:80]}")
+    return [(p[0], tuple((a, b) for a, b in p[1]), p[2]) for p in raw]
 
 
-def send_json(conn: Connection, obj: Any) -> None:
-    conn.send(MsgType.META, json.dumps(obj).encode())
+def recv_parts(conn: Connection, *, max_bytes: int, per_part: int | None = None) -> list[Part]:
+    """Parts from a peer process; at most ``max_bytes`` in all (the size of what is expected) and,
+    if given, ``per_part`` arrays in each."""
+    head, specs = recv_array_head(conn, max_bytes=max_bytes, dtypes=PART_DTYPES)
+    layout = _layout(conn.peer, head.get("parts"), len(specs), per_part)
+    arrays = iter(recv_array_data(conn, specs))
+    return [(leaf, bounds, [next(arrays) for _ in range(n)]) for leaf, bounds, n in layout]
 
 
-def recv_json(conn: Connection, *, deadline: float | None = None) -> Any:
-    return json.loads(conn.recv(MsgType.META, deadline=deadline, max_len=MAX_HEAD)[1])
+def _field(msg: dict[str, Any], key: str, kind: type) -> Any:
+    """``msg[key]``, which must be of type ``kind`` (``bool`` is not an ``int`` here)."""
+    v = msg.get(key)
+    if type(v) is not kind:
+        raise FrameError(f"the node's lead process sent {key}={str(v)[:40]}, not a {kind.__name__}")
+    return v
 
 
 # ---- shards -----------------------------------------------------------------------------------
@@ -130,8 +129,9 @@ def fill(parts: Sequence[Part], like: Any) -> Any:
     out = [np.empty(x.shape, x.dtype) for x in leaves]
     filled = [0] * len(out)
     for leaf, bounds, (a,) in parts:
-        if not 0 <= leaf < len(out):
-            raise ValueError(f"shard of leaf {leaf}: the tree has {len(out)} leaves")
+        if not 0 <= leaf < len(out) or len(bounds) != out[leaf].ndim:
+            raise ValueError(f"shard of leaf {leaf} at {bounds}: the tree has {len(out)} leaves"
+                             + (f", that one of {out[leaf].ndim} dimensions" if 0 <= leaf < len(out) else ""))
         view = out[leaf][tuple(slice(s, e) for s, e in bounds) or ...]  # a 0-d leaf: its whole view
         if view.shape != a.shape:
             raise ValueError(f"shard of leaf {leaf} at {bounds}: shape {a.shape}, the slot is {view.shape}")
@@ -199,7 +199,7 @@ def _apply(t: Trainer, dpg: DevicePseudoGradient, params: Any, opt: Any, step: i
 def _receive_placed(t: Trainer, conn: Connection, with_opt: bool) -> tuple[Any, Any]:
     a, sh = t.abstract_state, t.shardings
     like = (a.params, a.opt_state) if with_opt else a.params
-    parts = recv_parts(conn, max_bytes=_nbytes(like))
+    parts = recv_parts(conn, max_bytes=_nbytes(like), per_part=1)
     if not with_opt:
         return build(parts, sh.params, a.params), None
     n = len(jax.tree.leaves(a.params))
@@ -217,9 +217,9 @@ class Followers:
         try:
             for _ in range(processes - 1):
                 conn = net.accept(CHANNEL, timeout=timeout, name="follower")
-                i = int(recv_json(conn)["process"])
-                if not 0 < i < processes or i in self.conns:
-                    raise FrameError(f"a follower announced itself as process {i}")
+                i = recv_msg(conn).get("process")
+                if type(i) is not int or not 0 < i < processes or i in self.conns:
+                    raise FrameError(f"a follower announced itself as process {str(i)[:20]}")
                 self.conns[i] = conn
         except BaseException:
             self.close()
@@ -227,15 +227,15 @@ class Followers:
 
     def command(self, op: str, **kw: Any) -> None:
         for conn in self.conns.values():
-            send_json(conn, {"op": op, **kw})
+            send_msg(conn, {"op": op, **kw})
 
-    def collect(self, max_bytes: int) -> list[Part]:
-        return [p for conn in self.conns.values() for p in recv_parts(conn, max_bytes=max_bytes)]
+    def collect(self, max_bytes: int, per_part: int = 1) -> list[Part]:
+        return [p for conn in self.conns.values() for p in recv_parts(conn, max_bytes=max_bytes, per_part=per_part)]
 
     def close(self) -> None:
         for conn in self.conns.values():
             with contextlib.suppress(NetError, OSError):  # a follower already gone
-                send_json(conn, {"op": "stop"})
+                send_msg(conn, {"op": "stop"})
             conn.close()
         self.conns.clear()
 
@@ -248,9 +248,19 @@ class LeadInner(TrainerInner):
         super().__init__(trainer, device_pg)
         self.dpg, self.f = device_pg, followers
 
-    def train(self, until: int) -> dict[str, Any]:
-        self.f.command("train", until=until)
-        return self.t.train(until=until)
+    def train(self, until: int, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Every process runs the same steps (each is a program they all run): with ``stop``,
+        the lead asks it before each step and sends the followers its answer."""
+        self.f.command("train", until=until, asks=stop is not None)
+        if stop is None:
+            return self.t.train(until=until)
+
+        def ask() -> bool:
+            done = bool(stop())
+            self.f.command("go", stop=done)
+            return done
+
+        return self.t.train(until=until, stop=ask)
 
     def evaluate(self, params: Any = None) -> float:
         if params is not None:
@@ -261,7 +271,7 @@ class LeadInner(TrainerInner):
     def pseudo_gradient(self, outer_params: Any) -> Any:
         self.f.command("pg")
         mine = self.dpg.pieces(self.t.state.params)
-        theirs = _parts_to_pieces(self.f.collect(max_bytes=2 * _nbytes(outer_params)))
+        theirs = _parts_to_pieces(self.f.collect(max_bytes=2 * _nbytes(outer_params), per_part=2))
         return assemble(mine + theirs, outer_params, self.dpg.block)
 
     def _gather(self, op: str, tree: Any, dtype: Any = None) -> Any:
@@ -283,7 +293,7 @@ class LeadInner(TrainerInner):
 
     def data_state(self) -> dict | None:
         self.f.command("data")
-        theirs = {i: recv_json(c) for i, c in self.f.conns.items()}
+        theirs = {i: recv_msg(c) for i, c in self.f.conns.items()}
         return {"processes": [self.t.data.get_state(), *(theirs[i] for i in sorted(theirs))]}
 
     def set_params(self, params: Any) -> None:
@@ -304,7 +314,7 @@ class LeadInner(TrainerInner):
         tree, shard, abstract = ((params, opt), (sh.params, sh.opt_state), (a.params, a.opt_state)) \
             if opt is not None else (params, sh.params, a.params)
         for i, conn in self.f.conns.items():
-            send_json(conn, {"op": "place", "opt": opt is not None, "step": step,
+            send_msg(conn, {"op": "place", "opt": opt is not None, "step": step,
                              "data": per[i] if per is not None else None})
             send_parts(conn, slices_for(i, tree, shard, abstract))
         placed = build(slices_for(jax.process_index(), tree, shard, abstract), shard, abstract)
@@ -326,20 +336,20 @@ class Follower:
                 lead: tuple[str, int], *, timeout: float) -> Follower:
         conn = connect(dataclasses.replace(cfg, io_timeout=IDLE), lead, CHANNEL, timeout=timeout,
                        name="the node's lead process")
-        send_json(conn, {"process": jax.process_index()})
+        send_msg(conn, {"process": jax.process_index()})
         return cls(trainer, device_pg, conn)
 
     def run(self) -> int:
         """Serve commands until ``stop``; returns how many were served."""
         t, c, n = self.t, self.conn, 0
         while True:
-            cmd = recv_json(c)
+            cmd = recv_msg(c, max_len=1 << 16)
             op = cmd.get("op")
             if op == "stop":
                 return n
             n += 1
             if op == "train":
-                t.train(until=int(cmd["until"]))
+                t.train(until=_field(cmd, "until", int), stop=self._lead_stops if _field(cmd, "asks", bool) else None)
             elif op == "eval":
                 t.evaluate()
             elif op == "pg":
@@ -350,15 +360,22 @@ class Follower:
             elif op == "gather":
                 send_parts(c, local_shards(t.state.opt_state))
             elif op == "data":
-                send_json(c, t.data.get_state())
+                send_msg(c, t.data.get_state())
             elif op == "place":
-                params, opt = _receive_placed(t, c, bool(cmd["opt"]))
+                params, opt = _receive_placed(t, c, _field(cmd, "opt", bool))
                 step = cmd.get("step")
-                _apply(t, self.dpg, params, opt, None if step is None else int(step))
+                _apply(t, self.dpg, params, opt, None if step is None else _field(cmd, "step", int))
                 if cmd.get("data") is not None:
                     t.data.set_state(cmd["data"])
             else:
                 raise FrameError(f"unknown command {op!r} from the node's lead process")
+
+    def _lead_stops(self) -> bool:
+        """Before a step of a train with ``stop``: the lead's answer (it asks at the same steps)."""
+        msg = recv_msg(self.conn, max_len=1 << 16)
+        if msg.get("op") != "go":
+            raise FrameError(f"the node's lead process sent {str(msg.get('op'))[:20]!r} within a train, not 'go'")
+        return _field(msg, "stop", bool)
 
     def close(self) -> None:
         self.conn.close()

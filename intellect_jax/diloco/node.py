@@ -15,11 +15,7 @@ import jax
 
 from intellect_jax.config import TrainConfig
 from intellect_jax.coordinator.client import CoordinatorClient
-from intellect_jax.diloco.device_pg import (
-    DevicePseudoGradient,
-    host_quantize,
-    kernel_available,
-)
+from intellect_jax.diloco.device_pg import PgPath, kernel_available, pg_path
 from intellect_jax.diloco.inner import TrainerInner
 from intellect_jax.diloco.loop import (
     DilocoError,
@@ -35,7 +31,7 @@ from intellect_jax.diloco.transfer import NetTransport
 from intellect_jax.net.auth import load_secret
 from intellect_jax.net.comm import NetNode, RingConfig, parse_address
 from intellect_jax.net.transport import TransportConfig
-from intellect_jax.trainer.loop import Trainer
+from intellect_jax.trainer.loop import Role, Trainer
 
 __all__ = ["DilocoError", "DilocoNode", "loop_config", "run_follower"]
 
@@ -45,7 +41,7 @@ def transport_config(cfg: TrainConfig) -> TransportConfig:
     return TransportConfig(run_id=d.run_id, secret=load_secret(d.secret_file), io_timeout=d.allreduce_deadline)
 
 
-def loop_config(cfg: TrainConfig) -> LoopConfig:
+def loop_config(cfg: TrainConfig, path: PgPath) -> LoopConfig:
     d, H = cfg.diloco, cfg.diloco.inner_steps
     for name, v in (("run.steps", cfg.run.steps), ("run.stop_at", cfg.run.stop_at or 0)):
         if v % H:
@@ -55,30 +51,24 @@ def loop_config(cfg: TrainConfig) -> LoopConfig:
                       outer_momentum=d.outer_momentum, max_retries=d.max_retries,
                       transfer_timeout=d.transfer_timeout, admission_timeout=d.admission_timeout,
                       watch_interval=d.heartbeat_interval, ckpt_every=cfg.ckpt.every, eval_every=cfg.run.eval_every,
-                      overlap=d.overlapped(jax.process_count()), overlap_delay=d.overlap_delay)
+                      overlap=path.overlap, overlap_delay=d.overlap_delay)
 
 
-def node_device_pg(cfg: TrainConfig, *, log=print) -> DevicePseudoGradient:
-    """The device path: the Triton kernel where it runs, else the host codec on each shard."""
-    d = cfg.diloco
-    if d.pseudo_gradient == "host" and jax.process_count() > 1:
-        raise DilocoError("diloco.pseudo_gradient = \"host\" needs a single-process node; a node of several "
-                          "processes makes it per shard (\"device\" or \"auto\")")
-    kernel = kernel_available() and d.pow2_block
-    log(f"pseudo-gradient made on the devices, quantized by {'the Triton kernel' if kernel else 'the host codec'}")
-    return DevicePseudoGradient(d.block_size, None if kernel else host_quantize)
+def node_pg_path(cfg: TrainConfig) -> PgPath:
+    """This process's node's pseudo-gradient path (:func:`~.device_pg.pg_path`)."""
+    return pg_path(cfg.diloco, jax.process_count(), kernel_available())
 
 
 def run_follower(cfg: TrainConfig) -> int:
     """A non-lead process of a multi-process DiLoCo node: returns the commands it served."""
     d = cfg.diloco
     port = share_port(0)
-    trainer = Trainer(cfg, node_rank=d.data_rank, node_count=d.data_ranks, periodic_save=False, evaluate=False,
-                      resume=False, ckpt_lead_only=True)
+    trainer = Trainer(cfg, node_rank=d.data_rank, node_count=d.data_ranks, role=Role.INNER)
     try:
         lead = (parse_address(cfg.dist.coordinator_address or "")[0], port)
-        f = Follower.connect(trainer, node_device_pg(cfg, log=lambda _: None), transport_config(cfg), lead,
-                             timeout=d.transfer_timeout)
+        dpg = node_pg_path(cfg).build(d.block_size)
+        assert dpg is not None  # a node of several processes takes the device path
+        f = Follower.connect(trainer, dpg, transport_config(cfg), lead, timeout=d.transfer_timeout)
         try:
             return f.run()
         finally:
@@ -90,7 +80,8 @@ def run_follower(cfg: TrainConfig) -> int:
 class DilocoNode:
     def __init__(self, cfg: TrainConfig, *, log=None):
         d = cfg.diloco
-        self.loop_cfg = loop_config(cfg)
+        self.path = node_pg_path(cfg)
+        self.loop_cfg = loop_config(cfg, self.path)
         if not d.coordinator:
             raise DilocoError("diloco.coordinator (host:port) is required")
         self.cfg = cfg
@@ -119,55 +110,25 @@ class DilocoNode:
         d = self.cfg.diloco
         # checkpoints and evals happen at outer boundaries; the store restores, not the trainer
         multi = jax.process_count() > 1
-        if multi and d.overlap:
-            raise DilocoError("diloco.overlap is not available on a node of several processes yet (leave it unset "
-                              "or false)")
         if multi:  # the node's other processes learn where to reach this one (before any other program)
             share_port(self.net.address[1])
-        self.trainer = Trainer(self.cfg, node_rank=d.data_rank, node_count=d.data_ranks, periodic_save=False,
-                               evaluate=False, resume=False, ckpt_lead_only=multi)
+        self.trainer = Trainer(self.cfg, node_rank=d.data_rank, node_count=d.data_ranks, role=Role.INNER)
         store = CheckpointStore(self.trainer, resume=self.cfg.ckpt.resume, init_from=d.init_from,
                                 meta={"node_id": self.node_id, "node_rank": d.data_rank, "node_count": d.data_ranks},
                                 warn=self._log)
         transport = NetTransport(self.net, self.node_id, log=self._log, watch_interval=d.heartbeat_interval)
+        dpg = self.path.build(d.block_size)
         if multi:
             self._log(f"speaking for {jax.process_count()} processes; waiting for the others to connect")
             self.followers = Followers(self.net, jax.process_count(), timeout=d.transfer_timeout)
-            inner: TrainerInner = LeadInner(self.trainer, node_device_pg(self.cfg, log=self._log), self.followers)
+            assert dpg is not None  # a node of several processes takes the device path
+            inner: TrainerInner = LeadInner(self.trainer, dpg, self.followers)
         else:
-            inner = TrainerInner(self.trainer, node_device_pg(self.cfg, log=self._log) if self.loop_cfg.overlap
-                                 else self._device_pg())
-        tau = f"{d.overlap_delay} inner steps into the next round" if d.overlap_delay else "when ready"
-        self._log(f"overlapped rounds: each average merged {tau}" if self.loop_cfg.overlap else "synchronous rounds")
-        if d.join_after:  # ready (state built, data loaded, every process connected); register later
-            self._wait_for_run(d.join_after)
+            inner = TrainerInner(self.trainer, dpg)
+        self._log(self.path.describe(d.overlap_delay))
         parts = NodeParts(self.node_id, inner, self.client, self._ring, transport, store, log=self._log)
         self.loop = NodeLoop(self.loop_cfg, parts)
         return self.loop.run()
-
-    def _device_pg(self) -> DevicePseudoGradient | None:
-        where = self.cfg.diloco.pseudo_gradient
-        if where == "auto":
-            where = "device" if kernel_available() and self.cfg.diloco.pow2_block else "host"
-        if where == "host":
-            self._log("pseudo-gradient made on the host")
-            return None
-        return node_device_pg(self.cfg, log=self._log)
-
-    def _wait_for_run(self, k: int) -> None:
-        """Register only once the run has done k outer steps."""
-        import time
-
-        self._log(f"waiting for the run to complete {k} outer steps before registering")
-        deadline = time.monotonic() + self.cfg.diloco.admission_timeout
-        while time.monotonic() < deadline:
-            try:
-                if self.client.status()["outer_step"] >= k:
-                    return
-            except Exception:  # coordinator not up yet, or restarting
-                pass
-            time.sleep(0.5)
-        raise DilocoError(f"the run did not reach outer step {k} within {self.cfg.diloco.admission_timeout:.0f}s")
 
     def close(self) -> None:
         if self.followers is not None:

@@ -3,7 +3,7 @@ then runs inner steps with logging, evaluation and checkpoints. DiLoCo drives `t
 
 from __future__ import annotations
 
-import os
+import enum
 import sys
 import time
 import uuid
@@ -18,6 +18,7 @@ from flax import nnx
 from intellect_jax.config import TrainConfig
 from intellect_jax.data import tokenizer as toklib
 from intellect_jax.data.pipeline import make_train_iter, make_val_batches
+from intellect_jax.files import atomic_write
 from intellect_jax.model import sharding as S
 from intellect_jax.model.config import ConfigError
 from intellect_jax.trainer import step as T
@@ -51,27 +52,29 @@ def prepare_run_dir(cfg: TrainConfig) -> Path:
     return d
 
 
-def _warn(line: str) -> None:
+def warn(line: str) -> None:
+    """One warning line on stderr, flushed at once (it must reach the operator before a crash)."""
     print(line, file=sys.stderr, flush=True)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+class Role(enum.Enum):
+    """Who runs the job around a trainer's inner steps."""
+
+    # the trainer's own job: it resumes from its checkpoints (`ckpt.resume`), saves every
+    # `ckpt.every` steps and evaluates every `run.eval_every` steps and at the end
+    SOLO = "solo"
+    # DiLoCo's inner trainer: the outer loop drives `train(until, stop)` and resumes, saves and
+    # evaluates at outer-step boundaries through its store; on a node of several processes its
+    # checkpoints are host copies that process 0 alone writes (the others have no `ckpt`)
+    INNER = "inner"
 
 
 class Trainer:
     """One node's inner loop. `node_rank/node_count` pick this node's data shard (DiLoCo)."""
 
-    def __init__(self, cfg: TrainConfig, *, node_rank: int = 0, node_count: int = 1,
-                 periodic_save: bool = True, evaluate: bool = True, resume: bool | None = None,
-                 ckpt_lead_only: bool = False):
-        """``ckpt_lead_only``: process 0 alone checkpoints (host copies; a multi-process DiLoCo
-        node), the other processes have no ``ckpt``."""
-        self.cfg = cfg
-        # DiLoCo checkpoints and evaluates the outer params at outer-step boundaries instead
-        self.periodic_save, self.periodic_eval = periodic_save, evaluate
+    def __init__(self, cfg: TrainConfig, *, node_rank: int = 0, node_count: int = 1, role: Role = Role.SOLO):
+        self.cfg, self.role = cfg, role
+        solo = role is Role.SOLO
         self.mcfg = cfg.model.build()
         self.lead = jax.process_index() == 0
         self.mesh = S.make_mesh(cfg.mesh.fsdp, cfg.mesh.tp)
@@ -101,12 +104,11 @@ class Trainer:
         self.run_dir = prepare_run_dir(cfg)  # after every input check: bad input writes nothing
 
         self.ckpt: Checkpointer | None = None
-        if self.lead or not (ckpt_lead_only and nproc > 1):
+        if self.lead or solo or nproc == 1:
             self.ckpt = Checkpointer(self.run_dir / "ckpt", every=cfg.ckpt.every, keep=cfg.ckpt.keep,
-                                     async_save=cfg.ckpt.async_save, lead_only=ckpt_lead_only)
-        resume = cfg.ckpt.resume if resume is None else resume  # (a DiLoCo node's store restores instead)
-        if resume and self.ckpt is not None and self.ckpt.all_steps():  # the newest readable checkpoint; damaged ones are skipped
-            _, out = self.ckpt.restore_newest({"state": self.abstract_state}, ("data",), warn=_warn)
+                                     async_save=cfg.ckpt.async_save, lead_only=not solo)
+        if solo and cfg.ckpt.resume and self.ckpt is not None and self.ckpt.all_steps():  # the newest readable checkpoint; damaged ones are skipped
+            _, out = self.ckpt.restore_newest({"state": self.abstract_state}, ("data",), warn=warn)
             self.state = out["state"]
             self.data.set_state(out["data"])
         else:
@@ -138,7 +140,7 @@ class Trainer:
         # a CPU node spanning processes waits for each step. GPUs keep the async dispatch.
         self._sync_each_step = nproc > 1 and jax.devices()[0].platform == "cpu"
         if self.lead:
-            write_atomic(self.run_dir / "config.json", cfg.model_dump_json(indent=2))
+            atomic_write(self.run_dir / "config.json", cfg.model_dump_json(indent=2))
             toklib.save_hf_tokenizer(self.tok, self.run_dir / "tokenizer", self.mcfg.max_seq_len)
             self.logger = MetricsLogger(self.run_dir, total_steps=self.total_steps,
                                         start_step=self.step, progress=cfg.run.progress)
@@ -242,7 +244,7 @@ class Trainer:
         until = min(until or self.cfg.run.stop_at or self.total_steps, self.total_steps)
         if self.compile_s is None:
             self._compile()
-        every, ev = self.cfg.ckpt.every, self.cfg.run.eval_every
+        every, ev, solo = self.cfg.ckpt.every, self.cfg.run.eval_every, self.role is Role.SOLO
         pending, last = None, {}
         jax.block_until_ready(self.state)
         self._mark, self._off = (time.perf_counter(), self.step), 0.0
@@ -257,9 +259,9 @@ class Trainer:
             if pending is not None:
                 last = self._log(*pending) or last
             pending = (self.step, metrics)
-            if self.periodic_save and every and self.step % every == 0:
+            if solo and every and self.step % every == 0:
                 self._off_clock(self.save)
-            if self.periodic_eval and ((ev and self.step % ev == 0) or self.step == self.total_steps):
+            if solo and ((ev and self.step % ev == 0) or self.step == self.total_steps):
                 last = self._log(*pending, more=lambda: {"val_loss": self._off_clock(self.evaluate)},
                                  force=True)
                 pending = None
