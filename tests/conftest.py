@@ -21,6 +21,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest
 
+from helpers import coordinator  # noqa: E402,F401  (the shared socket-coordinator fixture)
+
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,14 +12,13 @@ from typing import Any
 
 import pytest
 
-from intellect_jax.coordinator.client import CoordinatorClient, coordinator_status
+from intellect_jax.coordinator.client import coordinator_status
 from intellect_jax.coordinator.server import Coordinator
 from intellect_jax.coordinator.journal import Journal, JournalError, RunRecord
 from intellect_jax.coordinator.membership import Membership
 from intellect_jax.coordinator.protocol import (
     PROTOCOL,
     CoordinatorConfig,
-    Epoch,
     Evicted,
     ProtocolError,
     RegistrationRefused,
@@ -30,54 +28,14 @@ from intellect_jax.coordinator.protocol import (
 )
 from intellect_jax.net.transport import TransportConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-SECRET = b"coordinator-test-secret-0123456789"
-FP = "fp-llama-debug"
+from helpers import FP, ROOT, SECRET, Run, coord_client as _client, coord_config as _conf, coord_env as _env, \
+    coord_transport as _tcfg, wait_for as _wait_for
+
 
 
 # ---------------------------------------------------------------------------------------------
 # state machine
 # ---------------------------------------------------------------------------------------------
-class Run:
-    """A Membership plus the sessions of its nodes, with a manual clock."""
-
-    def __init__(self, record: RunRecord | None = None, **kw: Any) -> None:
-        kw.setdefault("join_window", 0.0)
-        kw.setdefault("heartbeat_timeout", 5.0)
-        kw.setdefault("boundary_timeout", 30.0)
-        self.m = Membership(CoordinatorConfig(**kw), instance="i1", record=record)
-        self.now = 0.0
-        self.s: dict[str, str] = {}
-        self.silent: set[str] = set()  # nodes whose heartbeats stop
-
-    def reg(self, node: str, fp: str = FP, resume: Resume | None = None, protocol: int = PROTOCOL,
-            founder: bool = True) -> Any:
-        r = self.m.register(node, f"10.0.0.{len(self.s) + 1}:700{len(self.s)}", 8, protocol, fp, self.now,
-                            resume, founder)
-        self.s[node] = r.session
-        return r
-
-    def arrive(self, node: str, k: int, h: str | None = None, retry_of: int | None = None) -> Epoch | None:
-        return self.m.arrive(node, self.s[node], k, self.now, h, retry_of)
-
-    def result(self, node: str) -> Epoch | None:
-        return self.m.epoch_for(node, self.s[node])
-
-    def tick(self, dt: float) -> None:
-        self.now += dt
-        for n, sess in self.s.items():  # everyone alive heartbeats, unless told otherwise
-            if n not in self.silent and n in self.m._nodes and self.m._nodes[n].session == sess:
-                self.m.heartbeat(n, sess, self.now)
-        self.m.tick(self.now)
-
-    def barrier(self, k: int, nodes: list[str], h: str | None = None) -> dict[str, Epoch]:
-        for n in nodes:
-            self.arrive(n, k, h)
-        out = {n: self.result(n) for n in nodes}
-        assert all(e is not None for e in out.values()), out
-        return out  # type: ignore[return-value]
-
-
 def test_founding_members_form_epoch_1_at_boundary_0() -> None:
     r = Run(min_nodes=3)
     for n in ("c", "a", "b"):
@@ -374,149 +332,124 @@ def test_journal_file_atomic_and_reloaded(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # server + client over real sockets (127.0.0.1, port 0)
 # ---------------------------------------------------------------------------------------------
-def _tcfg(secret: bytes = SECRET) -> TransportConfig:
-    return TransportConfig(run_id="coord-test", secret=secret, io_timeout=5.0, connect_timeout=5.0,
-                           handshake_timeout=5.0)
-
-
-def _conf(**kw: Any) -> CoordinatorConfig:
-    base: dict[str, Any] = {"heartbeat_timeout": 3.0, "boundary_timeout": 30.0, "join_window": 0.0, "min_nodes": 3,
-                            "keepalive_interval": 0.3, "tick_interval": 0.05}
-    return CoordinatorConfig(**(base | kw))
-
-
-def _client(addr: Any, node: str, port: int, fp: str = FP, secret: bytes = SECRET, **kw: Any) -> CoordinatorClient:
-    kw.setdefault("heartbeat_interval", 0.2)
-    kw.setdefault("reconnect_timeout", 15.0)
-    return CoordinatorClient(addr, _tcfg(secret), node, f"127.0.0.1:{port}", devices=2, fingerprint=fp, **kw)
-
-
-def _wait_for(pred: Any, timeout: float = 10.0, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def _waiting(status: dict[str, Any], k: int) -> set[str]:
     return {n["node_id"] for n in status["nodes"] if n["waiting_at"] == k}
 
 
-def test_three_clients_barrier_together_and_status() -> None:
-    with Coordinator(_tcfg(), config=_conf()) as coord:
-        clients = [_client(coord.address, n, 9000 + i) for i, n in enumerate("abc")]
-        try:
-            assert all(c.register().member for c in clients)
-            with ThreadPoolExecutor(3) as ex:
-                eps = list(ex.map(lambda c: c.sync(0, state_hash="h0"), clients))
-                assert [e.epoch_id for e in eps] == [1, 1, 1] and [e.rank for e in eps] == [0, 1, 2]
-                assert eps[0].addresses == ["127.0.0.1:9000", "127.0.0.1:9001", "127.0.0.1:9002"]
-                eps = list(ex.map(lambda c: c.sync(1, state_hash="h1"), clients))
-            assert [e.epoch_id for e in eps] == [1, 1, 1] and not eps[0].changed
-            st = coordinator_status(coord.address, _tcfg())
-            assert st["epoch"]["members"] == [["a", "127.0.0.1:9000"], ["b", "127.0.0.1:9001"],
-                                              ["c", "127.0.0.1:9002"]]
-            assert st["outer_step"] == 2 and st["hashes"]["1"]["hashes"] == {"a": "h1", "b": "h1", "c": "h1"}
-            assert clients[0].status()["nodes"][0]["devices"] == 2
-        finally:
-            for c in clients:
-                c.close()
+def test_three_clients_barrier_together_and_status(coordinator) -> None:
+    coord = coordinator()
+    clients = [_client(coord.address, n, 9000 + i) for i, n in enumerate("abc")]
+    try:
+        assert all(c.register().member for c in clients)
+        with ThreadPoolExecutor(3) as ex:
+            eps = list(ex.map(lambda c: c.sync(0, state_hash="h0"), clients))
+            assert [e.epoch_id for e in eps] == [1, 1, 1] and [e.rank for e in eps] == [0, 1, 2]
+            assert eps[0].addresses == ["127.0.0.1:9000", "127.0.0.1:9001", "127.0.0.1:9002"]
+            eps = list(ex.map(lambda c: c.sync(1, state_hash="h1"), clients))
+        assert [e.epoch_id for e in eps] == [1, 1, 1] and not eps[0].changed
+        st = coordinator_status(coord.address, _tcfg())
+        assert st["epoch"]["members"] == [["a", "127.0.0.1:9000"], ["b", "127.0.0.1:9001"],
+                                          ["c", "127.0.0.1:9002"]]
+        assert st["outer_step"] == 2 and st["hashes"]["1"]["hashes"] == {"a": "h1", "b": "h1", "c": "h1"}
+        assert clients[0].status()["nodes"][0]["devices"] == 2
+    finally:
+        for c in clients:
+            c.close()
 
 
-def test_wrong_secret_rejected_before_registration() -> None:
-    with Coordinator(_tcfg(), config=_conf()) as coord:
-        bad = _client(coord.address, "mallory", 9100, secret=b"not-the-run-secret-0123456789")
-        with pytest.raises(RegistrationRefused, match="refused node mallory's handshake") as ei:
-            bad.register()
-        assert ei.value.reason == "auth"
-        bad.close()
-        assert coord.status()["nodes"] == []
-        assert coordinator_status(coord.address, _tcfg())["nodes"] == []
+def test_wrong_secret_rejected_before_registration(coordinator) -> None:
+    coord = coordinator()
+    bad = _client(coord.address, "mallory", 9100, secret=b"not-the-run-secret-0123456789")
+    with pytest.raises(RegistrationRefused, match="refused node mallory's handshake") as ei:
+        bad.register()
+    assert ei.value.reason == "auth"
+    bad.close()
+    assert coord.status()["nodes"] == []
+    assert coordinator_status(coord.address, _tcfg())["nodes"] == []
 
 
-def test_fingerprint_mismatch_refused_run_unaffected() -> None:
-    with Coordinator(_tcfg(), config=_conf(min_nodes=2)) as coord:
-        a, b = _client(coord.address, "a", 9000), _client(coord.address, "b", 9001)
-        bad = _client(coord.address, "x", 9002, fp="fp-other")
-        try:
-            a.register(), b.register()
-            with ThreadPoolExecutor(2) as ex:
-                fa = ex.submit(a.sync, 0)
-                _wait_for(lambda: _waiting(coord.status(), 0) == {"a"}, what="a at the barrier")
-                with pytest.raises(RegistrationRefused, match=f"model config fingerprint fp-other != run's {FP}"):
-                    bad.register()
-                fb = ex.submit(b.sync, 0)
-                assert fa.result(10).node_ids == ["a", "b"] == fb.result(10).node_ids
-            assert [n["node_id"] for n in coord.status()["nodes"]] == ["a", "b"]
-        finally:
-            for c in (a, b, bad):
-                c.close()
+def test_fingerprint_mismatch_refused_run_unaffected(coordinator) -> None:
+    coord = coordinator(min_nodes=2)
+    a, b = _client(coord.address, "a", 9000), _client(coord.address, "b", 9001)
+    bad = _client(coord.address, "x", 9002, fp="fp-other")
+    try:
+        a.register(), b.register()
+        with ThreadPoolExecutor(2) as ex:
+            fa = ex.submit(a.sync, 0)
+            _wait_for(lambda: _waiting(coord.status(), 0) == {"a"}, what="a at the barrier")
+            with pytest.raises(RegistrationRefused, match=f"model config fingerprint fp-other != run's {FP}"):
+                bad.register()
+            fb = ex.submit(b.sync, 0)
+            assert fa.result(10).node_ids == ["a", "b"] == fb.result(10).node_ids
+        assert [n["node_id"] for n in coord.status()["nodes"]] == ["a", "b"]
+    finally:
+        for c in (a, b, bad):
+            c.close()
 
 
-def test_joiner_admission_serve_and_leave_over_sockets() -> None:
-    with Coordinator(_tcfg(), config=_conf(min_nodes=2)) as coord:
-        a, b, j = (_client(coord.address, n, 9000 + i) for i, n in enumerate("abj"))
-        try:
-            a.register(), b.register()
-            with ThreadPoolExecutor(3) as ex:
-                fa, fb = ex.submit(a.sync, 0), ex.submit(b.sync, 0)
-                assert fa.result(10).epoch_id == fb.result(10).epoch_id == 1
-                reply = j.register(Resume(7, state_hash="h7"))  # its own checkpoint: the running run makes it join
-                assert not reply.member and reply.outer_step == 1 and reply.epoch_id == 1 and "in progress" in reply.note
-                fj = ex.submit(j.wait_admission)
-                time.sleep(0.3)
-                assert not fj.done()  # admitted only at a boundary
-                fa, fb = ex.submit(a.sync, 1), ex.submit(b.sync, 1)
-                ea, eb, adm = fa.result(10), fb.result(10), fj.result(10)
-                assert ea.node_ids == ["a", "b"] and ea.serve == (("j", "127.0.0.1:9002"),) and eb.serve == ()
-                assert (adm.donor_id, adm.donor_addr, adm.admitted_at, adm.outer_step) == ("a", "127.0.0.1:9000", 1, 2)
-                assert j.state_received(2)
-                eps = [f.result(10) for f in [ex.submit(c.sync, 2) for c in (a, b, j)]]
-                assert {e.epoch_id for e in eps} == {2} and eps[2].node_ids == ["a", "b", "j"] and eps[2].rank == 2
-                b.leave()
-                eps = [f.result(10) for f in [ex.submit(c.sync, 3) for c in (a, j)]]
-                assert eps[0].epoch_id == 3 and eps[0].node_ids == ["a", "j"]
-            assert coord.status()["evictions"][-1]["reason"] == "left"
-        finally:
-            for c in (a, b, j):
-                c.close()
+def test_joiner_admission_serve_and_leave_over_sockets(coordinator) -> None:
+    coord = coordinator(min_nodes=2)
+    a, b, j = (_client(coord.address, n, 9000 + i) for i, n in enumerate("abj"))
+    try:
+        a.register(), b.register()
+        with ThreadPoolExecutor(3) as ex:
+            fa, fb = ex.submit(a.sync, 0), ex.submit(b.sync, 0)
+            assert fa.result(10).epoch_id == fb.result(10).epoch_id == 1
+            reply = j.register(Resume(7, state_hash="h7"))  # its own checkpoint: the running run makes it join
+            assert not reply.member and reply.outer_step == 1 and reply.epoch_id == 1 and "in progress" in reply.note
+            fj = ex.submit(j.wait_admission)
+            time.sleep(0.3)
+            assert not fj.done()  # admitted only at a boundary
+            fa, fb = ex.submit(a.sync, 1), ex.submit(b.sync, 1)
+            ea, eb, adm = fa.result(10), fb.result(10), fj.result(10)
+            assert ea.node_ids == ["a", "b"] and ea.serve == (("j", "127.0.0.1:9002"),) and eb.serve == ()
+            assert (adm.donor_id, adm.donor_addr, adm.admitted_at, adm.outer_step) == ("a", "127.0.0.1:9000", 1, 2)
+            assert j.state_received(2)
+            eps = [f.result(10) for f in [ex.submit(c.sync, 2) for c in (a, b, j)]]
+            assert {e.epoch_id for e in eps} == {2} and eps[2].node_ids == ["a", "b", "j"] and eps[2].rank == 2
+            b.leave()
+            eps = [f.result(10) for f in [ex.submit(c.sync, 3) for c in (a, j)]]
+            assert eps[0].epoch_id == 3 and eps[0].node_ids == ["a", "j"]
+        assert coord.status()["evictions"][-1]["reason"] == "left"
+    finally:
+        for c in (a, b, j):
+            c.close()
 
 
-def test_stalled_node_evicted_then_rejoins_as_joiner() -> None:
-    with Coordinator(_tcfg(), config=_conf(min_nodes=2, heartbeat_timeout=0.6)) as coord:
-        a = _client(coord.address, "a", 9000, heartbeat_interval=60.0)  # its heartbeats stall
-        b = _client(coord.address, "b", 9001)
-        try:
-            a.register(), b.register()
-            with ThreadPoolExecutor(2) as ex:
-                assert {f.result(10).epoch_id for f in [ex.submit(c.sync, 0, "h0") for c in (a, b)]} == {1}
-            _wait_for(lambda: [n["node_id"] for n in coord.status()["nodes"]] == ["b"],
-                      what="eviction by heartbeat timeout")
-            with pytest.raises(Evicted, match="node a was evicted \\(no heartbeat for"):
-                a.sync(1, "h1")
-            assert not a.member
-            reply = a.register()  # b holds the run's state: a re-registers as a joiner
-            assert not reply.member and "in progress" in reply.note
-        finally:
-            a.close(), b.close()
+def test_stalled_node_evicted_then_rejoins_as_joiner(coordinator) -> None:
+    coord = coordinator(min_nodes=2, heartbeat_timeout=0.6)
+    a = _client(coord.address, "a", 9000, heartbeat_interval=60.0)  # its heartbeats stall
+    b = _client(coord.address, "b", 9001)
+    try:
+        a.register(), b.register()
+        with ThreadPoolExecutor(2) as ex:
+            assert {f.result(10).epoch_id for f in [ex.submit(c.sync, 0, "h0") for c in (a, b)]} == {1}
+        _wait_for(lambda: [n["node_id"] for n in coord.status()["nodes"]] == ["b"],
+                  what="eviction by heartbeat timeout")
+        with pytest.raises(Evicted, match="node a was evicted \\(no heartbeat for"):
+            a.sync(1, "h1")
+        assert not a.member
+        reply = a.register()  # b holds the run's state: a re-registers as a joiner
+        assert not reply.member and "in progress" in reply.note
+    finally:
+        a.close(), b.close()
 
 
-def test_lone_member_evicted_resumes_with_its_own_state() -> None:
+def test_lone_member_evicted_resumes_with_its_own_state(coordinator) -> None:
     """If the evicted node was the only one holding the run's newest state, it resumes with it."""
-    with Coordinator(_tcfg(), config=_conf(min_nodes=1, heartbeat_timeout=0.6)) as coord:
-        a = _client(coord.address, "a", 9000, heartbeat_interval=60.0)
-        try:
-            assert a.register().member and a.sync(0, "h0").epoch_id == 1
-            a.hold(1, "h1")  # applied outer step 1
-            _wait_for(lambda: not coord.status()["nodes"], what="eviction by heartbeat timeout")
-            with pytest.raises(Evicted):
-                a.sync(1, "h1")
-            assert a.register().member  # its claim (1, h1) is the newest state there is
-            assert a.sync(1, "h1").outer_step == 1
-            assert coord.status()["high_water_mark"] == {"outer_step": 1, "hash": "h1"}
-        finally:
-            a.close()
+    coord = coordinator(min_nodes=1, heartbeat_timeout=0.6)
+    a = _client(coord.address, "a", 9000, heartbeat_interval=60.0)
+    try:
+        assert a.register().member and a.sync(0, "h0").epoch_id == 1
+        a.hold(1, "h1")  # applied outer step 1
+        _wait_for(lambda: not coord.status()["nodes"], what="eviction by heartbeat timeout")
+        with pytest.raises(Evicted):
+            a.sync(1, "h1")
+        assert a.register().member  # its claim (1, h1) is the newest state there is
+        assert a.sync(1, "h1").outer_step == 1
+        assert coord.status()["high_water_mark"] == {"outer_step": 1, "hash": "h1"}
+    finally:
+        a.close()
 
 
 def test_quiet_session_judged_by_heartbeat_timeout_not_io_timeout() -> None:
@@ -577,10 +510,6 @@ def test_coordinator_stopped_and_restarted_mid_barrier() -> None:
             c.stop()
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "INTELLECT_NET_SECRET": SECRET.decode(), "PYTHONPATH": str(ROOT)}
-
-
 @pytest.mark.slow
 def test_coordinator_process_sigkilled_and_restarted_mid_barrier() -> None:
     procs: list[subprocess.Popen[str]] = []
@@ -622,30 +551,30 @@ time.sleep(600)
 
 
 @pytest.mark.slow
-def test_sigkilled_client_evicted_at_once_survivors_get_new_epoch() -> None:
+def test_sigkilled_client_evicted_at_once_survivors_get_new_epoch(coordinator) -> None:
     # heartbeat and boundary timeouts far above the test's duration: only the lost connection can evict
-    with Coordinator(_tcfg(), config=_conf(heartbeat_timeout=30.0, boundary_timeout=60.0)) as coord:
-        host, port = coord.address
-        victim = subprocess.Popen([sys.executable, "-c", VICTIM, f"{host}:{port}", FP], stdout=subprocess.PIPE,
-                                  text=True, env=_env(), cwd=ROOT)
-        a, b = _client(coord.address, "a", 9000), _client(coord.address, "b", 9001)
-        try:
-            a.register(), b.register()
-            with ThreadPoolExecutor(2) as ex:
-                fa, fb = ex.submit(a.sync, 0), ex.submit(b.sync, 0)
-                assert victim.stdout.readline().strip() == "1"  # type: ignore[union-attr]
-                assert fa.result(20).node_ids == ["a", "b", "victim"]
-                fb.result(1)
-                fa, fb = ex.submit(a.sync, 1), ex.submit(b.sync, 1)
-                _wait_for(lambda: _waiting(coord.status(), 1) == {"a", "b"}, what="a, b waiting")
-                t0 = time.monotonic()
-                victim.send_signal(signal.SIGKILL)
-                ea, eb = fa.result(10), fb.result(10)
-                elapsed = time.monotonic() - t0
-            assert ea.epoch_id == eb.epoch_id == 2 and ea.node_ids == ["a", "b"] and elapsed < 5.0
-            ev = coord.status()["evictions"]
-            assert [(e["node_id"], e["reason"]) for e in ev] == [("victim", "connection lost")]
-        finally:
-            victim.kill()
-            victim.wait(10)
-            a.close(), b.close()
+    coord = coordinator(heartbeat_timeout=30.0, boundary_timeout=60.0)
+    host, port = coord.address
+    victim = subprocess.Popen([sys.executable, "-c", VICTIM, f"{host}:{port}", FP], stdout=subprocess.PIPE,
+                              text=True, env=_env(), cwd=ROOT)
+    a, b = _client(coord.address, "a", 9000), _client(coord.address, "b", 9001)
+    try:
+        a.register(), b.register()
+        with ThreadPoolExecutor(2) as ex:
+            fa, fb = ex.submit(a.sync, 0), ex.submit(b.sync, 0)
+            assert victim.stdout.readline().strip() == "1"  # type: ignore[union-attr]
+            assert fa.result(20).node_ids == ["a", "b", "victim"]
+            fb.result(1)
+            fa, fb = ex.submit(a.sync, 1), ex.submit(b.sync, 1)
+            _wait_for(lambda: _waiting(coord.status(), 1) == {"a", "b"}, what="a, b waiting")
+            t0 = time.monotonic()
+            victim.send_signal(signal.SIGKILL)
+            ea, eb = fa.result(10), fb.result(10)
+            elapsed = time.monotonic() - t0
+        assert ea.epoch_id == eb.epoch_id == 2 and ea.node_ids == ["a", "b"] and elapsed < 5.0
+        ev = coord.status()["evictions"]
+        assert [(e["node_id"], e["reason"]) for e in ev] == [("victim", "connection lost")]
+    finally:
+        victim.kill()
+        victim.wait(10)
+        a.close(), b.close()

@@ -18,7 +18,8 @@ from intellect_jax.coordinator.server import Coordinator
 from intellect_jax.coordinator.journal import RunRecord
 from intellect_jax.coordinator.protocol import CoordinatorConfig, CoordinatorUnavailable, Resume
 from intellect_jax.coordinator.service import CoordinatorService
-from test_coordinator import FP, ROOT, Run, _client, _conf, _env, _tcfg
+from helpers import FP, ROOT, Run, coord_client as _client, coord_config as _conf, coord_env as _env, \
+    coord_transport as _tcfg
 
 
 def _free_port() -> int:

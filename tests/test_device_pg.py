@@ -7,7 +7,7 @@ import pytest
 import torch
 import triton
 from flax import nnx
-from test_train import tiny_cfg
+from helpers import tiny_cfg
 
 from intellect_jax.diloco.config import DilocoConfig
 from intellect_jax.diloco.device_pg import (

@@ -1,6 +1,18 @@
-"""The launcher's `--join NODE@K`: the node starts only once the run has done K outer steps."""
+"""The launcher (`python -m intellect_jax.launch`): `--join NODE@K` starts the node only once the
+run has done K outer steps (its units, no processes), and the one launcher run end to end (slow:
+a joiner by live transfer over sockets, the coordinator SIGKILLed and restarted from its journal,
+strangers refused)."""
+
+import os
+import re
+import secrets
+import subprocess
+import sys
+import time
 
 import pytest
+
+from helpers import LAUNCH_TINY, ROOT, free_port, launch, one_history, rows, run_rows
 
 from intellect_jax.launch import Launcher, parse
 from intellect_jax.model.config import ConfigError
@@ -49,3 +61,62 @@ def test_a_joiner_that_the_run_never_reaches_still_starts_and_ends(tmp_path):
 def test_a_joiner_named_like_a_founder_is_refused():
     with pytest.raises(ConfigError, match="^--join node1@2: node1 is one of the --nodes 2"):
         parse([*BASE, "--join", "node1@2"])
+
+
+@pytest.mark.slow
+def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
+    """The one launcher run end to end: 2 founders, node2 joins after outer step 1 by live transfer
+    (its donor trains meanwhile), the coordinator is SIGKILLed after step 3 and restarted from its
+    journal; a node with the wrong secret and one with another model are refused in one line.
+    node2's process starts at outer step 1 of 10: the run must outlast its start-up (imports,
+    compilation) on a loaded machine, or it would be told that the run is complete."""
+    port = free_port()
+    secret = secrets.token_hex(32)
+    env = dict(os.environ, INTELLECT_NET_SECRET=secret)
+    p = launch(tmp_path, "--nodes", "2", "--join", "node2@1", "--kill-coordinator", "3", "--run.steps", "50",
+                port=port, env=env)
+    # once the run is going: a node with the wrong secret and one with another model are refused
+    from intellect_jax.coordinator.client import coordinator_status
+    from intellect_jax.net.transport import TransportConfig
+
+    tcfg = TransportConfig(run_id="intellect-jax", secret=secret.encode())
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if coordinator_status(f"127.0.0.1:{port}", tcfg, timeout=2)["outer_step"] >= 1:
+                break
+        except Exception:
+            pass
+        time.sleep(0.5)
+    else:
+        pytest.fail("the run never reached outer step 1")
+    base = [sys.executable, "-m", "intellect_jax.train", "--config", "configs/debug_diloco.toml",
+            "--diloco.coordinator", f"127.0.0.1:{port}", "--run.out_dir", str(tmp_path / "bad"),
+            *LAUNCH_TINY, "--data.cache_dir", str(tmp_path / "cache")]
+    bad = [
+        subprocess.Popen(base + ["--diloco.node_id", "intruder"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         env=dict(env, INTELLECT_NET_SECRET=secrets.token_hex(32))),
+        subprocess.Popen(base + ["--diloco.node_id", "other", "--model.num_layers", "3"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env),
+    ]
+    (_, err_secret), (_, err_model) = [b.communicate(timeout=300) for b in bad]
+    out = p.communicate(timeout=600)[0]
+    assert p.returncode == 0, out[-3000:]
+    assert [b.returncode for b in bad] == [2, 2], (err_secret[-500:], err_model[-500:])
+    assert len(err_secret.strip().splitlines()) == 1 and "secret" in err_secret.lower(), err_secret[-500:]
+    assert len(err_model.strip().splitlines()) == 1 and "fingerprint" in err_model, err_model[-500:]
+    assert "SIGKILL coordinator" in out and "resumed member" in out and "journal: the run is at outer step" in out
+    ref = one_history(rows(tmp_path / "runs" / "debug_diloco" / n) for n in ["node0", "node1"])
+    steps = one_history(rows(tmp_path / "runs" / "debug_diloco" / n) for n in ["node0", "node1", "node2"])
+    assert sorted(steps) == list(range(1, 11))
+    joiner, _ = run_rows(tmp_path, "node2")
+    first = joiner[0]["outer_step"]
+    assert first >= 2 and joiner[0]["nodes"] == 3
+    assert joiner[0]["outer_hash"] == ref[first]  # the joiner's state is the founders'
+    # the donor kept training while it streamed the state: inner steps logged inside the window
+    m = re.search(r"\[(node\d)\] served node2: .* \(wall ([\d.]+) -> ([\d.]+)\)", out)
+    assert m, out[-3000:]
+    donor, t0, t1 = m.group(1), float(m.group(2)), float(m.group(3))
+    _, inner = run_rows(tmp_path, donor)
+    assert [r["step"] for r in inner if t0 <= r["time"] <= t1 + 2.0], (t0, t1)

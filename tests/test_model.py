@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_train import ref_loss
+from helpers import ref_loss
 
 from intellect_jax.model import sharding as S
 from intellect_jax.model.config import ConfigError, ModelConfig

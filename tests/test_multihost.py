@@ -1,10 +1,11 @@
-"""A DiLoCo node of several processes: the shard plumbing in-process, and a real run of a node of
-2 processes x 4 CPU devices beside a node of 1 process x 8 devices."""
+"""A DiLoCo node of several processes: the shard plumbing and the lead's stop() in process, and
+real runs of a node of 2 processes x 4 CPU devices beside a node of 1 process x 8 devices."""
 
 import os
 import secrets
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -14,6 +15,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from intellect_jax.diloco.multihost import (
+    Follower,
+    Followers,
+    LeadInner,
     build,
     fill,
     local_shards,
@@ -23,7 +27,7 @@ from intellect_jax.diloco.multihost import (
 )
 from intellect_jax.net.comm import NetNode
 from intellect_jax.net.errors import FrameError
-from intellect_jax.net.transport import TransportConfig
+from intellect_jax.net.transport import TransportConfig, connect
 
 from helpers import TINY_ARGS, free_port, hashes, one_history, rows
 
@@ -228,3 +232,42 @@ def test_a_late_two_process_node_takes_the_live_state_then_loses_a_process(tmp_p
     ha, hb = hashes(_rows(tmp_path, "a")), hashes(_rows(tmp_path, "b"))
     assert sorted(hb) == list(range(1, outer + 1)) and ha and min(ha) >= 3, (ha, hb)  # rows land once the next barrier confirms them
     assert all(hb[k] == h for k, h in ha.items()), (ha, hb)
+
+
+class Steps:
+    """A trainer that only counts steps, with `Trainer.train`'s stop rule (asked before each step)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def train(self, until, stop=None):
+        while self.step < until and not (stop is not None and stop()):
+            self.step += 1
+        return {"step": self.step}
+
+
+def test_followers_stop_where_the_lead_stops():
+    cfg = TransportConfig(run_id="mh", secret=b"multihost-test-secret-0123456789", io_timeout=5.0)
+    net = NetNode(cfg)
+    mine, theirs = Steps(), Steps()
+    f_conn = connect(cfg, net.address, "c", timeout=5)
+    followers = Followers.__new__(Followers)  # (one follower, connected by hand: no JAX runtime here)
+    followers.conns = {1: net.accept("c", timeout=5)}
+    follower = Follower(theirs, None, f_conn)  # type: ignore[arg-type]
+    served: list[int] = []
+    th = threading.Thread(target=lambda: served.append(follower.run()), daemon=True)
+    th.start()
+    lead = LeadInner(mine, None, followers)  # type: ignore[arg-type]
+    try:
+        # the follower cannot see the lead's stop(): it stops at the lead's answers alone
+        asked: list[int] = []
+        assert lead.train(10, stop=lambda: asked.append(mine.step) or mine.step >= 4) == {"step": 4}
+        assert asked == [0, 1, 2, 3, 4]
+        assert lead.train(10, stop=lambda: True) == {"step": 4}  # stops before any step
+        assert lead.train(6) == {"step": 6}  # no stop: no per-step answers
+        assert lead.train(12, stop=lambda: False) == {"step": 12}  # until first: stop() not asked at 12
+    finally:
+        followers.close()  # "stop": the follower returns
+        th.join(timeout=10)
+        f_conn.close(), net.close()
+    assert served == [4] and theirs.step == 12

@@ -3,34 +3,23 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from test_train import TINY_MODEL
+from helpers import TINY_ARGS, free_port, rows
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _args(out_dir, cache, name, steps, *extra):
-    m = TINY_MODEL
     return [
         sys.executable, "-m", "intellect_jax.train", "--run.name", name, "--run.out_dir", str(out_dir),
         "--run.steps", str(steps), "--run.log_every", "1", "--run.no-progress", "--run.eval_batches", "1",
-        "--model.hidden_size", str(m["hidden_size"]), "--model.num_layers", str(m["num_layers"]),
-        "--model.num_heads", str(m["num_heads"]), "--model.num_kv_heads", str(m["num_kv_heads"]),
-        "--model.ffn_size", str(m["ffn_size"]), "--model.compute_dtype", "float32",
-        "--data.seq_len", "32", "--data.batch_size", "8", "--data.bpe_vocab_size", "1024",
-        "--data.cache_dir", str(cache), "--optim.lr", "3e-3", "--optim.warmup_steps", "2", *extra,
+        *TINY_ARGS, "--data.batch_size", "8", "--data.cache_dir", str(cache), "--optim.lr", "3e-3",
+        "--optim.warmup_steps", "2", *extra,
     ]
 
 
@@ -40,8 +29,7 @@ def _env(devices: int) -> dict:
 
 
 def _losses(run_dir):
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows]
+    return [r["loss"] for r in rows(run_dir)]
 
 
 def test_two_hosts_times_four_devices_equal_one_host_times_eight(tmp_path):
@@ -49,7 +37,7 @@ def test_two_hosts_times_four_devices_equal_one_host_times_eight(tmp_path):
     one = subprocess.run(_args(tmp_path, cache, "one", 3), env=_env(8), capture_output=True,
                          text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-2000:]
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             _args(tmp_path, cache, "two", 3, "--dist.coordinator_address", f"127.0.0.1:{port}",

@@ -161,7 +161,7 @@ def test_real_trainers_learn_with_overlapped_rounds(tmp_path, cache_dir):
     from intellect_jax.diloco.device_pg import DevicePseudoGradient, host_quantize
     from intellect_jax.diloco.inner import TrainerInner
     from intellect_jax.trainer.loop import Role, Trainer
-    from test_train import tiny_cfg
+    from helpers import tiny_cfg
 
     H, outer = 4, 6
     trainers = [Trainer(tiny_cfg(tmp_path / f"n{i}", cache_dir, run={"steps": H * outer, "log_every": 1}),

@@ -28,6 +28,8 @@ from intellect_jax.diloco.transfer import NetTransport
 from intellect_jax.net.comm import NetNode, RingConfig
 from intellect_jax.net.transport import TransportConfig
 
+from helpers import TINY_ARGS, free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = b"security-test-secret-0123456789abcdef"
 
@@ -258,16 +260,12 @@ def _finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
 
 def test_client_commands_fail_in_one_line(tmp_path):
     """Every command at once (they are independent; one after another costs the suite ~30 s)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]
+    dead = free_port()
     good = {"INTELLECT_NET_SECRET": SECRET.decode()}
     # a node whose coordinator is not there
     node = _start("intellect_jax.train", "--config", "configs/debug_diloco.toml", "--diloco.coordinator",
                   f"127.0.0.1:{dead}", "--run.out_dir", str(tmp_path / "runs"), "--run.steps", "10",
-                  "--diloco.inner_steps", "5", "--model.num_layers", "2", "--model.hidden_size", "64",
-                  "--model.num_heads", "4", "--model.num_kv_heads", "2", "--model.ffn_size", "128",
-                  "--data.seq_len", "32", "--data.bpe_vocab_size", "1024", "--data.cache_dir", str(tmp_path / "cache"),
+                  "--diloco.inner_steps", "5", *TINY_ARGS, "--data.cache_dir", str(tmp_path / "cache"),
                   "--diloco.register_timeout", "3", env={**good, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
     cases = [
         (("intellect_jax.coordinator", "--status", f"127.0.0.1:{dead}"), good, "127.0.0.1"),

@@ -10,7 +10,7 @@ from intellect_jax import export as export_tool
 from intellect_jax import plot as plot_tool
 from intellect_jax.cli import run_main
 
-from test_train import tiny_cfg
+from helpers import tiny_cfg
 
 
 @pytest.fixture(scope="module")

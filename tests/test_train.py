@@ -1,6 +1,5 @@
 """Inner training: exact resume, schedules, z-loss, grad accumulation, CLI and bad input."""
 
-import json
 import math
 import os
 import subprocess
@@ -17,27 +16,10 @@ from intellect_jax.model.config import ConfigError
 from intellect_jax.trainer.loss import chunk_len, head_loss, row_nll
 from intellect_jax.trainer.optim import OptimConfig, make_schedule
 
-TINY_MODEL = {"preset": "debug", "hidden_size": 64, "num_layers": 2, "num_heads": 4,
-              "num_kv_heads": 2, "ffn_size": 128, "compute_dtype": "float32"}
-
-
-def tiny_cfg(tmp_path, cache_dir, **sections) -> C.TrainConfig:
-    raw = {
-        "run": {"name": "t", "out_dir": str(tmp_path / "runs"), "steps": 12, "progress": False,
-                "eval_batches": 2},
-        "model": TINY_MODEL,
-        "data": {"seq_len": 32, "batch_size": 8, "cache_dir": cache_dir, "bpe_vocab_size": 1024},
-        "optim": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": 4},
-        "ckpt": {"every": 6, "keep": 3, "async_save": True},
-    }
-    for k, v in sections.items():
-        raw[k] = {**raw.get(k, {}), **v}
-    return C.validate(raw)
-
+from helpers import ref_loss, rows as read_rows, tiny_cfg
 
 def _losses(run_dir):
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r["loss"] for r in read_rows(run_dir) if "loss" in r}
 
 
 def test_resume_gives_identical_loss(tmp_path, cache_dir):
@@ -71,10 +53,9 @@ def test_train_with_stop_keeps_at_most_one_step_queued(tmp_path, cache_dir):
     ten calls around steps 2-12 span about a third of a 30-step train (without the bound: 3%)."""
     import time
 
-    from intellect_jax.trainer.loop import Trainer
+    from intellect_jax.trainer.loop import Role, Trainer
 
-    t = Trainer(tiny_cfg(tmp_path, cache_dir, run={"steps": 60, "log_every": 1000}), periodic_save=False,
-                evaluate=False, resume=False)
+    t = Trainer(tiny_cfg(tmp_path, cache_dir, run={"steps": 60, "log_every": 1000}), role=Role.INNER)
     t.train(until=2)  # compiled
     calls: list[float] = []
     t0 = time.perf_counter()
@@ -105,7 +86,7 @@ def test_throughput_excludes_eval_and_checkpoint_time(tmp_path, cache_dir, monke
     t.train()
     wall = time.perf_counter() - t0
     t.close(save=False)
-    rows = [json.loads(l) for l in (t.run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(t.run_dir)
     assert [r["step"] for r in rows] == [1, 4, 8, 12, 16, 20, 24]
     assert [r["step"] for r in rows if "val_loss" in r] == [8, 16, 24]
     assert rows[0]["compile_s"] > 0 and all("compile_s" not in r for r in rows[1:])
@@ -177,9 +158,9 @@ def test_learning_rate_follows_the_train_states_step(tmp_path, cache_dir):
     step's learning rate. Here the optimizer state comes from step 12, where the cooldown has
     reached 0; at step 4 the rate is the peak and the params must move."""
     from intellect_jax.diloco.state import host_copy
-    from intellect_jax.trainer.loop import Trainer
+    from intellect_jax.trainer.loop import Role, Trainer
 
-    t = Trainer(tiny_cfg(tmp_path, cache_dir), periodic_save=False, evaluate=False)
+    t = Trainer(tiny_cfg(tmp_path, cache_dir), role=Role.INNER)
     try:
         t.train()
         assert float(t.schedule(12)) == 0.0
@@ -192,15 +173,6 @@ def test_learning_rate_follows_the_train_states_step(tmp_path, cache_dir):
     assert float(out["lr"]) == pytest.approx(float(t.schedule(4))) and float(t.schedule(4)) > 0
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(params)))
     assert moved > 0.1 * float(t.schedule(4)), moved  # Adam moves each value by about lr
-
-
-def ref_loss(logits_BxLxV, targets_BxL, z_weight=0.0):
-    """The plain reference the fused loss is checked against: from the whole logits array."""
-    logits = logits_BxLxV.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]
-    ce, z = jnp.mean(lse - tgt), jnp.mean(jnp.square(jnp.max(logits, axis=-1)))
-    return ce + z_weight * z, {"ce": ce, "z": z}
 
 
 def test_z_loss_hand_computed():

@@ -1,0 +1,374 @@
+"""Shared test helpers: the tiny model every trainer test uses (as a config and as CLI flags),
+free ports, metrics rows and the one-history check, byte flipping of checkpoint files, the real
+node trainer, whole DiLoCo runs of real trainers as threads in this process, launcher runs, and
+coordinators (the membership with a manual clock, socket coordinators and clients, and the
+``coordinator`` fixture, which conftest.py makes available to every test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from intellect_jax.coordinator.client import CoordinatorClient
+from intellect_jax.coordinator.journal import RunRecord
+from intellect_jax.coordinator.membership import Membership
+from intellect_jax.coordinator.protocol import PROTOCOL, CoordinatorConfig, Epoch, Resume
+from intellect_jax.net.transport import TransportConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ---------------------------------------------------------------------------- the tiny model
+
+TINY_MODEL = {"preset": "debug", "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+              "num_kv_heads": 2, "ffn_size": 128, "compute_dtype": "float32"}
+TINY_DATA = {"seq_len": 32, "batch_size": 8, "bpe_vocab_size": 1024}
+
+# the same model and data as command-line flags (the batch size is the config's own)
+TINY_ARGS = [x for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_size")
+             for x in (f"--model.{k}", str(TINY_MODEL[k]))] + [
+    "--model.compute_dtype", TINY_MODEL["compute_dtype"],
+    "--data.seq_len", str(TINY_DATA["seq_len"]), "--data.bpe_vocab_size", str(TINY_DATA["bpe_vocab_size"])]
+
+
+def tiny_cfg(tmp_path, cache_dir, **sections):
+    """A validated `TrainConfig` of the tiny model; ``sections`` override keys per section."""
+    from intellect_jax import config as C
+
+    raw = {
+        "run": {"name": "t", "out_dir": str(tmp_path / "runs"), "steps": 12, "progress": False,
+                "eval_batches": 2},
+        "model": TINY_MODEL,
+        "data": {**TINY_DATA, "cache_dir": cache_dir},
+        "optim": {"lr": 3e-3, "warmup_steps": 2, "decay_steps": 4},
+        "ckpt": {"every": 6, "keep": 3, "async_save": True},
+    }
+    for k, v in sections.items():
+        raw[k] = {**raw.get(k, {}), **v}
+    return C.validate(raw)
+
+
+def ref_loss(logits_BxLxV, targets_BxL, z_weight=0.0):
+    """The plain reference the fused loss is checked against: from the whole logits array."""
+    logits = logits_BxLxV.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]
+    ce, z = jnp.mean(lse - tgt), jnp.mean(jnp.square(jnp.max(logits, axis=-1)))
+    return ce + z_weight * z, {"ce": ce, "z": z}
+
+
+# ---------------------------------------------------------------------------- ports, rows, files
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rows(path) -> list[dict]:
+    """The rows of a metrics.jsonl (a run directory or the file itself; [] when absent)."""
+    p = Path(path)
+    p = p / "metrics.jsonl" if p.is_dir() or not p.suffix else p
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+
+
+def one_history(rows_of_nodes: Iterable[Iterable[dict]]) -> dict[int, str]:
+    """Asserts one hash per outer step over every outer row of every node; returns step -> hash."""
+    by_step: dict[int, set[str]] = {}
+    for node_rows in rows_of_nodes:
+        for r in node_rows:
+            if "outer_hash" in r:
+                by_step.setdefault(r["outer_step"], set()).add(r["outer_hash"])
+    assert by_step and all(len(h) == 1 for h in by_step.values()), by_step
+    return {k: next(iter(h)) for k, h in sorted(by_step.items())}
+
+
+def hashes(node_rows: Iterable[dict]) -> dict[int, str]:
+    """One node's outer step -> hash."""
+    return {r["outer_step"]: r["outer_hash"] for r in node_rows if "outer_hash" in r}
+
+
+def flip_bytes(directory) -> Path:
+    """Damage a checkpoint: flip the middle byte of the largest file under ``directory``."""
+    f = max((p for p in Path(directory).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    return f
+
+
+# ---------------------------------------------------------------------------- real DiLoCo nodes in process
+
+
+def loop_config(cfg):
+    """The node's `LoopConfig`, as `DilocoNode` derives it from its config (and its pseudo-gradient path)."""
+    from intellect_jax.diloco.node import loop_config, node_pg_path
+
+    return loop_config(cfg, node_pg_path(cfg))
+
+
+def ring_config(cfg):
+    from intellect_jax.net.comm import RingConfig
+
+    d = cfg.diloco
+    return RingConfig(mode=d.mode, block_size=d.block_size, streams=d.streams, deadline=d.allreduce_deadline)
+
+
+def node_inner(cfg, trainer):
+    """The `TrainerInner` a single-process `DilocoNode` runs (its pseudo-gradient path: the
+    device path for overlapped rounds, the default on one process)."""
+    from intellect_jax.diloco.inner import TrainerInner
+    from intellect_jax.diloco.node import node_pg_path
+
+    return TrainerInner(trainer, node_pg_path(cfg).build(cfg.diloco.block_size))
+
+
+def node_trainer(cfg, *, rank: int = 0, count: int = 1):
+    """A DiLoCo node's trainer as `DilocoNode` builds it: checkpoints, evaluations and resumes are
+    the outer loop's (the `CheckpointStore`'s), not the trainer's."""
+    from intellect_jax.trainer.loop import Role, Trainer
+
+    return Trainer(cfg, node_rank=rank, node_count=count, role=Role.INNER)
+
+
+class InProcessRun:
+    """A whole DiLoCo run of real trainers in this process: nodes as threads running `NodeLoop`
+    against an in-process coordinator (`LocalCoordinator`, journaled under ``run_dir`` so a
+    "relaunch" resumes the run) over the in-process ring and state transport; each node's
+    states go through its own orbax `CheckpointStore`. ``launch`` is one launch of the run."""
+
+    def __init__(self, out_dir: Path, cache_dir: str, name: str, *, H: int, steps: int, ckpt_every: int = 0,
+                 run_id: str = "in-process") -> None:
+        self.out_dir, self.cache_dir, self.name, self.H, self.steps = Path(out_dir), cache_dir, name, H, steps
+        self.ckpt_every, self.run_id = ckpt_every, run_id
+        self.lines: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def run_dir(self) -> Path:
+        return self.out_dir / self.name
+
+    def say(self, who: str, line: str) -> None:
+        with self._lock:
+            self.lines.append((who, line))
+
+    def text(self, who: str | None = None) -> str:
+        with self._lock:
+            return "\n".join(f"[{w}] {x}" for w, x in self.lines if who is None or w == who)
+
+    def rows(self, node: str) -> list[dict]:
+        return rows(self.run_dir / node)
+
+    def node_cfg(self, n: str, rank: int, count: int, *, stop_at: int | None = None, resume: bool = False,
+                 init_from: str | None = None):
+        """Node ``n``'s config, as the launcher's command line makes it (``stop_at``: outer steps)."""
+        return tiny_cfg(self.out_dir, self.cache_dir,
+                        run={"out_dir": str(self.out_dir), "name": f"{self.name}/{n}", "steps": self.steps,
+                             "log_every": 1, "eval_every": 0,
+                             "stop_at": stop_at * self.H if stop_at else None},
+                        # (orbax keeps per-process state of async saves: nodes sharing a process save in turn)
+                        ckpt={"every": self.ckpt_every, "resume": resume, "async_save": False},
+                        diloco={"enabled": True, "inner_steps": self.H, "node_id": n, "data_rank": rank,
+                                "data_ranks": count, "init_from": init_from})
+
+    def launch(self, nodes: list[str], *, stop_at: int | None = None, resume: bool = False,
+               init_from: str | None = None) -> dict[str, Any]:
+        """Every node to its end (one coordinator "process" for the launch); returns the outcomes."""
+        from intellect_jax.coordinator.client import CoordinatorClient
+        from intellect_jax.coordinator.journal import Journal
+        from intellect_jax.coordinator.protocol import CoordinatorConfig
+        from intellect_jax.diloco.loop import NodeLoop, NodeParts
+        from intellect_jax.diloco.store import CheckpointStore
+        from intellect_jax.testing.local import LocalRing, LocalTransport
+        from intellect_jax.testing.local_coordinator import LocalCoordinator
+
+        cfgs = [self.node_cfg(n, i, len(nodes), stop_at=stop_at, resume=resume, init_from=init_from)
+                for i, n in enumerate(nodes)]
+        loop_cfg = loop_config(cfgs[0])
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        coord = LocalCoordinator(CoordinatorConfig(min_nodes=len(nodes), join_window=0.0,
+                                                   outer_steps=loop_cfg.outer_steps, heartbeat_timeout=30.0),
+                                 run_id=self.run_id, journal=Journal(self.run_dir / "coordinator.journal"),
+                                 on_event=lambda line: self.say("coord", line))
+        rings, transport = LocalRing(ring_config(cfgs[0])), LocalTransport()
+        trainers = [node_trainer(c, rank=i, count=len(nodes)) for i, c in enumerate(cfgs)]
+        outcomes: dict[str, Any] = {}
+
+        def node(i: int, n: str) -> None:
+            client = CoordinatorClient(None, None, n, f"local://{n}", wire=coord.wire(), heartbeat_interval=0.5,
+                                       outer_steps=loop_cfg.outer_steps)
+            store = CheckpointStore(trainers[i], resume=resume, init_from=init_from,
+                                    warn=lambda line: self.say(n, line))
+            parts = NodeParts(n, node_inner(cfgs[i], trainers[i]), client, rings, transport.endpoint(n), store,
+                              log=lambda line: self.say(n, line))
+            try:
+                outcomes[n] = NodeLoop(loop_cfg, parts).run()
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                outcomes[n] = e
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=node, args=(i, n), name=n) for i, n in enumerate(nodes)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+            assert not any(t.is_alive() for t in threads), self.text()[-4000:]
+        finally:
+            coord.crash()
+            for t in trainers:
+                t.close(save=False)
+        for n, o in outcomes.items():
+            if isinstance(o, BaseException):
+                raise AssertionError(f"{n} failed: {o!r}\n{self.text()[-4000:]}") from o
+        return outcomes
+
+
+def node_parts(tmp_path, cache_dir, name="a", steps=12):
+    """A real trainer of the tiny model (its own run directory) and its `TrainerInner`."""
+    from intellect_jax.diloco.inner import TrainerInner
+
+    t = node_trainer(tiny_cfg(tmp_path / name, cache_dir, run={"steps": steps}))
+    return t, TrainerInner(t)
+
+
+def outer_step(inner, s, tx, until):
+    """Train to inner step ``until`` and take one single-node outer step from state ``s``."""
+    from intellect_jax.diloco import state as S
+
+    inner.train(until)
+    s = S.outer_step(s, inner.pseudo_gradient(s.outer_params), tx, until)
+    inner.set_params(s.outer_params)
+    return s._replace(inner_opt_state=inner.live_opt_state(), data=inner.data_state())
+
+
+def leaves(tree):
+    import numpy as np
+
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+LAUNCH_TINY = ["--run.steps", "20", "--diloco.inner_steps", "5", *TINY_ARGS, "--run.eval_every", "0",
+               "--run.log_every", "1", "--ckpt.every", "0"]
+
+
+def launch(tmp_path, *args, port=None, env=None, tiny=LAUNCH_TINY, module="intellect_jax.launch"):
+    """A launcher (or chaos) run of configs/debug_diloco.toml under ``tmp_path``, output piped."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", module, "--config", "configs/debug_diloco.toml",
+           "--out-dir", str(tmp_path / "runs"), "--table-every", "0", "--timeout", "500",
+           *(["--port", str(port)] if port else []), *tiny, *args,
+           "--data.cache_dir", str(tmp_path / "cache")]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or dict(os.environ), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def run_rows(tmp_path, node, run="debug_diloco") -> tuple[list[dict], list[dict]]:
+    """A launched node's outer-step rows and inner-step rows."""
+    rs = rows(tmp_path / "runs" / run / node)
+    return [r for r in rs if "outer_hash" in r], [r for r in rs if "loss" in r]
+
+# ---------------------------------------------------------------------------- coordinators
+
+SECRET = b"coordinator-test-secret-0123456789"
+FP = "fp-llama-debug"
+
+
+class Run:
+    """A Membership (no sockets, no threads) plus the sessions of its nodes, with a manual clock."""
+
+    def __init__(self, record: RunRecord | None = None, **kw: Any) -> None:
+        kw.setdefault("join_window", 0.0)
+        kw.setdefault("heartbeat_timeout", 5.0)
+        kw.setdefault("boundary_timeout", 30.0)
+        self.m = Membership(CoordinatorConfig(**kw), instance="i1", record=record)
+        self.now = 0.0
+        self.s: dict[str, str] = {}
+        self.silent: set[str] = set()  # nodes whose heartbeats stop
+
+    def reg(self, node: str, fp: str = FP, resume: Resume | None = None, protocol: int = PROTOCOL,
+            founder: bool = True) -> Any:
+        r = self.m.register(node, f"10.0.0.{len(self.s) + 1}:700{len(self.s)}", 8, protocol, fp, self.now,
+                            resume, founder)
+        self.s[node] = r.session
+        return r
+
+    def arrive(self, node: str, k: int, h: str | None = None, retry_of: int | None = None) -> Epoch | None:
+        return self.m.arrive(node, self.s[node], k, self.now, h, retry_of)
+
+    def result(self, node: str) -> Epoch | None:
+        return self.m.epoch_for(node, self.s[node])
+
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        for n, sess in self.s.items():  # everyone alive heartbeats, unless told otherwise
+            if n not in self.silent and n in self.m._nodes and self.m._nodes[n].session == sess:
+                self.m.heartbeat(n, sess, self.now)
+        self.m.tick(self.now)
+
+    def barrier(self, k: int, nodes: list[str], h: str | None = None) -> dict[str, Epoch]:
+        for n in nodes:
+            self.arrive(n, k, h)
+        out = {n: self.result(n) for n in nodes}
+        assert all(e is not None for e in out.values()), out
+        return out  # type: ignore[return-value]
+
+
+def coord_transport(secret: bytes = SECRET) -> TransportConfig:
+    return TransportConfig(run_id="coord-test", secret=secret, io_timeout=5.0, connect_timeout=5.0,
+                           handshake_timeout=5.0)
+
+
+def coord_config(**kw: Any) -> CoordinatorConfig:
+    base: dict[str, Any] = {"heartbeat_timeout": 3.0, "boundary_timeout": 30.0, "join_window": 0.0, "min_nodes": 3,
+                            "keepalive_interval": 0.3, "tick_interval": 0.05}
+    return CoordinatorConfig(**(base | kw))
+
+
+def coord_client(addr: Any, node: str, port: int, fp: str = FP, secret: bytes = SECRET, **kw: Any) -> CoordinatorClient:
+    kw.setdefault("heartbeat_interval", 0.2)
+    kw.setdefault("reconnect_timeout", 15.0)
+    return CoordinatorClient(addr, coord_transport(secret), node, f"127.0.0.1:{port}", devices=2, fingerprint=fp, **kw)
+
+
+def wait_for(pred: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def coord_env() -> dict[str, str]:
+    return {**os.environ, "INTELLECT_NET_SECRET": SECRET.decode(), "PYTHONPATH": ROOT}
+
+
+@pytest.fixture
+def coordinator():
+    """Start socket coordinators on 127.0.0.1 (``coordinator(**config)``, the test config's
+    fields overridden); every one started is stopped at the test's end."""
+    from intellect_jax.coordinator.server import Coordinator
+
+    started = []
+
+    def start(transport=None, **conf):
+        c = Coordinator(transport or coord_transport(), config=coord_config(**conf)).start()
+        started.append(c)
+        return c
+
+    yield start
+    for c in started:
+        c.stop()
