@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Optional, get_args, get_origin
+from typing import Annotated, Any, Literal, Optional, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -18,6 +18,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    TypeAdapter,
     ValidationError,
     create_model,
 )
@@ -209,6 +210,41 @@ def _bool_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _scalar_options(model: type[BaseModel], path: str = "") -> dict[str, tuple[TypeAdapter, bool]]:
+    """Every non-boolean scalar option (number, string, choice) by its flag, with a validator of
+    its type and constraints and whether it may be None."""
+    out: dict[str, tuple[TypeAdapter, bool]] = {}
+    for name, f in model.model_fields.items():
+        t, flag = f.annotation, f"{path}.{name}" if path else f"--{name}"
+        args = get_args(t)
+        optional = type(None) in args
+        inner = [a for a in args if a is not type(None)] if optional else [t]
+        base = get_args(inner[0])[0] if get_origin(inner[0]) is Annotated else inner[0]
+        if isinstance(base, type) and issubclass(base, BaseModel):
+            out |= _scalar_options(base, flag)
+        elif len(inner) == 1 and base is not bool and (base in (int, float, str) or get_origin(base) is Literal):
+            out[flag] = TypeAdapter(Annotated[inner[0], *f.metadata] if f.metadata else inner[0]), optional
+    return out
+
+
+def _check_values(argv: list[str]) -> None:
+    """A scalar option's value is checked against its field before tyro sees it, so that a wrong
+    type or a value out of range is one line naming the option (tyro would print a box)."""
+    scalars = _scalar_options(TrainConfig)
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag not in scalars or (not eq and i + 1 == len(argv)):
+            continue
+        value = value if eq else argv[i + 1]
+        check, optional = scalars[flag]
+        if optional and value == "None":
+            continue
+        try:
+            check.validate_python(value)
+        except ValidationError as e:
+            raise ConfigError(f"{flag}: {e.errors()[0]['msg'].removeprefix('Value error, ')}, got {value!r}") from None
+
+
 def parse_args(argv: list[str] | None = None, description: str = "") -> TrainConfig:
     """`--config FILE` (TOML) then `--section.key value` overrides; `--help` lists them all."""
     import tyro
@@ -221,8 +257,10 @@ def parse_args(argv: list[str] | None = None, description: str = "") -> TrainCon
             raise ConfigError("--config needs a TOML file path")
         base = load_toml(argv[i + 1])
         del argv[i : i + 2]
+    argv = _bool_values(argv)
+    _check_values(argv)
     try:
-        cfg, unknown = tyro.cli(TrainConfig, default=base, args=_bool_values(argv), description=description,
+        cfg, unknown = tyro.cli(TrainConfig, default=base, args=argv, description=description,
                                 use_underscores=True, return_unknown_args=True)
     except ValidationError as e:
         raise ConfigError(_one_line(e, "command line")) from None
