@@ -64,7 +64,7 @@ def main() -> None:
     from intellect_jax.diloco.device_pg import DevicePseudoGradient, host_quantize
     from intellect_jax.diloco.inner import TrainerInner
     from intellect_jax.testing.local import run_local
-    from intellect_jax.diloco.loop import LoopConfig
+    from intellect_jax.diloco.parts import LoopConfig
     from intellect_jax.net.comm import RingConfig
     from intellect_jax.trainer.loop import Role, Trainer
 

@@ -14,7 +14,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from intellect_jax.data.errors import DataError
     from intellect_jax.coordinator.journal import JournalError
     from intellect_jax.coordinator.protocol import CoordinatorUnavailable, RegistrationRefused
-    from intellect_jax.diloco.loop import DilocoError
+    from intellect_jax.diloco.parts import DilocoError
     from intellect_jax.net.errors import AuthError, NetError
     from intellect_jax.model.config import ConfigError
     from intellect_jax.model.hf import HFFormatError

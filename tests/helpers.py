@@ -187,7 +187,8 @@ class InProcessRun:
         from intellect_jax.coordinator.client import CoordinatorClient
         from intellect_jax.coordinator.journal import Journal
         from intellect_jax.coordinator.protocol import CoordinatorConfig
-        from intellect_jax.diloco.loop import NodeLoop, NodeParts
+        from intellect_jax.diloco.loop import NodeLoop
+        from intellect_jax.diloco.parts import NodeParts
         from intellect_jax.diloco.store import CheckpointStore
         from intellect_jax.testing.local import LocalRing, LocalTransport
         from intellect_jax.testing.local_coordinator import LocalCoordinator

@@ -155,7 +155,7 @@ def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
 
     from intellect_jax.diloco.inner import TrainerInner
     from intellect_jax.testing.local import run_local
-    from intellect_jax.diloco.loop import LoopConfig, Outcome
+    from intellect_jax.diloco.parts import LoopConfig, Outcome
     from intellect_jax.net.comm import RingConfig
     from intellect_jax.trainer.loop import Role, Trainer
 

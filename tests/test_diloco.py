@@ -65,7 +65,7 @@ def test_state_hash_sees_every_bit_of_the_shared_state_only():
 
 
 def test_state_transfer_over_sockets_and_cancellation(tmp_path, cache_dir):
-    from intellect_jax.diloco.loop import TransferFailed
+    from intellect_jax.diloco.parts import TransferFailed
     from intellect_jax.diloco.transfer import NetTransport
     from intellect_jax.net.comm import NetNode
     from intellect_jax.net.transport import TransportConfig
@@ -113,7 +113,7 @@ def test_whole_run_stopped_resumed_started_elsewhere_and_complete(tmp_path, cach
     2 of 4; new nodes of another run start from node0's checkpoint (shared storage); the same
     nodes relaunched with --ckpt.resume carry on from step 2 as resumed members (one history,
     the journal's hashes); one more launch is told the run is complete."""
-    from intellect_jax.diloco.loop import Outcome
+    from intellect_jax.diloco.parts import Outcome
 
     nodes = ["node0", "node1"]
     run = InProcessRun(tmp_path / "runs", cache_dir, "debug_diloco", H=5, steps=20, ckpt_every=5)

@@ -11,7 +11,7 @@ import pytest
 
 
 from intellect_jax.testing.clock import Hang, SimClock
-from intellect_jax.diloco.loop import Outcome
+from intellect_jax.diloco.parts import Outcome
 from intellect_jax.testing.sim import Fault, Script, Sim, SimParams
 
 SEEDS = {False: 500, True: 200}  # synchronous / overlapped rounds; the CI budget: about a minute on two cores

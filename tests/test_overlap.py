@@ -10,7 +10,7 @@ import pytest
 
 from intellect_jax.diloco.guard import GuardConfig, check_average, remember, tree_norm
 from intellect_jax.testing.local import NumpyInner, run_local
-from intellect_jax.diloco.loop import LoopConfig, Outcome
+from intellect_jax.diloco.parts import LoopConfig, Outcome
 from intellect_jax.testing.sim import Sim
 from intellect_jax.testing.sim_parts import Fault, Script, SimParams
 from intellect_jax.diloco.state import host_copy, init_state, nesterov_sgd, outer_step, pseudo_gradient, state_hash

@@ -18,7 +18,8 @@ import pytest
 from intellect_jax.coordinator.client import CoordinatorClient
 from intellect_jax.coordinator.server import Coordinator
 from intellect_jax.testing.local import NumpyInner
-from intellect_jax.diloco.loop import LoopConfig, NodeLoop, NodeParts, Outcome
+from intellect_jax.diloco.loop import NodeLoop
+from intellect_jax.diloco.parts import LoopConfig, NodeParts, Outcome
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.testing.sim import Script, Sim, SimParams
 from intellect_jax.testing.sim_parts import Fault

@@ -51,7 +51,8 @@ def test_a_joiners_checkpoint_of_the_received_state_resumes(tmp_path, cache_dir)
     joiner's own data position (the donor's is another shard's), never an empty one that the
     data pipeline refuses. A checkpoint from before that fix ({} on disk) resumes at the start
     of the node's shard."""
-    from intellect_jax.diloco.loop import LoopConfig, NodeLoop, NodeParts
+    from intellect_jax.diloco.loop import NodeLoop
+    from intellect_jax.diloco.parts import LoopConfig, NodeParts
     from intellect_jax.diloco.store import CheckpointStore
 
     td, donor = node_parts(tmp_path, cache_dir, "donor")

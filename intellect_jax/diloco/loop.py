@@ -28,13 +28,11 @@ from intellect_jax.coordinator.clock import abort_when
 from intellect_jax.coordinator.protocol import Admission, Epoch, Evicted, Resume, RunCompleted
 from intellect_jax.diloco.guard import OwnGuard, check_average, inspect, remember, tree_norm
 from intellect_jax.diloco.overlap import Gate, Round
-from intellect_jax.diloco.parts import DilocoError, Inner, LoopConfig, NodeParts, Outcome, TransferFailed
+from intellect_jax.diloco.parts import DilocoError, LoopConfig, NodeParts, Outcome, TransferFailed
 from intellect_jax.diloco.state import DilocoState, host_copy, nesterov_sgd, outer_step, state_hash
 from intellect_jax.net.errors import NetError, PeerTimeout
 
-# what callers import from here: the loop and what it is handed
-__all__ = ["DilocoError", "Inner", "LoopConfig", "NodeLoop", "NodeParts", "OuterResult", "Outcome", "TransferFailed",
-           "claim_of"]
+__all__ = ["NodeLoop", "OuterResult", "claim_of"]
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,8 @@ from intellect_jax.config import TrainConfig
 from intellect_jax.coordinator.client import CoordinatorClient
 from intellect_jax.diloco.device_pg import PgPath, kernel_available, pg_path
 from intellect_jax.diloco.inner import TrainerInner
-from intellect_jax.diloco.loop import (
-    DilocoError,
-    LoopConfig,
-    NodeLoop,
-    NodeParts,
-    Outcome,
-)
+from intellect_jax.diloco.loop import NodeLoop
+from intellect_jax.diloco.parts import DilocoError, LoopConfig, NodeParts, Outcome
 from intellect_jax.diloco.multihost import Follower, Followers, LeadInner, share_port
 from intellect_jax.coordinator.protocol import Epoch
 from intellect_jax.diloco.store import CheckpointStore

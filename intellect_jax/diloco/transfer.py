@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from intellect_jax.coordinator.clock import REAL, Clock, abort_when
-from intellect_jax.diloco.loop import TransferFailed
+from intellect_jax.diloco.parts import TransferFailed
 from intellect_jax.coordinator.protocol import Admission
 from intellect_jax.diloco.state import DilocoState
 from intellect_jax.net.arrays import recv_array_data, recv_array_head, send_arrays, spec

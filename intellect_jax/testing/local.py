@@ -15,7 +15,8 @@ import numpy as np
 
 from intellect_jax.coordinator.client import CoordinatorClient
 from intellect_jax.coordinator.clock import REAL, Clock
-from intellect_jax.diloco.loop import Inner, LoopConfig, NodeLoop, NodeParts, Outcome, TransferFailed
+from intellect_jax.diloco.loop import NodeLoop
+from intellect_jax.diloco.parts import Inner, LoopConfig, NodeParts, Outcome, TransferFailed
 from intellect_jax.coordinator.protocol import Admission, CoordinatorConfig, Epoch
 from intellect_jax.testing.local_coordinator import LocalCoordinator
 from intellect_jax.diloco.state import DilocoState, MomentumState, init_state, pseudo_gradient

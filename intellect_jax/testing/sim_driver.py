@@ -18,7 +18,8 @@ from intellect_jax.coordinator.client import CoordinatorClient
 from intellect_jax.coordinator.journal import MemoryJournal
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.service import ServiceStopped
-from intellect_jax.diloco.loop import LoopConfig, NodeLoop, NodeParts, Outcome
+from intellect_jax.diloco.loop import NodeLoop
+from intellect_jax.diloco.parts import LoopConfig, NodeParts, Outcome
 from intellect_jax.diloco.state import DilocoState, state_hash
 from intellect_jax.testing import sim_checks
 from intellect_jax.testing.local_coordinator import LocalCoordinator

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from intellect_jax.coordinator.protocol import Admission, Epoch
-from intellect_jax.diloco.loop import TransferFailed
+from intellect_jax.diloco.parts import TransferFailed
 from intellect_jax.diloco.state import DilocoState
 from intellect_jax.net.comm import CommStats
 from intellect_jax.net.errors import PeerClosed, PeerTimeout

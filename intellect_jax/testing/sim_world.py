@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from intellect_jax.coordinator.client import CoordinatorClient
-from intellect_jax.diloco.loop import Outcome
+from intellect_jax.diloco.parts import Outcome
 from intellect_jax.diloco.state import DilocoState
 from intellect_jax.net.comm import RingConfig
 from intellect_jax.testing.clock import SimClock
