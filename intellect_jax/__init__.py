@@ -1,6 +1,7 @@
 """intellect_jax: decentralized, fault-tolerant DiLoCo training of Llama-3 models in JAX/Flax.
 
-The packages, each a role (``tests/test_layout.py`` checks that the arrows only point down):
+The packages, each a role (``tests/test_layout.py`` checks the import graph: no cycles, nothing
+imports ``testing``, and neither ``coordinator`` nor ``net`` imports the node):
 
 - entry points, at the top: ``train``, ``launch``, ``export``, ``eval``, ``memory``, ``plot``
   (``python -m intellect_jax.<name>``), and ``python -m intellect_jax.coordinator``;

@@ -25,7 +25,9 @@ from intellect_jax.model.config import ModelConfig
 from intellect_jax.model.llama import Llama
 from intellect_jax.net import quant
 
-CFG = ModelConfig.preset("debug", compute_dtype="float32")
+# the tiny model (~0.2M params): every shard of every kind of leaf, through the Triton interpreter
+CFG = ModelConfig.preset("debug", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=128,
+                         vocab_size=1024, compute_dtype="float32")
 BLOCK = 64
 
 
