@@ -7,7 +7,7 @@ import pytest
 import torch
 import triton
 from flax import nnx
-from helpers import tiny_cfg
+from helpers import TINY_DATA, TINY_MODEL, tiny_cfg
 
 from intellect_jax.diloco.config import DilocoConfig
 from intellect_jax.diloco.device_pg import (
@@ -25,9 +25,9 @@ from intellect_jax.model.config import ModelConfig
 from intellect_jax.model.llama import Llama
 from intellect_jax.net import quant
 
-# the tiny model (~0.2M params): every shard of every kind of leaf, through the Triton interpreter
-CFG = ModelConfig.preset("debug", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=128,
-                         vocab_size=1024, compute_dtype="float32")
+# the tiny model: every shard of every kind of leaf, through the Triton interpreter
+CFG = ModelConfig.preset(name=TINY_MODEL["preset"], **{k: v for k, v in TINY_MODEL.items() if k != "preset"},
+                         vocab_size=TINY_DATA["bpe_vocab_size"])
 BLOCK = 64
 
 
