@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL = 2  # coordinator protocol version; bump on any incompatible change
+PROTOCOL = 3  # coordinator protocol version; bump on any incompatible change (3: the state-transfer header)
 
 
 class CoordinatorError(Exception):
