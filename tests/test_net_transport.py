@@ -374,7 +374,7 @@ def test_array_headers_are_checked_before_allocating() -> None:
     tracemalloc.start()
     try:
         with pytest.raises(FrameError, match="more than the 1000 bytes"):
-            head([["float32", [1 << 40, 1 << 40]]], max_bytes=1000)
+            head([["float32", [1 << 20, 1 << 20]]], max_bytes=1000)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -386,7 +386,7 @@ def test_array_headers_are_checked_before_allocating() -> None:
     with pytest.raises(FrameError, match="dtype 'float64' refused"):
         head([["float64", [1]]], max_bytes=1000, dtypes={"float32"})
     for malformed in (None, {"x": 1}, [["float32"]], [["float32", [-1]]], [["float32", [1.5]]], [["float32", 3]],
-                      [["float32", [True]]], [[7, [1]]]):
+                      [["float32", [True]]], [[7, [1]]], [["float32", [0, 1 << 70]]]):
         with pytest.raises(FrameError, match="malformed|without"):
             head(malformed, max_bytes=1000)
     like = [spec(np.zeros((2, 3), np.float32))]
@@ -395,6 +395,9 @@ def test_array_headers_are_checked_before_allocating() -> None:
     with pytest.raises(ConfigMismatch, match="sent 2 arrays, expected 1"):
         head([["float32", [2, 3]]] * 2, like=like)
     assert head([["float32", [2, 3]]], like=like) == ({}, like)
+    send_msg(a, {"arrays": [["float32", [0, 1 << 40, 1 << 40]]]})  # zero bytes, but numpy refuses the shape
+    with pytest.raises(FrameError, match="malformed"):
+        recv_arrays(b, max_bytes=1000, deadline=_deadline())
     a.close(), b.close()
 
 

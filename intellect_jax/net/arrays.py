@@ -29,6 +29,9 @@ DTYPES: dict[str, np.dtype] = {  # native byte order (every supported host is li
 MAX_ARRAYS = 1 << 16  # arrays in one header, unless the receiver says otherwise
 MAX_HEADER = 16 << 20  # bytes of one header
 MAX_NDIM = 32
+# elements of one array, its zero dimensions counted as one: a zero would hide huge others from
+# the byte count, and numpy refuses such a shape (ValueError) even though it holds nothing
+MAX_ELEMENTS = 1 << 40
 Spec = tuple[np.dtype, tuple[int, ...]]  # (dtype, shape)
 
 
@@ -59,7 +62,8 @@ def send_arrays(conn: Connection, arrays: Sequence[Any], meta: dict[str, Any] | 
 
 def _parse(peer: str, i: int, raw: Any) -> Spec:
     if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], str) and isinstance(raw[1], list)
-            and len(raw[1]) <= MAX_NDIM and all(type(n) is int and n >= 0 for n in raw[1])):
+            and len(raw[1]) <= MAX_NDIM and all(type(n) is int and n >= 0 for n in raw[1])
+            and math.prod(max(n, 1) for n in raw[1]) <= MAX_ELEMENTS):
         raise FrameError(f"{peer}: malformed spec of array {i}: {str(raw)[:80]}")
     if raw[0] not in DTYPES:
         raise FrameError(f"{peer}: array of dtype {raw[0][:40]!r} refused")
