@@ -176,7 +176,7 @@ def test_graceful_leave() -> None:
         "node_id": "b", "reason": "left", "outer_step": 1, "time": 0, "graceful": True}
 
 
-def test_refusals_fingerprint_protocol_duplicate() -> None:
+def test_refusals_fingerprint_protocol_duplicate_invalid() -> None:
     r = Run(min_nodes=2)
     r.reg("a")
     with pytest.raises(RegistrationRefused, match="model config fingerprint abc != run's " + FP):
@@ -186,6 +186,11 @@ def test_refusals_fingerprint_protocol_duplicate() -> None:
     with pytest.raises(RegistrationRefused, match="node id 'a' is already registered") as ei:
         r.reg("a")
     assert ei.value.reason == "duplicate"
+    for node, addr in (("", "10.0.0.9:7000"), ("n" * 129, "10.0.0.9:7000"), ("z", ""), ("z", "h:1 x"),
+                       ("z", "h" * 252 + ":7000")):
+        with pytest.raises(RegistrationRefused, match="invalid node id") as ei:
+            r.m.register(node, addr, 8, PROTOCOL, FP, r.now, None, True)
+        assert ei.value.reason == "invalid"
     r.reg("b")
     assert r.barrier(0, ["a", "b"])["a"].node_ids == ["a", "b"]  # the run is unaffected
     preset = Membership(CoordinatorConfig(fingerprint="def"))

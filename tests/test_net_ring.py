@@ -187,6 +187,18 @@ def test_stochastic_rounding_matches_fake() -> None:
     assert all(_same_bits(o, fake[0]) for o in outs)
 
 
+def test_a_member_address_that_is_no_address_is_a_config_mismatch() -> None:
+    """The member list comes from the coordinator: a bad address fails this ring (a NetError the
+    outer loop retries in a new epoch), not the process."""
+    nodes = _nodes(1)
+    try:
+        for bad in ("h:x", "no-port", "h:70000"):
+            with pytest.raises(ConfigMismatch, match="ring of epoch 4: not a host:port address"):
+                nodes[0].ring([nodes[0].address, bad], 0, epoch=4)
+    finally:
+        nodes[0].close()
+
+
 def test_config_mismatch_fails_every_rank_fast() -> None:
     nodes = _nodes(3)
     peers = [n.address for n in nodes]

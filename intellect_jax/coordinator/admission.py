@@ -24,7 +24,7 @@ def check_registration(node_id: str, addr: str, protocol: int, fingerprint: str,
     if protocol != PROTOCOL:
         raise RegistrationRefused(f"node {node_id}: protocol version {protocol} != coordinator's {PROTOCOL}",
                                   "protocol")
-    if not node_id or len(node_id) > 128 or not addr:
+    if not node_id or len(node_id) > 128 or not addr or len(addr) > 256 or any(c.isspace() for c in addr):
         raise RegistrationRefused(f"invalid node id {node_id!r} or ring address {addr!r}", "invalid")
     if node_id in nodes:
         raise RegistrationRefused(f"node id {node_id!r} is already registered and alive "

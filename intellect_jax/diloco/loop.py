@@ -359,7 +359,12 @@ class NodeLoop:
         retry_of = None
         for attempt in range(cfg.max_retries + 1):
             ep = p.client.sync(k, h, retry_of=retry_of, sits_out=sits_out, report=report if attempt == 0 else None)
-            comm = p.ring(ep)
+            try:
+                comm = p.ring(ep)
+            except NetError as e:  # e.g. a member's address that is no address: this epoch fails
+                p.log(f"no ring for outer step {k + 1} in epoch {ep.epoch_id}: {e}; retrying")
+                retry_of = ep.epoch_id
+                continue
             comm.inspect = lambda theirs, ours: inspect(theirs, ours, self.guard)
             try:
                 with abort_when(p.clock, lambda: p.client.epoch_broken(ep.epoch_id), comm.abort, cfg.watch_interval):

@@ -184,7 +184,10 @@ class SocketCommunicator:
     def __init__(self, node: NetNode, peers: Sequence[Address | str], rank: int, *, epoch: int = 0,
                  config: RingConfig | None = None) -> None:
         self.node, self.rank, self.epoch = node, rank, epoch
-        self.peers = [parse_address(p) for p in peers]
+        try:  # the member list comes from the coordinator, the addresses from each member
+            self.peers = [parse_address(p) for p in peers]
+        except ValueError as e:
+            raise ConfigMismatch(f"ring of epoch {epoch}: {e}") from None
         self.world_size = len(self.peers)
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a ring of {self.world_size}")
