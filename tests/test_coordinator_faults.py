@@ -16,7 +16,7 @@ import pytest
 from intellect_jax.coordinator.clock import RealClock
 from intellect_jax.coordinator.server import Coordinator
 from intellect_jax.coordinator.journal import RunRecord
-from intellect_jax.coordinator.protocol import CoordinatorConfig, CoordinatorUnavailable, Resume
+from intellect_jax.coordinator.protocol import PROTOCOL, CoordinatorConfig, CoordinatorUnavailable, Resume
 from intellect_jax.coordinator.service import CoordinatorService
 from helpers import FP, ROOT, Run, coord_client as _client, coord_config as _conf, coord_env as _env, \
     coord_transport as _tcfg
@@ -71,7 +71,7 @@ def test_the_service_notices_its_own_stall_before_judging_anyone() -> None:
     svc = CoordinatorService(CoordinatorConfig(heartbeat_timeout=5.0, tick_interval=0.1, join_window=0.0),
                              clock=clock, on_event=lines.append).start()
     for i, n in enumerate("ab"):
-        reg = {"op": "register", "node": n, "addr": f"127.0.0.1:{9000 + i}", "devices": 1, "protocol": 2,
+        reg = {"op": "register", "node": n, "addr": f"127.0.0.1:{9000 + i}", "devices": 1, "protocol": PROTOCOL,
                "fingerprint": FP, "founder": True, "resume": None}
         assert svc.handle(reg)["ok"]
     for t in (0.1, 0.2, 0.3):  # the ticker runs every tick_interval
@@ -89,6 +89,39 @@ def test_the_service_notices_its_own_stall_before_judging_anyone() -> None:
         if clock.t < 24.85:  # last heard at 0.0 + 19.9 s excused
             assert svc.status()["evictions"] == []
     assert {e["node_id"] for e in svc.status()["evictions"]} == {"a", "b"} and len(svc.stalls) == 1
+
+
+def test_a_malformed_sync_is_refused_and_the_run_goes_on() -> None:
+    """A sync's state_hash and report are kept by the membership and read at every later barrier:
+    a bad one is refused at once (a ProtocolError reply), and the ticker and the barrier live on."""
+    clock = _ManualClock()
+    svc = CoordinatorService(CoordinatorConfig(min_nodes=2, join_window=0.0, heartbeat_timeout=5.0), clock=clock).start()
+    sess = {}
+    for i, n in enumerate("ab"):
+        reg = {"op": "register", "node": n, "addr": f"127.0.0.1:{9000 + i}", "devices": 1, "protocol": PROTOCOL,
+               "fingerprint": FP, "founder": True, "resume": None}
+        sess[n] = svc.handle(reg)["session"]
+    sync = {"op": "sync", "node": "a", "session": sess["a"], "step": 0}
+    for bad in ({"state_hash": ["x"]}, {"state_hash": "h" * 129}, {"report": {"accused": ["b"]}},
+                {"report": {"accused": "b"}}, {"report": {"avg_failed": "yes"}}, {"report": [1]},
+                {"report": {"accused": ["b", 3]}}, {"report": {"more": 1}}):
+        reply = svc.handle({**sync, **bad}, ("a", sess["a"]), deadline=1.0)
+        assert reply["ok"] is False and reply["error"] == "ProtocolError", (bad, reply)
+    svc.locked(svc.membership.tick)  # the ticker still runs
+    replies = {}
+
+    def arrive(n: str) -> None:
+        replies[n] = svc.handle({"op": "sync", "node": n, "session": sess[n], "step": 0, "state_hash": "h0",
+                                 "report": {"avg_failed": False, "accused": None}}, (n, sess[n]), deadline=5.0)
+
+    import threading
+
+    ts = [threading.Thread(target=arrive, args=(n,)) for n in "ab"]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert all(r["ok"] and [m[0] for m in r["epoch"]["members"]] == ["a", "b"] for r in replies.values()), replies
 
 
 def _lost_newest_state(**kw: Any) -> Run:

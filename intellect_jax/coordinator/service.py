@@ -182,11 +182,13 @@ class CoordinatorService:
         first: Callable[[float], Any]
         poll: Callable[[], Any]
         if req["op"] == "sync":
-            h, retry, out, report = req.get("state_hash"), req.get("retry_of"), req.get("sits_out"), req.get("report")
+            h, retry, out = req.get("state_hash"), req.get("retry_of"), req.get("sits_out")
             retry = None if retry is None else int(retry)
+            if h is not None and not (isinstance(h, str) and len(h) <= 128):
+                raise ProtocolError(f"sync of {node}: state_hash must be a string of at most 128 characters")
+            report = _report(node, req.get("report"))
             first = lambda now: m.arrive(node, sess, int(req["step"]), now, h, retry,  # noqa: E731
-                                         None if out is None else str(out)[:200],
-                                         report if isinstance(report, dict) else None)
+                                         None if out is None else str(out)[:200], report)
             poll = lambda: m.epoch_for(node, sess)  # noqa: E731
             key = "epoch"
         else:
@@ -209,3 +211,18 @@ class CoordinatorService:
                 if keepalive is not None:
                     keepalive()
         return {"ok": True, key: asdict(result)}
+
+
+def _report(node: str, raw: Any) -> dict[str, Any] | None:
+    """A node's report on its last all-reduce, checked before the membership keeps it (a bad one
+    would fail every later barrier, not just this request): ``{"avg_failed": bool, "accused":
+    [node, why] | None}``."""
+    if raw is None:
+        return None
+    accused = raw.get("accused") if isinstance(raw, dict) else None
+    if not (isinstance(raw, dict) and set(raw) <= {"avg_failed", "accused"}
+            and isinstance(raw.get("avg_failed", False), bool)
+            and (accused is None or (isinstance(accused, list) and len(accused) == 2
+                                     and all(isinstance(x, str) and len(x) <= 256 for x in accused)))):
+        raise ProtocolError(f"sync of {node}: malformed report {str(raw)[:120]}")
+    return raw
