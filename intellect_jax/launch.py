@@ -7,7 +7,7 @@ outer step K), `--join NODE@K` (NODE starts once the run has done K outer steps,
 output shows, so it joins mid-run and gets the state from a live peer),
 `--kill-coordinator K` (SIGKILL the coordinator after outer step K and restart it on the same
 port). Seeded random fault schedules are `python -m intellect_jax.testing.chaos`, which takes
-these options too.
+the other options too and draws its own faults.
 `--auto-rollback-after SECONDS` goes to the coordinator (with no live node holding the newest
 state that long, it rolls back by itself to the newest state registered nodes hold). Extra
 `--section.key value` options go to every node.

@@ -31,7 +31,9 @@ from intellect_jax.net import (
 
 _ERRORS = {c.__name__: c for c in (RegistrationRefused, Evicted, ProtocolError, StaleSession, CoordinatorUnavailable,
                                    RunCompleted)}
-TRANSIENT = (NetError, OSError, ValueError)  # connection trouble (AuthError is handled before)
+# connection trouble (AuthError is handled before), and a reply whose fields do not parse (ValueError):
+# retried like a dropped connection rather than ending a heartbeat thread or a registration
+TRANSIENT = (NetError, OSError, ValueError)
 
 
 def reply_error(reply: dict[str, Any]) -> CoordinatorError:
@@ -55,7 +57,7 @@ class Wire(Protocol):
 
 
 class SocketWire:
-    """The coordinator over the authenticated transport (see :mod:`.coordinator`)."""
+    """The coordinator over the authenticated transport (see :mod:`.server`)."""
 
     def __init__(self, address: Address | str, cfg: TransportConfig) -> None:
         self.address, self.cfg = parse_address(address), cfg

@@ -1,6 +1,6 @@
 """Seeded fault simulation of elastic DiLoCo: whole runs of N nodes in one process.
 
-Each node is a thread running the real outer loop (:class:`~.loop.NodeLoop`) with the real
+Each node is a thread running the real outer loop (:class:`~intellect_jax.diloco.loop.NodeLoop`) with the real
 coordinator client, talking to the real coordinator service (membership state machine,
 journal) through the in-process wire, all in the virtual time of a :class:`~.clock.SimClock`.
 Only the heavy parts are stand-ins: a numpy "model" trained by a deterministic rule
