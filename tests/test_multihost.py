@@ -18,6 +18,7 @@ from intellect_jax.diloco.multihost import (
     Follower,
     Followers,
     LeadInner,
+    _field,
     build,
     fill,
     local_shards,
@@ -27,7 +28,8 @@ from intellect_jax.diloco.multihost import (
 )
 from intellect_jax.net.comm import NetNode
 from intellect_jax.net.errors import FrameError
-from intellect_jax.net.transport import TransportConfig, connect
+from intellect_jax.net.arrays import recv_array_data, send_arrays
+from intellect_jax.net.transport import TransportConfig, connect, send_msg
 
 from helpers import TINY_ARGS, free_port, hashes, one_history, rows
 
@@ -99,8 +101,41 @@ def test_parts_cross_a_connection_and_bad_ones_are_refused():
         send_parts(b, [(0, (), [np.zeros(2, np.float64)])])
         with pytest.raises(FrameError, match="dtype 'float64' refused"):
             recv_parts(a, max_bytes=100)
+        recv_array_data(a, [(np.dtype(np.float64), (2,))])  # (what the refused header announced)
+        # part lists that do not describe the arrays that follow: refused before any is read
+        one = [np.zeros(2, np.float32)]
+        for layout in (None, [[0, [], 2]], [[-1, [], 1]], [[0, [[2, 1]], 1]], [[0, [[0, 1, 2]], 1]],
+                       [[True, [], 1]], [[0, [], 1], [1, [], 1]], [[0, "x", 1]]):
+            send_arrays(b, one, {"parts": layout})
+            with pytest.raises(FrameError, match="malformed part list"):
+                recv_parts(a, max_bytes=100)
+            recv_array_data(a, [(np.dtype(np.float32), (2,))])
+        send_parts(b, [(0, (), one * 2)])
+        with pytest.raises(FrameError, match="malformed part list"):  # a pseudo-gradient part is codes + scales
+            recv_parts(a, max_bytes=100, per_part=1)
     finally:
         a.close(), b.close(), lead.close()
+
+
+def test_a_follower_refuses_lead_messages_of_the_wrong_form():
+    assert _field({"until": 3}, "until", int) == 3
+    for msg in ({}, {"until": "3"}, {"until": True}, {"until": 3.0}):
+        with pytest.raises(FrameError, match="sent until="):
+            _field(msg, "until", int)
+    cfg = TransportConfig(run_id="mh", secret=b"multihost-test-secret-0123456789", io_timeout=5.0)
+    net = NetNode(cfg)
+    f_conn = connect(cfg, net.address, "c", timeout=5)
+    lead_conn = net.accept("c", timeout=5)
+    follower = Follower(None, None, f_conn)  # type: ignore[arg-type]
+    try:
+        for msg, why in (({"op": "stop"}, "'stop' within a train"), ({"op": "go", "stop": 1}, "not a bool")):
+            send_msg(lead_conn, msg)
+            with pytest.raises(FrameError, match=why):
+                follower._lead_stops()
+        send_msg(lead_conn, {"op": "go", "stop": True})
+        assert follower._lead_stops() is True
+    finally:
+        f_conn.close(), lead_conn.close(), net.close()
 
 
 TINY = [*TINY_ARGS, "--data.batch_size", "8", "--run.log_every", "1", "--run.no-progress"]
