@@ -93,6 +93,13 @@ def test_assemble_refuses_gaps_and_misfits():
         assemble([Piece(0, ((0, 1), (0, 8)), s, q)], like, 16)
     other = Piece(0, ((2, 4), (0, 8)), s, q)
     np.testing.assert_array_equal(assemble([half, other], like, 16)["a"], np.ones((4, 8)))
+    s8, q8 = quant.quantize_int8(np.ones(8, np.float32), 16)
+    overlapping = [half, Piece(0, ((1, 2), (0, 8)), s8, q8)]  # 24 of 32 elements, but row 1 twice
+    with pytest.raises(ValueError, match=r"piece of leaf 0 at \(\(1, 2\), \(0, 8\)\) overlaps the one at"):
+        assemble(overlapping, like, 16)
+    for bad in (Piece(1, ((0, 2), (0, 8)), s, q), Piece(0, ((0, 2),), s, q)):  # no such leaf; a rank too few
+        with pytest.raises(ValueError, match="the tree has 1 leaves"):
+            assemble([bad], like, 16)
 
 
 def test_no_anchor_is_an_error():

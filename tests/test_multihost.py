@@ -70,6 +70,10 @@ def test_build_names_a_missing_slice_and_fill_a_gap_or_misfit():
     leaf, b, (a,) = shards[0]
     with pytest.raises(ValueError, match="shape"):
         fill([(leaf, b, [a[:1]])] + shards[1:], abstract)
+    with pytest.raises(ValueError, match="overlaps the one at"):  # one shard twice
+        fill([shards[-1], *shards], abstract)
+    with pytest.raises(ValueError, match="the tree has 3 leaves"):  # a leaf that is not there
+        fill([(7, b, [a])], abstract)
 
 
 def _pair():

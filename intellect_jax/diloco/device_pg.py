@@ -24,6 +24,7 @@ rounds overlap (overlapped rounds keep their anchor on the devices, so they need
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,12 +40,15 @@ from intellect_jax.net import quant
 Quantize = Callable[[jax.Array, int], tuple[Any, Any]]  # flat float32 on one device -> (scales, codes)
 
 
+Bounds = tuple[tuple[int, int], ...]  # (start, stop) per dimension of a leaf
+
+
 @dataclass(frozen=True)
 class Piece:
     """One shard of one leaf of the pseudo-gradient, quantized: ``index`` is its place in the leaf."""
 
     leaf: int
-    index: tuple[tuple[int, int], ...]  # (start, stop) per dimension
+    index: Bounds
     scale: np.ndarray  # float32 [blocks]
     codes: np.ndarray  # int8 [elements]
 
@@ -111,23 +115,48 @@ def pieces_of(diff: Any, block: int, quantize: Quantize) -> list[Piece]:
     return out
 
 
+class Slots:
+    """The host arrays that pieces of a tree fill (one per leaf of ``like``, ``dtype`` or the
+    leaf's), checked piece by piece: the leaf exists, the bounds have its rank, no two pieces of
+    a leaf overlap; :meth:`done` checks that they cover every element."""
+
+    def __init__(self, like: Any, what: str, label: str = "leaf", dtype: Any = None) -> None:
+        leaves, self.treedef = jax.tree.flatten(like)
+        self.out = [np.empty(np.shape(x), dtype or x.dtype) for x in leaves]
+        self.boxes: list[list[Bounds]] = [[] for _ in self.out]
+        self.what, self.label = what, label  # e.g. "shard", "leaf": for the errors
+
+    def slot(self, leaf: int, bounds: Bounds) -> np.ndarray:
+        out = self.out
+        if not 0 <= leaf < len(out) or len(bounds) != out[leaf].ndim:
+            raise ValueError(f"{self.what} of leaf {leaf} at {bounds}: the tree has {len(out)} leaves"
+                             + (f", that one of {out[leaf].ndim} dimensions" if 0 <= leaf < len(out) else ""))
+        for b in self.boxes[leaf]:  # (a few pieces per leaf: one per device at most)
+            if all(s < e2 and s2 < e for (s, e), (s2, e2) in zip(bounds, b)) and bounds and b:
+                raise ValueError(f"{self.what} of leaf {leaf} at {bounds} overlaps the one at {b}")
+        self.boxes[leaf].append(bounds)
+        return out[leaf][tuple(slice(s, e) for s, e in bounds) or ...]  # a 0-d leaf: its whole view
+
+    def done(self) -> Any:
+        for i, (o, boxes) in enumerate(zip(self.out, self.boxes, strict=True)):
+            n = sum(math.prod(e - s for s, e in b) for b in boxes)
+            if n != o.size:
+                raise ValueError(f"{self.label} {i} of shape {o.shape}: {self.what.split()[-1]}s cover {n} of "
+                                 f"{o.size} elements")
+        return jax.tree.unflatten(self.treedef, self.out)
+
+
 def assemble(pieces: list[Piece], like: Any, block: int) -> Any:
     """The host fp32 tree (structure and shapes of ``like``) the pieces decode to; every element
     must be covered exactly once (else ValueError naming the leaf)."""
-    leaves, treedef = jax.tree.flatten(like)
-    out = [np.empty(np.shape(x), np.float32) for x in leaves]
-    filled = [0] * len(out)
+    slots = Slots(like, "pseudo-gradient piece", "pseudo-gradient leaf", np.float32)
     for p in pieces:
-        view = out[p.leaf][tuple(slice(a, b) for a, b in p.index)]
+        view = slots.slot(p.leaf, p.index)
         if p.codes.size != view.size or p.scale.size != quant.num_blocks(view.size, block):
             raise ValueError(f"pseudo-gradient piece of leaf {p.leaf} at {p.index}: {p.codes.size} codes and "
                              f"{p.scale.size} scales for {view.size} elements")
         view[...] = quant.dequantize_int8(p.scale, p.codes, block).reshape(view.shape)
-        filled[p.leaf] += view.size
-    for i, (o, n) in enumerate(zip(out, filled, strict=True)):
-        if n != o.size:
-            raise ValueError(f"pseudo-gradient leaf {i} of shape {o.shape}: pieces cover {n} of {o.size} elements")
-    return jax.tree.unflatten(treedef, out)
+    return slots.done()
 
 
 class DevicePseudoGradient:

@@ -40,8 +40,10 @@ import jax
 import numpy as np
 
 from intellect_jax.diloco.device_pg import (
+    Bounds,
     DevicePseudoGradient,
     Piece,
+    Slots,
     assemble,
     shard_bounds,
 )
@@ -53,7 +55,6 @@ from intellect_jax.net.errors import FrameError, NetError
 from intellect_jax.net.transport import Connection, TransportConfig, connect, recv_msg, send_msg
 from intellect_jax.trainer.loop import Trainer
 
-Bounds = tuple[tuple[int, int], ...]
 Part = tuple[int, Bounds, list[np.ndarray]]  # leaf index, its (start, stop) per dimension, arrays
 PART_DTYPES = {"float32", "bfloat16", "float16", "int8", "int32"}
 IDLE = 7 * 24 * 3600.0  # a follower waits this long for the lead's next command (a dead lead closes the socket)
@@ -125,22 +126,13 @@ def local_shards(tree: Any, dtype: Any = None) -> list[Part]:
 
 def fill(parts: Sequence[Part], like: Any) -> Any:
     """The host tree (structure, shapes and dtypes of ``like``) the parts cover exactly once."""
-    leaves, treedef = jax.tree.flatten(like)
-    out = [np.empty(x.shape, x.dtype) for x in leaves]
-    filled = [0] * len(out)
+    slots = Slots(like, "shard")
     for leaf, bounds, (a,) in parts:
-        if not 0 <= leaf < len(out) or len(bounds) != out[leaf].ndim:
-            raise ValueError(f"shard of leaf {leaf} at {bounds}: the tree has {len(out)} leaves"
-                             + (f", that one of {out[leaf].ndim} dimensions" if 0 <= leaf < len(out) else ""))
-        view = out[leaf][tuple(slice(s, e) for s, e in bounds) or ...]  # a 0-d leaf: its whole view
+        view = slots.slot(leaf, bounds)
         if view.shape != a.shape:
             raise ValueError(f"shard of leaf {leaf} at {bounds}: shape {a.shape}, the slot is {view.shape}")
         view[...] = a
-        filled[leaf] += a.size
-    for i, (o, n) in enumerate(zip(out, filled, strict=True)):
-        if n != o.size:
-            raise ValueError(f"leaf {i} of shape {o.shape}: shards cover {n} of {o.size} elements")
-    return jax.tree.unflatten(treedef, out)
+    return slots.done()
 
 
 def slices_for(process: int, host: Any, shardings: Any, abstract: Any) -> list[Part]:
