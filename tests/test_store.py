@@ -52,7 +52,7 @@ def test_a_joiners_checkpoint_of_the_received_state_resumes(tmp_path, cache_dir)
     data pipeline refuses. A checkpoint from before that fix ({} on disk) resumes at the start
     of the node's shard."""
     from intellect_jax.diloco.loop import NodeLoop
-    from intellect_jax.diloco.parts import LoopConfig, NodeParts
+    from intellect_jax.diloco.parts import LoopConfig, NodeParts, TransferFailed
     from intellect_jax.diloco.store import CheckpointStore
 
     td, donor = node_parts(tmp_path, cache_dir, "donor")
@@ -63,8 +63,10 @@ def test_a_joiners_checkpoint_of_the_received_state_resumes(tmp_path, cache_dir)
     td.close(save=False)
 
     class Transport:
+        header = meta
+
         def receive(self, adm, template, cancelled, timeout):
-            return meta, sent
+            return dict(self.header), sent
 
     class Client:
         def admission_revoked(self, adm):
@@ -73,8 +75,17 @@ def test_a_joiners_checkpoint_of_the_received_state_resumes(tmp_path, cache_dir)
     t, inner = node_parts(tmp_path, cache_dir, "joiner")
     inner.train(2)  # the joiner read some of its own shard before it was admitted
     position = inner.data_state()
-    parts = NodeParts("joiner", inner, Client(), None, Transport(), CheckpointStore(t))
-    got = NodeLoop(LoopConfig(inner_steps=4, outer_steps=3), parts)._receive(Admission("donor", "x", 0, 1, 1))
+    transport = Transport()
+    parts = NodeParts("joiner", inner, Client(), None, transport, CheckpointStore(t))
+    loop, adm = NodeLoop(LoopConfig(inner_steps=4, outer_steps=3), parts), Admission("donor", "x", 0, 1, 1)
+    for bad, why in (({}, "malformed"), ({**meta, "outer_step": "one"}, "malformed"), ({**meta, "norms": [[1]]},
+                     "malformed"), ({**meta, "hash": None}, "hashes to"), ({**meta, "outer_step": 2}, "hashes to")):
+        transport.header = bad  # a donor's header is its word: a bad one fails the transfer, nothing is saved
+        with pytest.raises(TransferFailed, match=why):
+            loop._receive(adm)
+    assert CheckpointStore(t).latest() is None
+    transport.header = meta
+    got = loop._receive(adm)
     assert S.state_hash(got) == meta["hash"]
     t.close(save=False)  # SIGKILL before the next checkpoint; the process comes back with --ckpt.resume
     from intellect_jax.diloco.inner import TrainerInner

@@ -167,12 +167,15 @@ class NodeLoop:
                                             self.cfg.transfer_timeout)
         except NetError as e:
             raise TransferFailed(str(e)) from e
-        got = got._replace(outer_step=int(meta["outer_step"]), inner_step=int(meta["inner_step"]), data=None,
-                           norms=tuple(float(x) for x in meta.get("norms", ())))
+        try:  # the donor's word, checked against the hash below
+            got = got._replace(outer_step=int(meta["outer_step"]), inner_step=int(meta["inner_step"]), data=None,
+                               norms=tuple(float(x) for x in meta.get("norms", ())))
+        except (KeyError, TypeError, ValueError) as e:
+            raise TransferFailed(f"the donor's state header is malformed ({e!r})") from None
         h = state_hash(got)
-        if h != meta["hash"] or got.outer_step != adm.outer_step:
+        if h != meta.get("hash") or got.outer_step != adm.outer_step:
             raise TransferFailed(f"received state of outer step {got.outer_step} hashes to {h[:12]}, the donor "
-                                 f"sent {str(meta['hash'])[:12]} for {adm.outer_step}")
+                                 f"sent {str(meta.get('hash'))[:12]} for {adm.outer_step}")
         # one path to a state: through the checkpoint store, with this node's own data position
         # (the donor's is another shard's), so a crash before the next checkpoint resumes from it
         p.store.save(got._replace(data=p.inner.data_state()), wait=True)
