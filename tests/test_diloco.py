@@ -143,3 +143,35 @@ def test_whole_run_stopped_resumed_started_elsewhere_and_complete(tmp_path, cach
     mark = len(run.lines)
     assert set(run.launch(nodes, resume=True).values()) == {Outcome.COMPLETED}
     assert "\n".join(x for _, x in run.lines[mark:]).count("nothing to do: the run is complete") == 2
+
+
+def test_a_ring_that_cannot_be_built_fails_one_epoch_and_the_step_is_redone(monkeypatch):
+    """A member list the ring refuses (e.g. an address that is no address: ConfigMismatch) fails
+    that epoch for every member, as a broken all-reduce does: each node retries in a new epoch,
+    nobody dies, and the run keeps one history."""
+    from intellect_jax.diloco.parts import LoopConfig, Outcome
+    from intellect_jax.net.comm import RingConfig
+    from intellect_jax.net.errors import ConfigMismatch
+    from intellect_jax.testing import local
+
+    built = local.LocalRing.__call__
+    refused: list[int] = []
+
+    def ring(self, ep):
+        if ep.outer_step == 1 and ep.epoch_id == 1:  # the first epoch of outer step 2
+            refused.append(ep.rank)
+            raise ConfigMismatch(f"ring of epoch {ep.epoch_id}: not a host:port address: 'h:x'")
+        return built(self, ep)
+
+    monkeypatch.setattr(local.LocalRing, "__call__", ring)
+    rng = np.random.default_rng(0)
+    init = {"w": rng.standard_normal(8).astype(np.float32), "u": np.zeros(3, np.float32)}  # NumpyInner's leaves
+    targets = [rng.standard_normal(8).astype(np.float32) for _ in range(2)]
+    inners = [local.NumpyInner(t, init, np.mean(targets, axis=0)) for t in targets]
+    lines: list[str] = []
+    outs = local.run_local(LoopConfig(inner_steps=3, outer_steps=4), inners, RingConfig(mode="fp32"),
+                           log=lines.append)
+    assert sorted(refused) == [0, 1] and set(outs) <= {Outcome.FINISHED, Outcome.COMPLETED}
+    assert sum("no ring for outer step 2 in epoch 1" in ln for ln in lines) == 2, lines
+    history = one_history([m for _, m in x.records] for x in inners)  # (fails on two hashes for one step)
+    assert sorted(history) == [1, 2, 3, 4]
