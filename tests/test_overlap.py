@@ -165,8 +165,8 @@ def test_real_trainers_learn_with_overlapped_rounds(tmp_path, cache_dir):
 
     H, outer = 4, 6
     trainers = [Trainer(tiny_cfg(tmp_path / f"n{i}", cache_dir, run={"steps": H * outer, "log_every": 1}),
-                        node_rank=i, node_count=2, role=Role.INNER)
-                for i in range(2)]
+                        node_rank=i, node_count=2, role=Role.INNER, devices=jax.devices()[4 * i:4 * i + 4])
+                for i in range(2)]  # each on its own devices (see helpers.node_trainer)
     try:
         inners = [TrainerInner(t, DevicePseudoGradient(64, host_quantize)) for t in trainers]
         before, stashed = host_copy(trainers[0].state.opt_state), inners[0].stash()  # a checkpoint's copy

@@ -7,7 +7,7 @@ import enum
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +70,16 @@ class Role(enum.Enum):
 
 
 class Trainer:
-    """One node's inner loop. `node_rank/node_count` pick this node's data shard (DiLoCo)."""
+    """One node's inner loop. `node_rank/node_count` pick this node's data shard (DiLoCo);
+    `devices`, the devices it trains on (default: all the process sees)."""
 
-    def __init__(self, cfg: TrainConfig, *, node_rank: int = 0, node_count: int = 1, role: Role = Role.SOLO):
+    def __init__(self, cfg: TrainConfig, *, node_rank: int = 0, node_count: int = 1, role: Role = Role.SOLO,
+                 devices: Sequence[Any] | None = None):
         self.cfg, self.role = cfg, role
         solo = role is Role.SOLO
         self.mcfg = cfg.model.build()
         self.lead = jax.process_index() == 0
-        self.mesh = S.make_mesh(cfg.mesh.fsdp, cfg.mesh.tp)
+        self.mesh = S.make_mesh(cfg.mesh.fsdp, cfg.mesh.tp, devices)
         self.tok = toklib.load_tokenizer(cfg.data)
         toklib.check_vocab(self.tok, self.mcfg.vocab_size)
 
