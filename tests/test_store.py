@@ -79,7 +79,9 @@ def test_a_joiners_checkpoint_of_the_received_state_resumes(tmp_path, cache_dir)
     parts = NodeParts("joiner", inner, Client(), None, transport, CheckpointStore(t))
     loop, adm = NodeLoop(LoopConfig(inner_steps=4, outer_steps=3), parts), Admission("donor", "x", 0, 1, 1)
     for bad, why in (({}, "malformed"), ({**meta, "outer_step": "one"}, "malformed"), ({**meta, "norms": [[1]]},
-                     "malformed"), ({**meta, "hash": None}, "hashes to"), ({**meta, "outer_step": 2}, "hashes to")):
+                     "malformed"), ({**meta, "hash": None}, "malformed"), ({**meta, "hash": "0" * 32}, "hashes to"),
+                     ({**meta, "outer_step": 2}, "admitted for outer step 1"),
+                     ({**meta, "inner_step": 5}, "admitted for outer step 1, i.e. inner step 4")):
         transport.header = bad  # a donor's header is its word: a bad one fails the transfer, nothing is saved
         with pytest.raises(TransferFailed, match=why):
             loop._receive(adm)

@@ -15,6 +15,7 @@ import numpy as np
 from intellect_jax.diloco.device_pg import DevicePseudoGradient
 from intellect_jax.diloco.state import DilocoState, MomentumState, host_copy, init_state, pseudo_gradient
 from intellect_jax.trainer.loop import Trainer
+from intellect_jax.trainer.optim import adam_envelope
 
 
 class TrainerInner:
@@ -69,6 +70,10 @@ class TrainerInner:
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, np.float32), self.t.abstract_state.params)
         opt = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.t.abstract_state.opt_state)
         return DilocoState(params, MomentumState(params), opt, 0, 0)
+
+    def vet_opt_state(self, opt: Any) -> str | None:
+        """Why a donor's inner optimizer state must not be adopted (None: it could be an honest one)."""
+        return adam_envelope(opt, self.t.cfg.optim)
 
     def evaluate(self, params: Any = None) -> float:
         return self.t.evaluate(params)

@@ -30,6 +30,7 @@ from intellect_jax.diloco.guard import OwnGuard, check_average, inspect, remembe
 from intellect_jax.diloco.overlap import Gate, Round
 from intellect_jax.diloco.parts import DilocoError, LoopConfig, NodeParts, Outcome, TransferFailed
 from intellect_jax.diloco.state import DilocoState, host_copy, nesterov_sgd, outer_step, state_hash
+from intellect_jax.diloco.transfer import vet_received
 from intellect_jax.net.errors import NetError, PeerTimeout
 
 __all__ = ["NodeLoop", "OuterResult", "claim_of"]
@@ -161,21 +162,15 @@ class NodeLoop:
             requeue = True
 
     def _receive(self, adm: Admission) -> DilocoState:
+        """The donor's state, once checked (:func:`~.transfer.vet_received`: nothing of the donor's
+        is trusted unchecked), saved and restored through the store."""
         p = self.p
         try:
             meta, got = p.transport.receive(adm, p.inner.template(), lambda: p.client.admission_revoked(adm),
                                             self.cfg.transfer_timeout)
         except NetError as e:
             raise TransferFailed(str(e)) from e
-        try:  # the donor's word, checked against the hash below
-            got = got._replace(outer_step=int(meta["outer_step"]), inner_step=int(meta["inner_step"]), data=None,
-                               norms=tuple(float(x) for x in meta.get("norms", ())))
-        except (KeyError, TypeError, ValueError) as e:
-            raise TransferFailed(f"the donor's state header is malformed ({e!r})") from None
-        h = state_hash(got)
-        if h != meta.get("hash") or got.outer_step != adm.outer_step:
-            raise TransferFailed(f"received state of outer step {got.outer_step} hashes to {h[:12]}, the donor "
-                                 f"sent {str(meta.get('hash'))[:12]} for {adm.outer_step}")
+        got, h = vet_received(adm, meta, got, self.cfg.inner_steps, p.inner.vet_opt_state)
         # one path to a state: through the checkpoint store, with this node's own data position
         # (the donor's is another shard's), so a crash before the next checkpoint resumes from it
         p.store.save(got._replace(data=p.inner.data_state()), wait=True)

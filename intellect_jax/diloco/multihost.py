@@ -22,11 +22,14 @@ data      followers send their data-iterator positions (one per process, checkpo
 stop      followers leave
 ========  ===========================================================================
 
-Followers connect to the lead's listener (the node's ``NetNode``, authenticated with the run
-secret) at the host of ``dist.coordinator_address`` and the port the lead broadcasts through
+Followers connect to the lead's listener (the node's ``NetNode``; every process of a node holds
+the node's certificate, and the lead accepts this channel only from that identity) at the host
+of ``dist.coordinator_address`` and the port the lead broadcasts through
 the JAX runtime at start. Checkpoints are written by the lead alone, from host copies. A
 follower that loses its lead exits; a lead that loses a follower fails its next device
-program or send and leaves the run, which evicts the node like any crashed node.
+program or send and leaves the run, which evicts the node like any crashed node. Every message
+between them has a strict schema (:mod:`.multihost_wire`): one of the wrong form is a
+``FrameError`` naming the field, and the process fails like one that lost its peer.
 """
 
 from __future__ import annotations
@@ -48,11 +51,27 @@ from intellect_jax.diloco.device_pg import (
     shard_bounds,
 )
 from intellect_jax.diloco.inner import TrainerInner
+from intellect_jax.diloco.multihost_wire import (
+    COMMAND,
+    Data,
+    DataState,
+    Eval,
+    Gather,
+    Go,
+    Hello,
+    Init,
+    Pg,
+    Place,
+    PartsHeader,
+    Stop,
+    Train,
+)
 from intellect_jax.diloco.state import DilocoState, to_host
 from intellect_jax.net.arrays import recv_array_data, recv_array_head, send_arrays
 from intellect_jax.net.comm import NetNode
 from intellect_jax.net.errors import FrameError, NetError
-from intellect_jax.net.transport import Connection, TransportConfig, connect, recv_msg, send_msg
+from intellect_jax.net.schema import Wire, recv_model
+from intellect_jax.net.transport import Connection, TransportConfig, connect, send_msg
 from intellect_jax.trainer.loop import Trainer
 
 Part = tuple[int, Bounds, list[np.ndarray]]  # leaf index, its (start, stop) per dimension, arrays
@@ -79,38 +98,15 @@ def send_parts(conn: Connection, parts: Sequence[Part]) -> int:
     return send_arrays(conn, [a for _, _, arrs in parts for a in arrs], {"parts": layout})
 
 
-def _layout(peer: str, raw: Any, count: int, per_part: int | None) -> list[tuple[int, Bounds, int]]:
-    """The header's part list, checked: leaf indices, (start, stop) pairs, array counts."""
-    def nat(x: Any) -> bool:
-        return type(x) is int and x >= 0
-
-    def pair(b: Any) -> bool:
-        return isinstance(b, list) and len(b) == 2 and all(map(nat, b)) and b[0] <= b[1]
-
-    def part(p: Any) -> bool:
-        return (isinstance(p, list) and len(p) == 3 and nat(p[0]) and isinstance(p[1], list)
-                and all(map(pair, p[1])) and nat(p[2]) and per_part in (None, p[2]))
-
-    if not isinstance(raw, list) or not all(map(part, raw)) or sum(p[2] for p in raw) != count:
-        raise FrameError(f"{peer}: malformed part list for {count} arrays: {str(raw)[:80]}")
-    return [(p[0], tuple((a, b) for a, b in p[1]), p[2]) for p in raw]
-
-
 def recv_parts(conn: Connection, *, max_bytes: int, per_part: int | None = None) -> list[Part]:
-    """Parts from a peer process; at most ``max_bytes`` in all (the size of what is expected) and,
-    if given, ``per_part`` arrays in each."""
-    head, specs = recv_array_head(conn, max_bytes=max_bytes, dtypes=PART_DTYPES)
-    layout = _layout(conn.peer, head.get("parts"), len(specs), per_part)
+    """Parts from a peer process (a :class:`~.multihost_wire.PartsHeader`); at most ``max_bytes``
+    in all (the size of what is expected) and, if given, ``per_part`` arrays in each."""
+    head, specs = recv_array_head(conn, PartsHeader, max_bytes=max_bytes, dtypes=PART_DTYPES, what="part list")
+    for i, (_, _, n) in enumerate(head.parts):
+        if per_part not in (None, n):
+            raise FrameError(f"{conn.peer}: malformed part list: part {i} holds {n} arrays, not {per_part}")
     arrays = iter(recv_array_data(conn, specs))
-    return [(leaf, bounds, [next(arrays) for _ in range(n)]) for leaf, bounds, n in layout]
-
-
-def _field(msg: dict[str, Any], key: str, kind: type) -> Any:
-    """``msg[key]``, which must be of type ``kind`` (``bool`` is not an ``int`` here)."""
-    v = msg.get(key)
-    if type(v) is not kind:
-        raise FrameError(f"the node's lead process sent {key}={str(v)[:40]}, not a {kind.__name__}")
-    return v
+    return [(leaf, tuple(bounds), [next(arrays) for _ in range(n)]) for leaf, bounds, n in head.parts]
 
 
 # ---- shards -----------------------------------------------------------------------------------
@@ -208,18 +204,20 @@ class Followers:
         self.conns: dict[int, Connection] = {}
         try:
             for _ in range(processes - 1):
-                conn = net.accept(CHANNEL, timeout=timeout, name="follower")
-                i = recv_msg(conn).get("process")
-                if type(i) is not int or not 0 < i < processes or i in self.conns:
-                    raise FrameError(f"a follower announced itself as process {str(i)[:20]}")
+                conn = net.accept(CHANNEL, peer=net.name, timeout=timeout, name="follower")  # its own processes
+                i = recv_model(conn, Hello, "greeting").process
+                if not i < processes or i in self.conns:
+                    raise FrameError(f"a follower announced itself as process {i} (of {processes}, or twice)")
                 self.conns[i] = conn
         except BaseException:
             self.close()
             raise
 
-    def command(self, op: str, **kw: Any) -> None:
+    def command(self, cmd: Wire) -> None:
+        """Send every follower ``cmd`` (a :data:`~.multihost_wire.COMMAND`, or :class:`Go`)."""
+        msg = cmd.model_dump()
         for conn in self.conns.values():
-            send_msg(conn, {"op": op, **kw})
+            send_msg(conn, msg)
 
     def collect(self, max_bytes: int, per_part: int = 1) -> list[Part]:
         return [p for conn in self.conns.values() for p in recv_parts(conn, max_bytes=max_bytes, per_part=per_part)]
@@ -227,7 +225,7 @@ class Followers:
     def close(self) -> None:
         for conn in self.conns.values():
             with contextlib.suppress(NetError, OSError):  # a follower already gone
-                send_msg(conn, {"op": "stop"})
+                send_msg(conn, Stop().model_dump())
             conn.close()
         self.conns.clear()
 
@@ -243,13 +241,13 @@ class LeadInner(TrainerInner):
     def train(self, until: int, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Every process runs the same steps (each is a program they all run): with ``stop``,
         the lead asks it before each step and sends the followers its answer."""
-        self.f.command("train", until=until, asks=stop is not None)
+        self.f.command(Train(until=until, asks=stop is not None))
         if stop is None:
             return self.t.train(until=until)
 
         def ask() -> bool:
             done = bool(stop())
-            self.f.command("go", stop=done)
+            self.f.command(Go(stop=done))
             return done
 
         return self.t.train(until=until, stop=ask)
@@ -257,17 +255,17 @@ class LeadInner(TrainerInner):
     def evaluate(self, params: Any = None) -> float:
         if params is not None:
             raise NotImplementedError("a multi-process node evaluates its own params (no overlapped rounds)")
-        self.f.command("eval")
+        self.f.command(Eval())
         return self.t.evaluate()
 
     def pseudo_gradient(self, outer_params: Any) -> Any:
-        self.f.command("pg")
+        self.f.command(Pg())
         mine = self.dpg.pieces(self.t.state.params)
         theirs = _parts_to_pieces(self.f.collect(max_bytes=2 * _nbytes(outer_params), per_part=2))
         return assemble(mine + theirs, outer_params, self.dpg.block)
 
     def _gather(self, op: str, tree: Any, dtype: Any = None) -> Any:
-        self.f.command(op)
+        self.f.command(Init() if op == "init" else Gather())
         if op == "init":
             self.dpg.mark(tree)
         like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype), tree)
@@ -284,8 +282,8 @@ class LeadInner(TrainerInner):
         return self.snapshot()
 
     def data_state(self) -> dict | None:
-        self.f.command("data")
-        theirs = {i: recv_msg(c) for i, c in self.f.conns.items()}
+        self.f.command(Data())
+        theirs = {i: recv_model(c, DataState, "data position").model_dump() for i, c in self.f.conns.items()}
         return {"processes": [self.t.data.get_state(), *(theirs[i] for i in sorted(theirs))]}
 
     def set_params(self, params: Any) -> None:
@@ -306,8 +304,7 @@ class LeadInner(TrainerInner):
         tree, shard, abstract = ((params, opt), (sh.params, sh.opt_state), (a.params, a.opt_state)) \
             if opt is not None else (params, sh.params, a.params)
         for i, conn in self.f.conns.items():
-            send_msg(conn, {"op": "place", "opt": opt is not None, "step": step,
-                             "data": per[i] if per is not None else None})
+            send_msg(conn, Place(opt=opt is not None, step=step, data=per[i] if per is not None else None).model_dump())
             send_parts(conn, slices_for(i, tree, shard, abstract))
         placed = build(slices_for(jax.process_index(), tree, shard, abstract), shard, abstract)
         p, o = placed if opt is not None else (placed, None)
@@ -326,48 +323,41 @@ class Follower:
     @classmethod
     def connect(cls, trainer: Trainer, device_pg: DevicePseudoGradient, cfg: TransportConfig,
                 lead: tuple[str, int], *, timeout: float) -> Follower:
-        conn = connect(dataclasses.replace(cfg, io_timeout=IDLE), lead, CHANNEL, timeout=timeout,
+        conn = connect(dataclasses.replace(cfg, io_timeout=IDLE), lead, CHANNEL, expect=cfg.name, timeout=timeout,
                        name="the node's lead process")
-        send_msg(conn, {"process": jax.process_index()})
+        send_msg(conn, Hello(process=jax.process_index()).model_dump())
         return cls(trainer, device_pg, conn)
 
     def run(self) -> int:
         """Serve commands until ``stop``; returns how many were served."""
         t, c, n = self.t, self.conn, 0
         while True:
-            cmd = recv_msg(c, max_len=1 << 16)
-            op = cmd.get("op")
-            if op == "stop":
-                return n
+            match recv_model(c, COMMAND, "command", max_len=1 << 16):
+                case Stop():
+                    return n
+                case Train(until=until, asks=asks):
+                    t.train(until=until, stop=self._lead_stops if asks else None)
+                case Eval():
+                    t.evaluate()
+                case Pg():
+                    send_parts(c, _pieces_to_parts(self.dpg.pieces(t.state.params)))
+                case Init():
+                    self.dpg.mark(t.state.params)
+                    send_parts(c, local_shards(t.state.params, np.float32))
+                case Gather():
+                    send_parts(c, local_shards(t.state.opt_state))
+                case Data():
+                    send_msg(c, t.data.get_state())
+                case Place(opt=with_opt, step=step, data=data):
+                    params, opt = _receive_placed(t, c, with_opt)
+                    _apply(t, self.dpg, params, opt, step)
+                    if data is not None:
+                        t.data.set_state(data.model_dump())
             n += 1
-            if op == "train":
-                t.train(until=_field(cmd, "until", int), stop=self._lead_stops if _field(cmd, "asks", bool) else None)
-            elif op == "eval":
-                t.evaluate()
-            elif op == "pg":
-                send_parts(c, _pieces_to_parts(self.dpg.pieces(t.state.params)))
-            elif op == "init":
-                self.dpg.mark(t.state.params)
-                send_parts(c, local_shards(t.state.params, np.float32))
-            elif op == "gather":
-                send_parts(c, local_shards(t.state.opt_state))
-            elif op == "data":
-                send_msg(c, t.data.get_state())
-            elif op == "place":
-                params, opt = _receive_placed(t, c, _field(cmd, "opt", bool))
-                step = cmd.get("step")
-                _apply(t, self.dpg, params, opt, None if step is None else _field(cmd, "step", int))
-                if cmd.get("data") is not None:
-                    t.data.set_state(cmd["data"])
-            else:
-                raise FrameError(f"unknown command {op!r} from the node's lead process")
 
     def _lead_stops(self) -> bool:
         """Before a step of a train with ``stop``: the lead's answer (it asks at the same steps)."""
-        msg = recv_msg(self.conn, max_len=1 << 16)
-        if msg.get("op") != "go":
-            raise FrameError(f"the node's lead process sent {str(msg.get('op'))[:20]!r} within a train, not 'go'")
-        return _field(msg, "stop", bool)
+        return recv_model(self.conn, Go, "answer within a train", max_len=1 << 16).stop
 
     def close(self) -> None:
         self.conn.close()

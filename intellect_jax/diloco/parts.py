@@ -51,6 +51,8 @@ class Inner(Protocol):
 
     def template(self) -> DilocoState: ...  # shapes and dtypes of a transferred state
 
+    def vet_opt_state(self, opt: Any) -> str | None: ...  # why a donor's inner optimizer state is refused (None: ok)
+
     def evaluate(self, params: Any = None) -> float: ...  # the current params, or the given host params
 
     def record(self, step: int, metrics: dict[str, Any]) -> None: ...
@@ -72,7 +74,7 @@ class Transport(Protocol):
               cancelled: Callable[[], bool]) -> Any: ...  # an event, set once sent, failed or cancelled
 
     def receive(self, adm: Admission, template: DilocoState, cancelled: Callable[[], bool],
-                timeout: float) -> tuple[dict[str, Any], DilocoState]: ...
+                timeout: float) -> tuple[Any, DilocoState]: ...  # (the donor's header: StateMeta or its dict, state)
 
 
 class Store(Protocol):

@@ -1,6 +1,6 @@
 """Stream a large blob (e.g. a checkpoint) over one authenticated connection.
 
-``BLOB_BEGIN`` (json: name, size, chunk) -> ``BLOB_DATA`` x ceil(size/chunk) -> ``BLOB_END``
+``BLOB_BEGIN`` (json: name, size, chunk: :class:`BlobHeader`) -> ``BLOB_DATA`` x ceil(size/chunk) -> ``BLOB_END``
 (sha256 over the chunk tags, which checks order and completeness; every chunk is checked
 by its own frame tag). Memory stays at one chunk for files; in-memory blobs are received
 with ``recv_into`` straight into the result. Run it in a background thread over a
@@ -13,12 +13,14 @@ import hashlib
 import hmac
 import json
 import os
-from typing import BinaryIO
+from typing import Annotated, BinaryIO
 
 import numpy as np
+from pydantic import Field
 
 from intellect_jax.net.errors import FrameError
 from intellect_jax.net.frames import MsgType
+from intellect_jax.net.schema import Nat, Wire, parse
 from intellect_jax.net.transport import Buffer, Connection
 
 
@@ -62,21 +64,30 @@ def _file_chunks(f: BinaryIO, size: int, chunk_bytes: int):  # noqa: ANN202 - ge
         left -= n
 
 
+class BlobHeader(Wire):
+    """``BLOB_BEGIN``'s JSON: the blob's name (for messages), size and chunk size in bytes."""
+
+    name: Annotated[str, Field(max_length=256)]
+    size: Nat
+    chunk: Annotated[int, Field(ge=1, le=1 << 40)]
+
+
 def recv_blob(conn: Connection, out: BinaryIO | None = None, *, max_bytes: int,
-              deadline: float | None = None, into: Buffer | None = None) -> tuple[dict, bytearray | int]:
-    """Receive one blob: ``(meta, data)`` (``data`` = bytearray, or bytes written to ``out``, or
+              deadline: float | None = None, into: Buffer | None = None) -> tuple[BlobHeader, bytearray | int]:
+    """Receive one blob: ``(header, data)`` (``data`` = bytearray, or bytes written to ``out``, or
     the size received straight into ``into``, which must be exactly the blob's size)."""
     _, raw = conn.recv(MsgType.BLOB_BEGIN, deadline=deadline, max_len=1 << 16)
     try:
-        meta = json.loads(raw)
-        size, chunk = int(meta["size"]), int(meta["chunk"])
-    except (ValueError, KeyError, TypeError):
-        raise FrameError(f"{conn.peer}: malformed blob header") from None
-    if not 0 <= size <= max_bytes or chunk < 1:
+        msg = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON; nesting too deep
+        raise FrameError(f"{conn.peer}: malformed blob header ({e})") from None
+    meta = parse(BlobHeader, msg, conn.peer, "blob header")
+    size, chunk = meta.size, meta.chunk
+    if size > max_bytes:
         raise FrameError(f"{conn.peer}: blob of {size} bytes refused (limit {max_bytes})")
     target = memoryview(into).cast("B") if into is not None else None  # type: ignore[arg-type]
     if target is not None and target.nbytes != size:
-        raise FrameError(f"{conn.peer}: blob {meta.get('name')!r} is {size} bytes, expected {target.nbytes}")
+        raise FrameError(f"{conn.peer}: blob {meta.name[:40]!r} is {size} bytes, expected {target.nbytes}")
     data = (target if target is not None else bytearray(size)) if out is None else None
     scratch = np.empty(min(chunk, size), np.uint8) if out is not None else None
     tags = hashlib.sha256()
@@ -94,5 +105,5 @@ def recv_blob(conn: Connection, out: BinaryIO | None = None, *, max_bytes: int,
         got += n
     _, digest = conn.recv(MsgType.BLOB_END, deadline=deadline, max_len=64)
     if not hmac.compare_digest(digest, tags.digest()):
-        raise FrameError(f"{conn.peer}: blob {meta.get('name')!r} failed its end-to-end check")
+        raise FrameError(f"{conn.peer}: blob {meta.name[:40]!r} failed its end-to-end check")
     return meta, (size if data is None or target is not None else data)

@@ -118,6 +118,9 @@ class NumpyInner:
     def template(self) -> DilocoState:
         return DilocoState(self.weights, MomentumState(self.weights), self.opt, 0, 0)
 
+    def vet_opt_state(self, opt: Any) -> str | None:
+        return None if all(np.isfinite(x).all() for x in opt.values()) else "a non-finite momentum"
+
     def evaluate(self, params: Any = None) -> float:
         w = (self.weights if params is None else params)["w"]
         return 1.0 + float(np.mean((w - self.goal) ** 2))
@@ -186,7 +189,7 @@ def run_local(loop_cfg: LoopConfig, inners: list[Inner], ring: RingConfig, *,
 
     def node(i: int) -> None:
         name = f"node{i}"
-        client = CoordinatorClient(None, None, name, f"local://{name}", wire=coord.wire(),
+        client = CoordinatorClient(None, None, name, f"local://{name}", wire=coord.wire(name),
                                    heartbeat_interval=heartbeat_interval, outer_steps=loop_cfg.outer_steps)
         parts = NodeParts(name, inners[i], client, rings, transport.endpoint(name), MemoryStore(),
                           log=(lambda line: log(f"[{name}] {line}")) if log else (lambda line: None))
