@@ -13,12 +13,11 @@ from typing import Any
 
 import pytest
 
-from intellect_jax.coordinator.clock import RealClock
 from intellect_jax.coordinator.server import Coordinator
 from intellect_jax.coordinator.journal import RunRecord
 from intellect_jax.coordinator.protocol import PROTOCOL, CoordinatorConfig, CoordinatorUnavailable, Resume
 from intellect_jax.coordinator.service import CoordinatorService
-from helpers import FP, ROOT, Run, coord_client as _client, coord_config as _conf, coord_env as _env, \
+from helpers import FP, ROOT, ManualClock as _ManualClock, Run, coord_client as _client, coord_config as _conf, coord_env as _env, \
     coord_transport as _tcfg
 
 
@@ -53,19 +52,6 @@ def test_a_stall_of_the_coordinator_moves_every_deadline() -> None:
     assert [e["node_id"] for e in r.m.status(r.now)["evictions"]][1:] == ["b"]
 
 
-class _ManualClock(RealClock):
-    """Real locks, a time the test sets, no ticker thread (the test ticks)."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def spawn(self, target: Any, name: str) -> Any:
-        return None
-
-
 def test_the_service_notices_its_own_stall_before_judging_anyone() -> None:
     clock, lines = _ManualClock(), []
     svc = CoordinatorService(CoordinatorConfig(heartbeat_timeout=5.0, tick_interval=0.1, join_window=0.0),
@@ -73,7 +59,7 @@ def test_the_service_notices_its_own_stall_before_judging_anyone() -> None:
     for i, n in enumerate("ab"):
         reg = {"op": "register", "node": n, "addr": f"127.0.0.1:{9000 + i}", "devices": 1, "protocol": PROTOCOL,
                "fingerprint": FP, "founder": True, "resume": None}
-        assert svc.handle(reg)["ok"]
+        assert svc.handle(reg, identity=n)["ok"]
     for t in (0.1, 0.2, 0.3):  # the ticker runs every tick_interval
         clock.t = t
         svc.locked(svc.membership.tick)
@@ -100,19 +86,19 @@ def test_a_malformed_sync_is_refused_and_the_run_goes_on() -> None:
     for i, n in enumerate("ab"):
         reg = {"op": "register", "node": n, "addr": f"127.0.0.1:{9000 + i}", "devices": 1, "protocol": PROTOCOL,
                "fingerprint": FP, "founder": True, "resume": None}
-        sess[n] = svc.handle(reg)["session"]
+        sess[n] = svc.handle(reg, identity=n)["session"]
     sync = {"op": "sync", "node": "a", "session": sess["a"], "step": 0}
     for bad in ({"state_hash": ["x"]}, {"state_hash": "h" * 129}, {"report": {"accused": ["b"]}},
                 {"report": {"accused": "b"}}, {"report": {"avg_failed": "yes"}}, {"report": [1]},
                 {"report": {"accused": ["b", 3]}}, {"report": {"more": 1}}):
-        reply = svc.handle({**sync, **bad}, ("a", sess["a"]), deadline=1.0)
+        reply = svc.handle({**sync, **bad}, ("a", sess["a"]), deadline=1.0, identity="a")
         assert reply["ok"] is False and reply["error"] == "ProtocolError", (bad, reply)
     svc.locked(svc.membership.tick)  # the ticker still runs
     replies = {}
 
     def arrive(n: str) -> None:
         replies[n] = svc.handle({"op": "sync", "node": n, "session": sess[n], "step": 0, "state_hash": "h0",
-                                 "report": {"avg_failed": False, "accused": None}}, (n, sess[n]), deadline=5.0)
+                                 "report": {"avg_failed": False, "accused": None}}, deadline=5.0, identity=n)
 
     import threading
 

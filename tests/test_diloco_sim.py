@@ -322,7 +322,7 @@ def donor_told_complete_lets_go() -> bool:
     def main() -> None:
         cfg = CoordinatorConfig(heartbeat_timeout=1.0, join_window=0.0, min_nodes=1, outer_steps=1)
         coord = LocalCoordinator(cfg, run_id="t", clock=clock, journal=MemoryJournal())
-        client = CoordinatorClient(None, None, "n0", "sim://n0", wire=coord.wire(), clock=clock,
+        client = CoordinatorClient(None, None, "n0", "sim://n0", wire=coord.wire("n0"), clock=clock,
                                    heartbeat_interval=0.2, outer_steps=1, say=lambda line: None)
         assert client.register().member
         clock.sleep(1.0)

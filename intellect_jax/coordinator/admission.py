@@ -12,6 +12,7 @@ applies them to its table.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from intellect_jax.coordinator.journal import RunRecord
 from intellect_jax.coordinator.protocol import PROTOCOL, Admission, Peer, RegistrationRefused, RunCompleted
@@ -77,15 +78,17 @@ def requeue(joiner: Node, why: str, say: Callable[[str], None]) -> None:
 
 
 def admission_of(node: Node, outer_step: int, epoch_id: int, rec: RunRecord) -> Admission | None:
-    """A joiner's admission, if it has one. A joiner promoted to member with the state it
-    brought (a rebuild) gets itself as donor: no transfer."""
+    """A joiner's admission, if it has one, with the hash the run recorded for the state it
+    receives (None while that step is not recorded). A joiner promoted to member with the
+    state it brought (a rebuild) gets itself as donor: no transfer."""
     if node.role is Role.MEMBER:
         step = node.claim.outer_step if node.claim else outer_step
-        return Admission(node.node_id, node.addr, -1, step, epoch_id)
+        return Admission(node.node_id, node.addr, -1, step, epoch_id, rec.hashes.get(step))
     if node.role is Role.PENDING and rec.completed:
         raise RunCompleted(f"the run completed all {rec.outer_steps} outer steps while {node.node_id} waited "
                            "for admission")
-    return node.admission if node.role is Role.ADMITTED else None
+    adm = node.admission if node.role is Role.ADMITTED else None
+    return adm and replace(adm, state_hash=rec.hashes.get(adm.outer_step))
 
 
 def received(node: Node, step: int, run_step: int | None, say: Callable[[str], None]) -> bool:

@@ -10,7 +10,7 @@ Typical outer loop (``k`` = completed outer steps)::
     while training:
         ...H inner steps...
         epoch = client.sync(k, state_hash=h)  # barrier; the ring for outer step k+1
-        ...all-reduce over epoch.addresses (on NetError: epoch = client.sync(k, h, retry_of=epoch.epoch_id))...
+        ...all-reduce over epoch.members (on NetError: epoch = client.sync(k, h, retry_of=epoch.epoch_id))...
         ...outer step; client.hold(k + 1, new_hash); stream the state to each joiner in epoch.serve...
     client.leave()
 
@@ -26,26 +26,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from typing import Any, Self
 
 from intellect_jax.coordinator.clock import REAL, Clock
-from intellect_jax.coordinator.protocol import (
-    PROTOCOL,
-    Admission,
-    CoordinatorError,
-    CoordinatorUnavailable,
-    Epoch,
-    Evicted,
-    ProtocolError,
-    RegisterReply,
-    RegistrationRefused,
-    Resume,
-    RunCompleted,
-    StaleSession,
-)
+from intellect_jax.coordinator.protocol import (PROTOCOL, Admission, CoordinatorError, CoordinatorUnavailable, Epoch,
+                                                Evicted, ProtocolError, RegisterReply, RegistrationRefused, Resume,
+                                                RunCompleted, StaleSession)
+from intellect_jax.coordinator.schema import (AdmissionOk, EpochOk, Ok, ReceivedOk, RegisterOk, StatusOk, ViewOk,
+                                              parse_reply)
 from intellect_jax.coordinator.wire import TRANSIENT, SocketWire, Wire, coordinator_status, reply_error
 from intellect_jax.net import Address, AuthError, PeerTimeout, TransportConfig
+from intellect_jax.net.identity import vote
 
 __all__ = ["Admission", "CoordinatorClient", "CoordinatorError", "CoordinatorUnavailable", "Epoch", "Evicted",
            "ProtocolError", "RegisterReply", "RegistrationRefused", "RunCompleted", "SocketWire",
@@ -68,6 +60,7 @@ class CoordinatorClient:
             # coordinator replies (and its keepalives) come within ~1 s: a silent peer is a dead one
             wire = SocketWire(address, replace(transport_cfg, io_timeout=min(transport_cfg.io_timeout, io_timeout)))
         self.wire, self.clock = wire, clock
+        self._signer = transport_cfg  # signs the state hash of each sync (None: an in-process wire)
         self.node_id, self.ring_addr, self.devices = node_id, ring_addr, devices
         self.fingerprint, self.protocol, self.outer_steps = fingerprint, protocol, outer_steps
         self.heartbeat_interval, self.reconnect_timeout = heartbeat_interval, reconnect_timeout
@@ -165,7 +158,7 @@ class CoordinatorClient:
         describes (only while the coordinator rebuilds the run), else as a joiner (``reply.member``
         False, ``reply.note`` says why a claim was not taken). If the client is registered and
         healthy (e.g. it re-registered by itself after losing the coordinator), that registration
-        is returned. Raises :class:`RegistrationRefused` (wrong secret, model fingerprint, run
+        is returned. Raises :class:`RegistrationRefused` (certificate refused, model fingerprint, run
         length, protocol, a live node with this id past its grace) and :class:`RunCompleted`.
 
         Transient failures (no answer, connection refused or reset, a coordinator restarting or
@@ -229,9 +222,12 @@ class CoordinatorClient:
         (register again), :class:`CoordinatorUnavailable`.
         """
         self.hold(k, state_hash)
+        sig = None
+        if self._signer is not None and state_hash is not None:
+            sig = self._signer.identity.sign(vote(self._signer.run_id, k, state_hash)).hex()
         reply = self._call("sync", {"step": k, "state_hash": state_hash, "retry_of": retry_of, "sits_out": sits_out,
-                                    "report": report}, timeout)
-        ep = Epoch.from_json(reply["epoch"])
+                                    "report": report, "vote": sig}, timeout)
+        ep = parse_reply(EpochOk, reply, "sync", self._name).epoch.parsed()
         with self._lock:
             self._epoch, self._rank, self._has_state, self._seen_run = ep.epoch_id, ep.rank, True, True
             self._members = tuple(ep.node_ids)
@@ -245,7 +241,7 @@ class CoordinatorClient:
         """Joiner: block until a boundary admits us; ``requeue=True`` after a failed state transfer.
         An admission whose donor is this node itself means: resume with the state you claimed."""
         reply = self._call("admit", {"requeue": requeue}, timeout, reissue={"requeue": False})
-        adm = Admission(**reply["admission"])
+        adm = parse_reply(AdmissionOk, reply, "admit", self._name).admission.parsed()
         with self._lock:
             self._epoch = adm.epoch_id
             if adm.donor_id == self.node_id:
@@ -256,7 +252,7 @@ class CoordinatorClient:
 
     def state_received(self, k: int) -> bool:
         """Joiner: we hold the state after outer step ``k``; False means re-queued (wait_admission again)."""
-        accepted = bool(self._call("received", {"step": k})["accepted"])
+        accepted = parse_reply(ReceivedOk, self._call("received", {"step": k}), "received", self._name).accepted
         if accepted:
             with self._lock:
                 self._has_state = True
@@ -269,7 +265,7 @@ class CoordinatorClient:
         Best effort: a coordinator that cannot be told (stalled, restarting, gone) sees the
         session close instead, which removes the node as well."""
         try:
-            self._call("leave", {}, recover=False)
+            parse_reply(Ok, self._call("leave", {}, recover=False), "leave", self._name)
         except (CoordinatorError, *TRANSIENT) as e:
             self._say(f"node {self.node_id}: could not tell {self._name} that it leaves ({e}); closing its session")
         finally:
@@ -277,9 +273,9 @@ class CoordinatorClient:
 
     def status(self) -> dict[str, Any]:
         reply = self.wire.request({"op": "status"}, self.clock.now() + self.connect_timeout, self.connect_timeout)
-        if not reply.get("ok"):
-            raise reply_error(reply)
-        return reply["status"]
+        if reply.get("ok") is not True:
+            raise reply_error(reply, self._name)
+        return parse_reply(StatusOk, reply, "status", self._name).status
 
     def close(self) -> None:
         """Stop heartbeating and close the session (the coordinator evicts us unless we left)."""
@@ -303,11 +299,11 @@ class CoordinatorClient:
         try:
             conn, reply = self.wire.open(msg, timeout)
         except AuthError as e:
-            raise RegistrationRefused(f"{self._name} refused node {self.node_id}'s handshake (wrong run secret "
-                                      f"or run id?): {e}", "auth") from e
-        if not reply.get("ok"):
-            raise reply_error(reply)
-        r = RegisterReply(**{f.name: reply[f.name] for f in fields(RegisterReply)})
+            raise RegistrationRefused(f"no authenticated connection between {self._name} and node {self.node_id}: "
+                                      f"{e}", "auth") from e
+        if reply.get("ok") is not True:
+            raise reply_error(reply, self._name)
+        r = parse_reply(RegisterOk, reply, "register", self._name).parsed()
         with self._lock:
             self._conn, self._session, self._gen, self._fatal, self._reply = conn, r.session, self._gen + 1, None, r
             self._seen_run = self._seen_run or not r.member or r.epoch_id > 0
@@ -321,10 +317,9 @@ class CoordinatorClient:
     def _beat(self, conn: Any) -> None:
         with self._io_lock:  # a coordinator that is alive but stalled is waited for, session kept
             reply = self.wire.beat(conn, {"op": "hb"}, self.reconnect_timeout)
-        if not reply.get("ok"):
-            raise reply_error(reply)
-        view = reply.get("view")
-        self._view = view if isinstance(view, dict) else {}
+        if reply.get("ok") is not True:
+            raise reply_error(reply, self._name)
+        self._view = parse_reply(ViewOk, reply, "hb", self._name).view.model_dump()
         self._view_seq += 1
 
     def _heartbeat_loop(self) -> None:
@@ -442,9 +437,9 @@ class CoordinatorClient:
                 self._check_session(gen)
                 args = {**args, **(reissue or {})}
                 continue
-            if reply.get("ok"):
+            if reply.get("ok") is True:
                 return reply
-            err = reply_error(reply)
+            err = reply_error(reply, self._name)
             if isinstance(err, StaleSession):
                 self._recover(gen)
                 continue

@@ -2,11 +2,12 @@
 
 :class:`History` holds the journal's :class:`~.journal.RunRecord` (the hash recorded for every
 recent outer step, the newest one as the high-water mark) and the rules that keep it single: a
-barrier records its step's hash (the recorded one, else the members' majority) and never goes
-back behind the high-water mark unless a rollback was allowed, by the operator
-(``allow_rollback_to``) or by the coordinator itself once nobody has brought the newest state
-for ``auto_rollback_after``. A coordinator that lost its journal does not know the history: it
-waits for most members of the newest epoch the nodes report before rebuilding the run.
+barrier records its step's hash (the recorded one, else the one a strict majority of its
+members reports; without such a quorum it waits) and never goes back behind the high-water
+mark unless a rollback was allowed, by the operator (``allow_rollback_to``) or by the
+coordinator itself once nobody has brought the newest state for ``auto_rollback_after``. A
+coordinator that lost its journal does not know the history: it waits for most members of the
+newest epoch the nodes report before rebuilding the run.
 
 It decides; :class:`~.membership.Membership` acts (evicts, promotes, moves its floor), so this
 module needs only the node records of :mod:`.roster`.
@@ -14,6 +15,7 @@ module needs only the node records of :mod:`.roster`.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +35,7 @@ class History:
         self.waiting_since: float | None = None  # not started with history: since when (auto rollback)
         self.unknown = False  # nodes bring history that the record lacks (a coordinator without its journal)
         self._quorum_said = False
+        self.waiting: str | None = None  # why the barrier that everyone reached cannot complete
 
     def lowest_resumable(self) -> int:
         """The oldest outer step a resumed node may bring (the high-water mark, unless a rollback
@@ -53,14 +56,26 @@ class History:
         return tuple(tuple(p) for p in self.hashes.get(step, {}).get("mismatch", ()))  # type: ignore[misc]
 
     # ---- barriers ------------------------------------------------------------------------
-    def agree(self, step: int, members: list[Node]) -> tuple[list[Node], list[tuple[Node, str]], str | None]:
+    def agree(self, step: int, members: list[Node]) -> tuple[list[Node], list[tuple[Node, str]], str | None] | None:
         """The run's hash of outer step ``step`` from the members' (in ring order): the one already
-        recorded, else their majority (ties to ring order), recorded now (a rollback first, if
-        one is allowed down to ``step``). Returns (members kept, (member, why) to evict: those
-        whose state differs, or all if they are behind the history; that hash or None)."""
+        recorded, else the one a quorum (a strict majority of the members) reports, recorded now
+        (a rollback first, if one is allowed down to ``step``). Returns (members kept, (member,
+        why) to evict: those whose state differs, or all if they are behind the history; that
+        hash or None if nobody sent one), or None: no quorum, the barrier waits (see
+        :attr:`waiting`)."""
         hashes = {n.node_id: n.arrival.state_hash for n in members if n.arrival.state_hash}  # type: ignore[union-attr]
         rec = self.record
-        recorded = rec.reference(step, list(hashes.values()))
+        if rec.hwm_step is not None and step < rec.hwm_step and (self.rollback is None or step < self.rollback):
+            # (unreachable: arrivals below the floor are expelled) never rewrite history
+            return [], [(n, f"behind: at outer step {step}, the run has reached {rec.hwm_step}") for n in members], None
+        recorded = rec.hashes.get(step) or _quorum(hashes, len(members))
+        if recorded is None and hashes:
+            votes = ", ".join(f"hash {h[:16]}.. by [{', '.join(n for n in hashes if hashes[n] == h)}]"
+                              for h in dict.fromkeys(hashes.values()))
+            self._wait(f"no quorum for outer step {step}: {votes} of {len(members)} members; waiting for a member "
+                       "to arrive or leave, or for the operator")
+            return None
+        self.waiting = None
         mismatch = tuple(sorted(hashes.items())) if len(set(hashes.values()) | {recorded} - {None}) > 1 else ()
         at = self.hashes.setdefault(step, {"hashes": {}, "mismatch": []})
         at["hashes"].update(hashes)
@@ -71,9 +86,6 @@ class History:
             self._say("WARNING state hash mismatch at outer step "
                       f"{step}: " + ", ".join(f"{n}={h[:16]}" for n, h in mismatch)
                       + f"; the run's is {str(recorded)[:16]}")
-        if rec.hwm_step is not None and step < rec.hwm_step and (self.rollback is None or step < self.rollback):
-            # (unreachable: arrivals below the floor are expelled) never rewrite history
-            return [], [(n, f"behind: at outer step {step}, the run has reached {rec.hwm_step}") for n in members], None
         if recorded is None:
             return members, [], None
         if rec.hwm_step is not None and step < rec.hwm_step:  # allow_rollback_to, an operator's or automatic
@@ -82,6 +94,8 @@ class History:
             rec.truncate(step)
             self.rollback = None
         rec.record(step, recorded, self.config.history)
+        rec.sign(step, len(members), {n.node_id: n.arrival.vote for n in members  # type: ignore[union-attr]
+                                      if n.arrival.vote and n.arrival.state_hash == recorded})  # type: ignore[union-attr]
         keep: list[Node] = []
         evict: list[tuple[Node, str]] = []
         for n in members:
@@ -91,6 +105,12 @@ class History:
             else:
                 keep.append(n)
         return keep, evict, recorded
+
+    def _wait(self, why: str) -> None:
+        """A barrier cannot record its step: say why (once for each reason)."""
+        if why != self.waiting:
+            self.waiting = why
+            self._say(f"WARNING {why}")
 
     def complete(self, step: int, recorded: str) -> None:
         """Barrier ``step`` kept members with hash ``recorded``: the run is complete if it was the last
@@ -103,6 +123,18 @@ class History:
     def formed(self) -> None:
         """A barrier formed: the history is known again and nobody waits for lost state."""
         self.unknown, self.waiting_since = False, None
+
+    def claimed_ring(self, claim: Resume | None, nodes: dict[str, Node], since: float | None,
+                     now: float) -> tuple[int, bool] | None:
+        """Not started (restarted, or rebuilding): the epoch a node claims, and whether that ring
+        is broken: a member's process of that epoch has not come back within a heartbeat timeout
+        of ``since`` (the first registration; a restarted process claims no epoch, or an older
+        one). None: the node claims no epoch."""
+        if claim is None or not claim.members or since is None:
+            return None
+        back = all(m in nodes and (c := nodes[m].claim) is not None and c.epoch_id >= claim.epoch_id
+                   for m in claim.members)
+        return claim.epoch_id, now - since > self.config.heartbeat_timeout and not back
 
     # ---- waiting for the state -----------------------------------------------------------
     def overdue(self, now: float, resuming: bool) -> bool:
@@ -161,3 +193,10 @@ class History:
             self._say(f"the run's history is unknown: waiting for most of epoch {newest.epoch_id}'s members "
                       f"({', '.join(sorted(last))}) before rebuilding it (have {', '.join(sorted(back)) or 'none'})")
         return False
+
+
+def _quorum(hashes: dict[str, str], members: int) -> str | None:
+    """The hash that a strict majority of ``members`` (distinct node ids) reported, if any."""
+    counts = Counter(hashes.values())
+    best = max(counts, key=counts.__getitem__, default=None)
+    return best if best is not None and 2 * counts[best] > members else None

@@ -2,7 +2,9 @@
 
 `RunRecord` holds the high-water mark (the newest outer step whose state hash the coordinator
 recorded, and that hash), the recorded hashes of recent outer steps, whether the run is
-complete, its length in outer steps, its model fingerprint and the next epoch id. The
+complete, its length in outer steps, its model fingerprint and the next epoch id, and for each
+recent recorded step the members' signed votes (:func:`verify_votes` checks them against the run
+authority's certificate, e.g. ``python -m intellect_jax.coordinator --verify-journal FILE``). The
 coordinator writes it to a small JSON file after every change (:func:`~intellect_jax.files.atomic_write`:
 a crash leaves the old or the new record, never half of one) and reloads it on
 restart, so a restarted coordinator still knows which states are behind, and a finished run
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,10 @@ class RunRecord:
     next_epoch: int = 1
     hashes: dict[int, str] = field(default_factory=dict)  # outer step -> recorded hash (recent ones)
     rollbacks: list[dict[str, Any]] = field(default_factory=list)  # operator-requested rollbacks done
+    # outer step -> {"members": how many voted at its barrier, "signed": {node: signature (hex) of
+    # identity.vote(run, step, recorded hash)}}; certs: node -> its certificate (DER, hex)
+    votes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    certs: dict[str, str] = field(default_factory=dict)
 
     def record(self, step: int, state_hash: str, keep: int) -> None:
         """The run's hash of outer step ``step`` (the newest one becomes the high-water mark)."""
@@ -46,6 +51,15 @@ class RunRecord:
             del self.hashes[k]
         if self.hwm_step is None or step >= self.hwm_step:
             self.hwm_step, self.hwm_hash = step, state_hash
+
+    def sign(self, step: int, members: int, votes: dict[str, tuple[str, str]]) -> None:
+        """Keep the signed votes (signature, certificate) that recorded ``step``'s hash (the
+        steps kept are those of :attr:`hashes`)."""
+        if not votes:
+            return
+        self.votes[step] = {"members": members, "signed": {n: sig for n, (sig, _) in sorted(votes.items())}}
+        self.certs.update({n: cert for n, (_, cert) in votes.items()})
+        self.votes = {k: v for k, v in self.votes.items() if k in self.hashes}
 
     def judge(self, step: int, state_hash: str | None, floor: int) -> str:
         """Why a state of outer step ``step`` cannot resume a rebuilt run whose lowest acceptable
@@ -57,23 +71,17 @@ class RunRecord:
             return f"diverged: state hash {state_hash[:16]} at outer step {step}, the run's is {recorded[:16]}"
         return ""
 
-    def reference(self, step: int, hashes: list[str]) -> str | None:
-        """The run's hash of outer step ``step``: the recorded one, else the most common of
-        ``hashes`` (ties: the first), else None."""
-        if step in self.hashes or not hashes:
-            return self.hashes.get(step)
-        counts = Counter(hashes)
-        return max(hashes, key=lambda h: (counts[h], -hashes.index(h)))
-
     def truncate(self, step: int) -> None:
         """Forget every outer step after ``step`` (an operator-requested rollback)."""
         self.hashes = {k: h for k, h in self.hashes.items() if k <= step}
+        self.votes = {k: v for k, v in self.votes.items() if k <= step}
         self.hwm_step, self.hwm_hash = step, self.hashes.get(step)
         self.completed = False
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["hashes"] = {str(k): h for k, h in self.hashes.items()}
+        d["votes"] = {str(k): v for k, v in self.votes.items()}
         return {"version": VERSION, **d}
 
     @classmethod
@@ -82,6 +90,7 @@ class RunRecord:
             raise JournalError(f"journal version {d.get('version')} is not {VERSION}")
         d = {k: v for k, v in d.items() if k != "version"}
         d["hashes"] = {int(k): h for k, h in d.get("hashes", {}).items()}
+        d["votes"] = {int(k): v for k, v in d.get("votes", {}).items()}
         return cls(**d)
 
 
@@ -92,14 +101,18 @@ class Journal:
         self.path = Path(path)
         self._saved: dict[str, Any] | None = None
 
+    def load_any(self) -> RunRecord:
+        """The record on disk, whichever run's it is."""
+        try:
+            return RunRecord.from_json(json.loads(self.path.read_text()))
+        except (OSError, ValueError, TypeError, JournalError) as e:
+            raise JournalError(f"journal {self.path}: unreadable ({e})") from None
+
     def load(self, run_id: str) -> RunRecord:
         """The record on disk, or a fresh one; refuses another run's journal."""
         if not self.path.exists():
             return RunRecord(run_id=run_id)
-        try:
-            rec = RunRecord.from_json(json.loads(self.path.read_text()))
-        except (OSError, ValueError, TypeError, JournalError) as e:
-            raise JournalError(f"journal {self.path}: unreadable ({e})") from None
+        rec = self.load_any()
         if rec.run_id != run_id:
             raise JournalError(f"journal {self.path} belongs to run {rec.run_id!r}, not {run_id!r}")
         self._saved = rec.to_json()
@@ -131,3 +144,24 @@ class MemoryJournal(Journal):
             return False
         self._saved = json.loads(json.dumps(d))
         return True
+
+
+def verify_votes(rec: RunRecord, ca_der: bytes) -> dict[int, str]:
+    """Check every recorded step's signed votes: each signature by a certificate the run
+    authority (``ca_der``) issued to that node, over that step's recorded hash, and a strict
+    majority of the barrier's members among them. Returns {step: what is wrong} (empty: all
+    good); a recorded step without votes (an in-process run, or a journal from before votes)
+    is reported as unsigned."""
+    from intellect_jax.net.identity import vote, vouched
+
+    bad: dict[int, str] = {}
+    for step, h in sorted(rec.hashes.items()):
+        v = rec.votes.get(step)
+        if v is None:
+            bad[step] = "no signed votes"
+            continue
+        good = [n for n, sig in v["signed"].items()
+                if vouched(ca_der, rec.certs.get(n, ""), n, vote(rec.run_id, step, h), sig)]
+        if 2 * len(good) <= int(v["members"]):
+            bad[step] = f"{len(good)} valid signatures of {v['members']} members ({', '.join(good) or 'none'})"
+    return bad

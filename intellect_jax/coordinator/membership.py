@@ -7,9 +7,9 @@ there returns the epoch whose ring all-reduces step ``k+1``'s pseudo-gradient.
 
 One history (:mod:`.history`): the run's :class:`~.journal.RunRecord` holds the hash recorded
 for every recent outer step and the newest one (the high-water mark). A barrier records its
-step's hash (the recorded one if there is one, else the members' majority) and evicts members
-whose state differs; a node bringing state from an older step, or other bytes for a recorded
-step, is made a joiner and takes a live peer's state. See ``docs/coordinator.md``.
+step's hash (the recorded one if there is one, else a strict majority's, else it waits) and
+evicts members whose state differs; a node bringing state from an older step, or other bytes
+for a recorded step, is made a joiner and takes a live peer's state. See ``docs/coordinator.md``.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from typing import Any
 from intellect_jax.coordinator import admission
 from intellect_jax.coordinator.history import History
 from intellect_jax.coordinator.journal import RunRecord
-from intellect_jax.coordinator.policing import police
+from intellect_jax.coordinator.policing import Police
 from intellect_jax.coordinator.protocol import (PROTOCOL, Admission, CoordinatorConfig, Epoch, Evicted, ProtocolError,
-                                                RegisterReply, Resume, StaleSession)
-from intellect_jax.coordinator.roster import Arrival, Barrier, Node, Role, forming, ordered, view, waiting
+                                                RegisterReply, Resume)
+from intellect_jax.coordinator.roster import (Arrival, Barrier, Node, Role, Sessions, describe, forming, ordered, view,
+                                              waiting)
+from intellect_jax.coordinator.schema import Report
 
 __all__ = ["Membership"]
 
@@ -45,11 +47,13 @@ class Membership:
         rec.fingerprint = rec.fingerprint or self.config.fingerprint
         rec.outer_steps = rec.outer_steps or self.config.outer_steps
         self.history = History(rec, self.config, self._event)
+        self.police = Police(self.config, self._event)
+        self._sessions = Sessions(max(1024, 4 * self.config.max_handlers))
         self._nodes: dict[str, Node] = {}
         self._last: Barrier | None = None  # None: not started (fresh, restarted, or emptied)
         self._resumed = rec.hwm_step is not None  # the run has history: no fresh founders
         self._floor = self.history.lowest_resumable()  # not started: the lowest acceptable boundary
-        self._seq = 0  # registrations (session ids) and joiner admissions (ring order)
+        self._seq = 0  # joiner admissions (ring order)
         self._first_reg: float | None = None
         self._evictions: list[dict[str, Any]] = []
         self._notes: list[str] = []  # changes since the last epoch, for its log line
@@ -85,10 +89,7 @@ class Membership:
 
     def status(self, now: float) -> dict[str, Any]:
         """Everything a launcher's live table or a test needs (JSON-serializable)."""
-        nodes = [{"node_id": n.node_id, "addr": n.addr, "devices": n.devices, "role": n.role.value,
-                  "heartbeat_age": round(now - n.last_seen, 3), "waiting_at": n.arrival.step if n.arrival else None,
-                  "donor": n.admission.donor_id if n.admission and n.role is Role.ADMITTED else None,
-                  "state_received": n.received} for n in ordered(self._nodes.values())]
+        nodes = [describe(n, now) for n in ordered(self._nodes.values())]
         last, rec = self._last, self.record
         return {"outer_step": self.outer_step, "started": self.started, "fingerprint": self.fingerprint,
                 "protocol": PROTOCOL, "epoch": {"epoch_id": last.epoch_id, "outer_step": last.step,
@@ -96,7 +97,7 @@ class Membership:
                 "next_epoch_id": rec.next_epoch, "nodes": nodes,
                 "joiners": [n["node_id"] for n in nodes if n["role"] != "member"],
                 "high_water_mark": {"outer_step": rec.hwm_step, "hash": rec.hwm_hash},
-                "completed": rec.completed, "outer_steps": rec.outer_steps,
+                "completed": rec.completed, "outer_steps": rec.outer_steps, "waiting": self.history.waiting,
                 "hashes": {str(k): v for k, v in self.history.hashes.items()}, "evictions": list(self._evictions)}
 
     # ---- requests ------------------------------------------------------------------------
@@ -114,7 +115,6 @@ class Membership:
         admission.check_registration(node_id, addr, protocol, fingerprint, outer_steps, self._nodes, rec)
         rec.fingerprint = rec.fingerprint or fingerprint
         rec.outer_steps = rec.outer_steps or outer_steps
-        self._seq += 1
         self._first_reg = now if self._first_reg is None else self._first_reg
         role, order, fresh, note = Role.PENDING, (1, 0), False, ""
         if resume is not None and resume.outer_step == 0 and rec.hwm_step is None and not self._resumed:
@@ -134,7 +134,7 @@ class Membership:
                 self._raise_floor(resume.outer_step, now)
         elif founder and not self.started and not self._resumed:
             role, order, fresh = Role.MEMBER, (0, 0), True
-        self._nodes[node_id] = Node(node_id, addr, devices, f"{self.instance}.{self._seq}", role, order, now, fresh,
+        self._nodes[node_id] = Node(node_id, addr, devices, self._sessions.issue(node_id), role, order, now, fresh,
                                     claim=resume)
         what = "resumed member" if role is Role.MEMBER and resume else (
             "founding member" if fresh else "joiner (pending)")
@@ -151,15 +151,9 @@ class Membership:
         node.last_seen = now
         last, epoch_id = self._last, self.epoch_id
         broken = last is not None and any(not self.alive(n, s) for (n, _), s in zip(last.members, last.sessions))
-        claim = node.claim
-        if last is None and claim is not None and claim.members and self._first_reg is not None:
-            # restarted (or rebuilding): the node may be inside its epoch's all-reduce; that ring
-            # is broken once a member's process of that epoch has not come back within a
-            # heartbeat timeout (a restarted process claims no epoch, or an older one)
-            epoch_id = claim.epoch_id
-            broken = now - self._first_reg > self.config.heartbeat_timeout and not all(
-                m in self._nodes and self._nodes[m].claim is not None
-                and self._nodes[m].claim.epoch_id >= claim.epoch_id for m in claim.members)  # type: ignore[union-attr]
+        claimed = None if last else self.history.claimed_ring(node.claim, self._nodes, self._first_reg, now)
+        if claimed is not None:  # restarted (or rebuilding): the node may be inside its epoch's all-reduce
+            epoch_id, broken = claimed
         adm = node.admission if node.role is Role.ADMITTED else None
         serving = [j.node_id for j in admission.served_by(self._nodes.values(), node_id)]
         return {"role": node.role.value, "admission": adm.outer_step if adm else None,
@@ -167,7 +161,8 @@ class Membership:
                 "serving": serving, "completed": self.record.completed}
 
     def arrive(self, node_id: str, session: str, step: int, now: float, state_hash: str | None = None,
-               retry_of: int | None = None, sits_out: str | None = None, report: dict | None = None) -> Epoch | None:
+               retry_of: int | None = None, sits_out: str | None = None, report: Report | None = None,
+               vote: tuple[str, str] | None = None) -> Epoch | None:
         """A node reached boundary ``step``; returns its epoch once the barrier completes (else None)."""
         node = self._get(node_id, session)
         node.last_seen = now
@@ -204,7 +199,7 @@ class Membership:
         retry = retry or (again and node.arrival.retry)  # type: ignore[union-attr]
         if again:  # a re-issued or retried sync keeps the first one's report (counted once)
             report = report or node.arrival.report  # type: ignore[union-attr]
-        node.arrival, node.outbox = Arrival(step, t0, state_hash, retry, sits_out, report), None
+        node.arrival, node.outbox = Arrival(step, t0, state_hash, retry, sits_out, report, vote), None
         self._advance(now)
         return node.outbox
 
@@ -234,11 +229,12 @@ class Membership:
         self._remove(self._get(node_id, session), now, "left", graceful=True)
         self._advance(now)
 
-    def disconnect(self, node_id: str, session: str, now: float) -> None:
-        """The node's session connection closed (a no-op if it already left or was evicted)."""
+    def disconnect(self, node_id: str, session: str | None, now: float, why: str = "connection lost") -> None:
+        """The node's session connection closed, or (``session`` None) it must go for ``why``; a
+        no-op if it already left or was evicted."""
         node = self._nodes.get(node_id)
-        if node is not None and node.session == session:
-            self._remove(node, now, "connection lost")
+        if node is not None and session in (None, node.session):
+            self._remove(node, now, why)
             self._advance(now)
 
     def extend(self, gap: float) -> None:
@@ -303,9 +299,7 @@ class Membership:
         node = self._nodes.get(node_id)
         if node is not None and node.session == session:
             return node
-        if session.split(".")[0] != self.instance:
-            raise StaleSession(f"node {node_id}: session {session} is from another coordinator instance "
-                               "(restarted); re-register", "stale_session")
+        self._sessions.check(node_id, session)  # another coordinator's session, or another node's
         why = next((e["reason"] for e in reversed(self._evictions) if e["node_id"] == node_id), "unknown session")
         raise Evicted(f"node {node_id} was evicted ({why}); re-register as a joiner")
 
@@ -348,6 +342,7 @@ class Membership:
         run has started, its join window, founders or quorum allow)."""
         active = forming(self._nodes.values(), self._last, self._floor)
         if active is None or not active[2] <= active[1]:
+            self.history.waiting = None  # (nobody waits for a quorum at a barrier still forming)
             return
         step, arrived, _ = active
         if self._last is None:
@@ -358,12 +353,15 @@ class Membership:
                 return
             if self.history.unknown and not self.history.quorum(self._nodes, now, self._resuming):
                 return
-        members, diverged, recorded = self.history.agree(step, ordered(arrived))
+        agreed = self.history.agree(step, ordered(arrived))
+        if agreed is None:
+            return  # no quorum: the barrier waits (history.waiting says why)
+        members, diverged, recorded = agreed
         for n, why in diverged:
             self._remove(n, now, why)
         if members and recorded is not None:
             self.history.complete(step, recorded)
-        members, evict = police(members, self.config)
+        members, evict = self.police.judge(step, members)
         for n, why in evict:
             self._remove(n, now, why)
         if members:
@@ -385,6 +383,7 @@ class Membership:
         mismatch = self.history.mismatch(step)
         sitting_out = tuple(n.node_id for n in members if n.arrival.sits_out)  # type: ignore[union-attr]
         self.history.formed()
+        self.police.formed(step, epoch_id, tuple(p[0] for p in pairs))
         for n in members:
             n.arrival, n.fresh = None, False
             if n.role is Role.ADMITTED:

@@ -5,9 +5,8 @@ the server and the client."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-PROTOCOL = 3  # coordinator protocol version; bump on any incompatible change (3: the state-transfer header)
+PROTOCOL = 4  # coordinator protocol version; bump on any incompatible change (4: strict schemas, identities)
 
 
 class CoordinatorError(Exception):
@@ -21,7 +20,7 @@ class CoordinatorError(Exception):
 
 
 class RegistrationRefused(CoordinatorError):
-    """Wrong secret, protocol, model fingerprint, or a duplicate live node id."""
+    """Another run authority's or a revoked certificate, protocol, model fingerprint, or a duplicate live node id."""
 
 
 class Evicted(CoordinatorError):
@@ -29,7 +28,8 @@ class Evicted(CoordinatorError):
 
 
 class ProtocolError(CoordinatorError):
-    """A request that makes no sense in the node's state (e.g. sync by a pending joiner)."""
+    """A malformed message, a request in another node's name (``reason="identity"``), or one
+    that makes no sense in the node's state (e.g. sync by a pending joiner)."""
 
 
 class StaleSession(CoordinatorError):
@@ -63,6 +63,8 @@ class CoordinatorConfig:
     # with no live node holding the run's newest state for this long, roll back by itself to the
     # newest state registered nodes hold from their checkpoints (None: wait for an operator)
     auto_rollback_after: float | None = 600.0
+    max_handlers: int = 4096  # connections served at once (a thread each); more are refused
+    handlers_per_identity: int = 16  # ... of them from one node identity
 
     def __post_init__(self) -> None:
         if min(self.heartbeat_timeout, self.boundary_timeout, self.keepalive_interval, self.tick_interval) <= 0:
@@ -71,6 +73,8 @@ class CoordinatorConfig:
             raise ValueError(f"auto_rollback_after must be positive (or None: never): {self}")
         if self.join_window < 0 or self.min_nodes < 1:
             raise ValueError(f"join_window must be >= 0 and min_nodes >= 1: {self}")
+        if min(self.max_handlers, self.handlers_per_identity) < 1:
+            raise ValueError(f"max_handlers and handlers_per_identity must be >= 1: {self}")
 
 
 Peer = tuple[str, str]  # (node_id, "host:port")
@@ -122,26 +126,23 @@ class Epoch:
 
     @property
     def addresses(self) -> list[str]:
-        """Ring addresses in ring order (``NetNode.ring(epoch.addresses, epoch.rank, ...)``)."""
+        """Ring addresses in ring order (the ring itself: ``NetNode.ring(epoch.members, epoch.rank, ...)``)."""
         return [a for _, a in self.members]
 
     @property
     def node_ids(self) -> list[str]:
         return [n for n, _ in self.members]
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Epoch:
-        pairs = {k: tuple(tuple(p) for p in d[k]) for k in ("members", "serve", "hash_mismatch")}
-        return cls(d["epoch_id"], d["outer_step"], rank=d["rank"], changed=d["changed"],  # type: ignore[arg-type]
-                   sitting_out=tuple(d.get("sitting_out", ())), **pairs)
-
 
 @dataclass(frozen=True)
 class Admission:
-    """A joiner's admission: fetch the state after outer step ``outer_step`` from the donor."""
+    """A joiner's admission: fetch the state after outer step ``outer_step`` from the donor.
+    ``state_hash``: the hash the run recorded for that step, which the received state must
+    have (None while the step is not recorded yet: then the barrier at ``outer_step`` checks it)."""
 
     donor_id: str
     donor_addr: str
-    admitted_at: int  # the boundary k that admitted it
+    admitted_at: int  # the boundary k that admitted it (-1: resumes with the state it brought)
     outer_step: int  # k + 1: the state it receives, and the k of its first sync
     epoch_id: int
+    state_hash: str | None = None

@@ -9,10 +9,13 @@ those needs the :class:`~.membership.Membership` itself.
 from __future__ import annotations
 
 import enum
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from intellect_jax.coordinator.protocol import Admission, Epoch, Peer, Resume
+from intellect_jax.coordinator.protocol import Admission, Epoch, Peer, ProtocolError, Resume, StaleSession
+from intellect_jax.coordinator.schema import Report
 
 
 class Role(str, enum.Enum):
@@ -28,7 +31,8 @@ class Arrival:
     state_hash: str | None
     retry: bool
     sits_out: str | None = None  # why this node contributes zeros to the next all-reduce
-    report: dict | None = None  # on the all-reduce before: {"avg_failed": bool, "accused": [node, why] | None}
+    report: Report | None = None  # on the all-reduce before
+    vote: tuple[str, str] | None = None  # (signature, signer's certificate), both hex: see journal.RunRecord.votes
 
 
 @dataclass(eq=False)  # identity semantics: nodes go in sets
@@ -48,6 +52,7 @@ class Node:
     claim: Resume | None = None  # the state the node brought (a joiner's may resume a rebuild)
     sit_outs: int = 0  # barriers in a row at which it sat out
     strikes: int = 0  # failed rounds in which its ring successor blamed it
+    false_accusations: int = 0  # accusations of nodes it does not follow in the ring
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,32 @@ class Barrier:
     hash_mismatch: tuple[Peer, ...] = ()
     changed: bool = True
     sitting_out: tuple[str, ...] = ()
+
+
+class Sessions:
+    """Session tokens: random (``secrets``), each bound to the node it was issued to; the newest
+    ``keep`` are remembered (an older or unknown one is another coordinator's: stale)."""
+
+    def __init__(self, keep: int) -> None:
+        self._owner: dict[str, str] = {}
+        self._keep = keep
+
+    def issue(self, node_id: str) -> str:
+        token = secrets.token_hex(16)
+        self._owner[token] = node_id
+        if len(self._owner) > self._keep:
+            del self._owner[next(iter(self._owner))]
+        return token
+
+    def check(self, node_id: str, token: str) -> None:
+        """A token that is no longer ``node_id``'s current one: raise unless this coordinator
+        issued it to ``node_id`` (then the caller says why the node is gone)."""
+        owner = self._owner.get(token)
+        if owner is None:
+            raise StaleSession(f"node {node_id}: its session is not one this coordinator issued (it restarted); "
+                               "re-register", "stale_session")
+        if owner != node_id:
+            raise ProtocolError(f"node {node_id}: the session is another node's", "identity")
 
 
 def ordered(nodes: Iterable[Node]) -> list[Node]:
@@ -91,6 +122,14 @@ def forming(nodes: Iterable[Node], last: Barrier | None, floor: int) -> tuple[in
         return None
     joiners = {n for n in nodes if n.role is Role.ADMITTED and n.admission and n.admission.outer_step == k + 1}
     return k + 1, nxt, members | joiners
+
+
+def describe(n: Node, now: float) -> dict[str, Any]:
+    """A node as ``status()`` lists it."""
+    return {"node_id": n.node_id, "addr": n.addr, "devices": n.devices, "role": n.role.value,
+            "heartbeat_age": round(now - n.last_seen, 3), "waiting_at": n.arrival.step if n.arrival else None,
+            "donor": n.admission.donor_id if n.admission and n.role is Role.ADMITTED else None,
+            "state_received": n.received}
 
 
 def view(b: Barrier, node_id: str) -> Epoch:

@@ -1,11 +1,12 @@
 """The coordinator's request handling, independent of how requests arrive.
 
 :class:`CoordinatorService` owns the :class:`~.membership.Membership` (under one condition
-variable), its journal and the ticker that evicts silent nodes. ``handle(request, session)``
-answers one JSON request; ``sync`` and ``admit`` block until their barrier or admission
-(calling ``keepalive`` every ``keepalive_interval`` meanwhile). The socket server
-(:mod:`.coordinator`) and the in-process :class:`LocalWire` are thin layers over it, so the
-simulation runs the very same request code as a real coordinator.
+variable), its journal and the ticker that evicts silent nodes. ``handle(request, session,
+identity=...)`` answers one JSON request, parsed by :mod:`.schema` first and served only in the
+name of the connection's authenticated identity; ``sync`` and ``admit`` block until their barrier
+or admission (calling ``keepalive`` every ``keepalive_interval`` meanwhile). The socket server
+(:mod:`.server`) and the in-process ``LocalWire`` are thin layers over it, so the simulation
+runs the very same request code as a real coordinator.
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from typing import Any, TypeVar
 from intellect_jax.coordinator.clock import REAL, Clock
 from intellect_jax.coordinator.journal import Journal, RunRecord
 from intellect_jax.coordinator.membership import Membership
-from intellect_jax.coordinator.protocol import CoordinatorConfig, CoordinatorError, ProtocolError, Resume
-from intellect_jax.net.errors import PeerClosed, PeerTimeout
+from intellect_jax.coordinator.protocol import (CoordinatorConfig, CoordinatorError, ProtocolError,
+                                                RegistrationRefused, Resume)
+from intellect_jax.coordinator.schema import (MAX_MESSAGE, Admit, Heartbeat, Leave, Received, Register, Request, Status,
+                                              Sync, parse_request)
+from intellect_jax.net.errors import NetError, PeerClosed, PeerTimeout
+from intellect_jax.net.identity import verify, vote
 
 log = logging.getLogger("intellect_jax.coordinator")
 T = TypeVar("T")
@@ -32,7 +37,7 @@ class ServiceStopped(PeerClosed):
 
 
 def error_reply(e: CoordinatorError) -> dict[str, Any]:
-    return {"ok": False, "error": type(e).__name__, "reason": e.reason, "message": str(e)}
+    return {"ok": False, "error": type(e).__name__, "reason": e.reason[:64], "message": str(e)[:MAX_MESSAGE]}
 
 
 class CoordinatorService:
@@ -112,12 +117,30 @@ class CoordinatorService:
             self._on_event(line)
 
     def _tick_loop(self) -> None:
+        """Tick until stopped. A tick that fails is logged with its traceback the first time,
+        then in one line at every power of two of failures, and the ticker goes on."""
+        failures = 0
         while not self._stopped:
             self.clock.sleep(self.config.tick_interval)
             try:
                 self.locked(self.membership.tick)
             except ServiceStopped:
                 return
+            except Exception as e:  # noqa: BLE001 - a bug must not stop every timeout of the run
+                failures += 1
+                if failures == 1:
+                    log.exception("the membership tick failed; ticking on")
+                elif failures & (failures - 1) == 0:
+                    log.error("the membership tick failed %d times so far (last: %s: %s)", failures,
+                              type(e).__name__, e)
+
+    def revoke(self, node_id: str) -> None:
+        """The run's operator revoked ``node_id``'s identity: it is evicted at once."""
+        try:
+            self.locked(lambda now: self.membership.disconnect(node_id, None, now, "identity revoked by the "
+                                                               "run's operator"))
+        except ServiceStopped:
+            pass
 
     def disconnect(self, session: Session) -> None:
         """The node's session connection closed: it is evicted at once."""
@@ -125,74 +148,76 @@ class CoordinatorService:
             self.locked(lambda now: self.membership.disconnect(*session, now))
         except ServiceStopped:
             pass
+        except Exception:  # noqa: BLE001 - a bug: logged, and the server thread ends cleanly
+            log.exception("internal error evicting %s (connection lost)", session[0])
 
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, req: dict[str, Any], session: Session | None = None,
-               keepalive: Callable[[], None] | None = None, deadline: float | None = None) -> dict[str, Any]:
+               keepalive: Callable[[], None] | None = None, deadline: float | None = None, *,
+               identity: str | None, cert: bytes | None = None) -> dict[str, Any]:
         """Answer one request. ``session``: the (node, token) of the connection it came on, if
-        that connection registered. Coordinator errors become error replies; malformed requests
-        a :class:`ProtocolError` reply; :class:`ServiceStopped` propagates."""
-        op = req.get("op")
+        that connection registered; ``identity``: the node id its peer authenticated as (None:
+        none), in whose name alone it may act (``status`` excepted); ``cert``: that peer's
+        certificate (DER), which must have signed the state hash a ``sync`` states (the journal
+        keeps the signatures; an in-process wire has none and signs nothing). A malformed request, one
+        in another node's name and coordinator errors become error replies, and so does any
+        other failure, logged with its traceback (``reason="internal"``). Only transport
+        trouble propagates: :class:`ServiceStopped`, a ``deadline`` passed, a keepalive lost."""
+        op = str(req.get("op"))[:40] if isinstance(req, dict) else "?"
         try:
-            if op == "register" and session is None:
-                return self._register(req)
-            if op == "hb" and session is not None:
-                return {"ok": True, "view": self.locked(lambda now: self.membership.heartbeat(*session, now))}
-            if op in ("sync", "admit"):
-                return self._blocking(req, keepalive, deadline)
-            return self._simple(op, req)
+            msg = parse_request(req)
+            _check_identity(msg, session, identity)
+            vote = _check_vote(msg, cert, self.membership.record.run_id)
+            return self._answer(msg, session, keepalive, deadline, vote)
         except CoordinatorError as e:
             return error_reply(e)
-        except (KeyError, TypeError, ValueError) as e:
-            return error_reply(ProtocolError(f"malformed {op!r} request: {e!r}"))
+        except NetError:
+            raise
+        except Exception:  # noqa: BLE001 - a bug: logged with its traceback, answered, and the service goes on
+            log.exception("internal error answering a %r request (identity %s)", op, identity)
+            return error_reply(CoordinatorError(f"internal error answering a {op!r} request (in the coordinator's "
+                                                "log)", "internal"))
 
-    def _register(self, req: dict[str, Any]) -> dict[str, Any]:
-        res = req.get("resume")
-        resume = None
-        if res:
-            members = res.get("members") or []
-            if not isinstance(members, list) or len(members) > 4096 or not all(isinstance(m, str) for m in members):
-                raise ValueError("resume.members must be a list of node ids")
-            h = res.get("state_hash")
-            if h is not None and not isinstance(h, str):
-                raise ValueError("resume.state_hash must be a string")
-            resume = Resume(int(res["outer_step"]), int(res["epoch_id"]), int(res["rank"]), h, tuple(members))
-        steps = req.get("outer_steps")
+    def _answer(self, msg: Request, session: Session | None, keepalive: Callable[[], None] | None,
+                deadline: float | None, vote: tuple[str, str] | None) -> dict[str, Any]:
+        m = self.membership
+        match msg:
+            case Status():
+                return {"ok": True, "status": self.locked(m.status)}
+            case Register() if session is None:
+                return self._register(msg)
+            case Heartbeat() if session is not None:
+                return {"ok": True, "view": self.locked(lambda now: m.heartbeat(*session, now))}
+            case Sync() | Admit():
+                return self._blocking(msg, keepalive, deadline, vote)
+            case Received():
+                return {"ok": True, "accepted": self.locked(lambda now: m.state_received(msg.node, msg.session,
+                                                                                         msg.step, now))}
+            case Leave():
+                self.locked(lambda now: m.leave(msg.node, msg.session, now))
+                return {"ok": True}
+        raise ProtocolError(f"{msg.op!r} on a connection that {'already' if session else 'never'} registered")
+
+    def _register(self, msg: Register) -> dict[str, Any]:
+        r = msg.resume
+        resume = None if r is None else Resume(r.outer_step, r.epoch_id, r.rank, r.state_hash, tuple(r.members))
         reply = self.locked(lambda now: self.membership.register(
-            str(req["node"]), str(req["addr"]), int(req["devices"]), int(req["protocol"]), str(req["fingerprint"]),
-            now, resume, bool(req.get("founder", True)), None if steps is None else int(steps)))
+            msg.node, msg.addr, msg.devices, msg.protocol, msg.fingerprint, now, resume, msg.founder, msg.outer_steps))
         return {"ok": True, **asdict(reply)}
 
-    def _simple(self, op: Any, req: dict[str, Any]) -> dict[str, Any]:
-        m = self.membership
-        if op == "status":
-            return {"ok": True, "status": self.locked(m.status)}
-        if op == "received":
-            ok = self.locked(lambda now: m.state_received(req["node"], req["session"], int(req["step"]), now))
-            return {"ok": True, "accepted": ok}
-        if op == "leave":
-            self.locked(lambda now: m.leave(req["node"], req["session"], now))
-            return {"ok": True}
-        raise ProtocolError(f"unknown request {op!r}")
-
-    def _blocking(self, req: dict[str, Any], keepalive: Callable[[], None] | None,
-                  deadline: float | None) -> dict[str, Any]:
+    def _blocking(self, msg: Sync | Admit, keepalive: Callable[[], None] | None,
+                  deadline: float | None, vote: tuple[str, str] | None = None) -> dict[str, Any]:
         """``sync`` / ``admit``: register the request, then wait for its result."""
-        m, node, sess = self.membership, req["node"], req["session"]
+        m, node, sess = self.membership, msg.node, msg.session
         first: Callable[[float], Any]
         poll: Callable[[], Any]
-        if req["op"] == "sync":
-            h, retry, out = req.get("state_hash"), req.get("retry_of"), req.get("sits_out")
-            retry = None if retry is None else int(retry)
-            if h is not None and not (isinstance(h, str) and len(h) <= 128):
-                raise ProtocolError(f"sync of {node}: state_hash must be a string of at most 128 characters")
-            report = _report(node, req.get("report"))
-            first = lambda now: m.arrive(node, sess, int(req["step"]), now, h, retry,  # noqa: E731
-                                         None if out is None else str(out)[:200], report)
+        if isinstance(msg, Sync):
+            first = lambda now: m.arrive(node, sess, msg.step, now, msg.state_hash, msg.retry_of,  # noqa: E731
+                                         msg.sits_out, msg.report, vote)
             poll = lambda: m.epoch_for(node, sess)  # noqa: E731
             key = "epoch"
         else:
-            first = lambda now: m.request_admission(node, sess, now, bool(req.get("requeue")))  # noqa: E731
+            first = lambda now: m.request_admission(node, sess, now, msg.requeue)  # noqa: E731
             poll = lambda: m.admission_for(node, sess)  # noqa: E731
             key = "admission"
         result = self.locked(first)
@@ -207,22 +232,30 @@ class CoordinatorService:
                 raise ServiceStopped("coordinator stopped")
             if result is None:
                 if deadline is not None and clock.now() >= deadline:
-                    raise PeerTimeout(f"{req['op']} of {node} not answered in time")
+                    raise PeerTimeout(f"{msg.op} of {node} not answered in time")
                 if keepalive is not None:
                     keepalive()
         return {"ok": True, key: asdict(result)}
 
 
-def _report(node: str, raw: Any) -> dict[str, Any] | None:
-    """A node's report on its last all-reduce, checked before the membership keeps it (a bad one
-    would fail every later barrier, not just this request): ``{"avg_failed": bool, "accused":
-    [node, why] | None}``."""
-    if raw is None:
+def _check_vote(msg: Request, cert: bytes | None, run_id: str) -> tuple[str, str] | None:
+    """A ``sync`` over the transport states its state hash with its signature, by the
+    connection's certificate: returns (signature, certificate), both hex, for the journal."""
+    if cert is None or not isinstance(msg, Sync) or msg.state_hash is None:
         return None
-    accused = raw.get("accused") if isinstance(raw, dict) else None
-    if not (isinstance(raw, dict) and set(raw) <= {"avg_failed", "accused"}
-            and isinstance(raw.get("avg_failed", False), bool)
-            and (accused is None or (isinstance(accused, list) and len(accused) == 2
-                                     and all(isinstance(x, str) and len(x) <= 256 for x in accused)))):
-        raise ProtocolError(f"sync of {node}: malformed report {str(raw)[:120]}")
-    return raw
+    if msg.vote is None or not verify(cert, vote(run_id, msg.step, msg.state_hash), bytes.fromhex(msg.vote)):
+        raise ProtocolError(f"sync of {msg.node}: its state hash at outer step {msg.step} is not signed by its "
+                            "certificate", "identity")
+    return msg.vote, cert.hex()
+
+
+def _check_identity(msg: Request, session: Session | None, identity: str | None) -> None:
+    """Every request but ``status`` acts for one node (its ``node``; a heartbeat's: its
+    session's), which must be the connection's authenticated ``identity``."""
+    if isinstance(msg, Status) or (isinstance(msg, Heartbeat) and session is None):
+        return  # (a heartbeat without a session is refused as such)
+    node = session[0] if isinstance(msg, Heartbeat) else msg.node  # type: ignore[union-attr]
+    if node != identity:
+        cls = RegistrationRefused if isinstance(msg, Register) else ProtocolError
+        raise cls(f"{msg.op} in the name of node {node!r} from a connection authenticated as {identity!r}",
+                  "identity")

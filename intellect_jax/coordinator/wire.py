@@ -8,6 +8,7 @@ import time
 from typing import Any, Protocol
 
 from intellect_jax.coordinator.server import CHANNEL, MAX_MSG
+from intellect_jax.net.identity import COORDINATOR
 from intellect_jax.coordinator.protocol import (
     CoordinatorError,
     CoordinatorUnavailable,
@@ -17,6 +18,7 @@ from intellect_jax.coordinator.protocol import (
     RunCompleted,
     StaleSession,
 )
+from intellect_jax.coordinator.schema import ErrorReply, StatusOk, parse_reply
 from intellect_jax.net import (
     Address,
     Connection,
@@ -31,14 +33,18 @@ from intellect_jax.net import (
 
 _ERRORS = {c.__name__: c for c in (RegistrationRefused, Evicted, ProtocolError, StaleSession, CoordinatorUnavailable,
                                    RunCompleted)}
-# connection trouble (AuthError is handled before), and a reply whose fields do not parse (ValueError):
-# retried like a dropped connection rather than ending a heartbeat thread or a registration
-TRANSIENT = (NetError, OSError, ValueError)
+# connection trouble (AuthError is handled before): retried like a dropped connection rather than
+# ending a heartbeat thread or a registration (a reply that does not parse is a ProtocolError)
+TRANSIENT = (NetError, OSError)
 
 
-def reply_error(reply: dict[str, Any]) -> CoordinatorError:
-    cls = _ERRORS.get(str(reply.get("error")), CoordinatorError)
-    return cls(str(reply.get("message", reply)), reply.get("reason"))
+def reply_error(reply: dict[str, Any], source: str = "the coordinator") -> CoordinatorError:
+    """The error an error reply carries (a malformed reply: :class:`ProtocolError`)."""
+    try:
+        e = parse_reply(ErrorReply, reply, "error", source)
+    except ProtocolError as err:
+        return err
+    return _ERRORS.get(e.error, CoordinatorError)(e.message, e.reason)
 
 
 class Wire(Protocol):
@@ -64,7 +70,7 @@ class SocketWire:
         self.name = f"coordinator {self.address[0]}:{self.address[1]}"
 
     def _connect(self, timeout: float) -> Connection:
-        return connect(self.cfg, self.address, CHANNEL, timeout=timeout, name=self.name)
+        return connect(self.cfg, self.address, CHANNEL, expect=COORDINATOR, timeout=timeout, name=self.name)
 
     def open(self, msg: dict[str, Any], timeout: float) -> tuple[Connection | None, dict[str, Any]]:
         conn = self._connect(timeout)
@@ -112,7 +118,8 @@ class SocketWire:
 
 def coordinator_status(address: Address | str, cfg: TransportConfig, timeout: float = 10.0) -> dict[str, Any]:
     """Membership, epoch, joiners, hash records and eviction log of a running coordinator."""
-    reply = SocketWire(address, cfg).request({"op": "status"}, time.monotonic() + timeout, timeout)
-    if not reply.get("ok"):
-        raise reply_error(reply)
-    return reply["status"]
+    wire = SocketWire(address, cfg)
+    reply = wire.request({"op": "status"}, time.monotonic() + timeout, timeout)
+    if reply.get("ok") is not True:
+        raise reply_error(reply, wire.name)
+    return parse_reply(StatusOk, reply, "status", wire.name).status

@@ -38,8 +38,10 @@ class LocalCoordinator:
         if svc is not None:
             svc.stop()
 
-    def wire(self) -> LocalWire:
-        return LocalWire(self)
+    def wire(self, identity: str | None = None) -> LocalWire:
+        """A client's connections; ``identity``: the node id it authenticates as (None: the
+        node its first registration names, as its certificate would)."""
+        return LocalWire(self, identity)
 
 
 class _LocalSession:
@@ -53,12 +55,12 @@ def _as_sent(msg: dict[str, Any]) -> dict[str, Any]:
 
 
 class LocalWire:
-    """The client's connections to a :class:`LocalCoordinator`, as function calls (messages go
-    through JSON, as on a socket). A crashed coordinator raises
-    :class:`~intellect_jax.net.errors.PeerClosed`, like a dropped socket."""
+    """One client's connections to a :class:`LocalCoordinator`, as function calls (messages go
+    through JSON, as on a socket), each authenticated as ``identity``. A crashed coordinator
+    raises :class:`~intellect_jax.net.errors.PeerClosed`, like a dropped socket."""
 
-    def __init__(self, host: LocalCoordinator) -> None:
-        self.host = host
+    def __init__(self, host: LocalCoordinator, identity: str | None = None) -> None:
+        self.host, self.identity = host, identity
         self.name = "local coordinator"
 
     def _service(self) -> CoordinatorService:
@@ -69,13 +71,15 @@ class LocalWire:
 
     def open(self, msg: dict[str, Any], timeout: float) -> tuple[_LocalSession | None, dict[str, Any]]:
         svc = self._service()
-        reply = _as_sent(svc.handle(_as_sent(msg)))
+        if self.identity is None and isinstance(msg.get("node"), str):
+            self.identity = msg["node"]
+        reply = _as_sent(svc.handle(_as_sent(msg), identity=self.identity))
         return (_LocalSession(svc, (reply["node_id"], reply["session"])) if reply.get("ok") else None), reply
 
     def beat(self, handle: _LocalSession, msg: dict[str, Any], patience: float) -> dict[str, Any]:
         if handle.closed or handle.service is not self.host.service or handle.service.stopped:
             raise PeerClosed("session connection to the local coordinator lost")
-        return _as_sent(handle.service.handle(_as_sent(msg), handle.session))
+        return _as_sent(handle.service.handle(_as_sent(msg), handle.session, identity=self.identity))
 
     def close(self, handle: _LocalSession) -> None:
         if not handle.closed:
@@ -84,4 +88,4 @@ class LocalWire:
                 handle.service.disconnect(handle.session)
 
     def request(self, msg: dict[str, Any], deadline: float | None, connect_timeout: float) -> dict[str, Any]:
-        return _as_sent(self._service().handle(_as_sent(msg), deadline=deadline))
+        return _as_sent(self._service().handle(_as_sent(msg), deadline=deadline, identity=self.identity))

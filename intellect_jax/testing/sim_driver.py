@@ -108,7 +108,7 @@ class Sim(World):
     def _main(self, proc: Proc) -> None:
         p, clock = self.p, self.clock
         rank = int(proc.node_id.removeprefix("n"))
-        wire = _StallWire(self.coord.wire(), proc, self)
+        wire = _StallWire(self.coord.wire(proc.node_id), proc, self)
         client = CoordinatorClient(None, None, proc.node_id, proc.addr, wire=wire, clock=clock,
                                    heartbeat_interval=p.heartbeat_interval, reconnect_timeout=p.reconnect_timeout,
                                    connect_timeout=p.connect_timeout, fingerprint="sim", outer_steps=p.outer_steps,

@@ -1,0 +1,247 @@
+"""Strict schemas of the coordinator's wire messages: every request the service answers and every
+reply the client reads.
+
+A message is a JSON object; it is parsed here before anything acts on it. The models forbid
+unknown fields and are strict (a string is not an int, an int is not a bool), strings and lists
+are bounded, and requests are told apart by ``op`` (a discriminated union). A message that does
+not parse is a :class:`~.protocol.ProtocolError` whose one line names the op (or reply) and the
+field: ``malformed 'sync' request: report.accused: List should have at least 2 items ...``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from intellect_jax.coordinator.protocol import Admission, Epoch, ProtocolError, RegisterReply
+
+MAX_NODES = 4096  # members, joiners and node-id lists (a node holds one coordinator connection: see max_handlers)
+MAX_MESSAGE = 4096  # characters of an error reply's message
+
+NodeId = Annotated[str, Field(min_length=1, max_length=128)]
+Token = Annotated[str, Field(min_length=1, max_length=64)]
+Hash = Annotated[str, Field(min_length=1, max_length=128)]
+Signature = Annotated[str, Field(pattern=r"^[0-9a-f]{16,512}$")]  # hex, DER ECDSA
+Text = Annotated[str, Field(max_length=256)]
+Addr = Annotated[str, Field(min_length=1, max_length=256)]
+Count = Annotated[int, Field(ge=0, le=2**53)]
+Pair = Annotated[list[Text], Field(min_length=2, max_length=2)]  # (node id, address or hash)
+Pairs = Annotated[list[Pair], Field(max_length=MAX_NODES)]
+NodeIds = Annotated[list[NodeId], Field(max_length=MAX_NODES)]
+
+
+class Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+# ---- requests ----------------------------------------------------------------------------------
+class ResumeMsg(Msg):
+    """The state a registering node holds (:class:`~.protocol.Resume`)."""
+
+    outer_step: Count
+    epoch_id: Count = 0
+    rank: Count = 0
+    state_hash: Hash | None = None
+    members: NodeIds = []
+
+
+class Register(Msg):
+    op: Literal["register"]
+    node: NodeId
+    addr: Addr
+    devices: Annotated[int, Field(ge=0, le=1 << 20)]
+    protocol: Annotated[int, Field(ge=0, le=1 << 20)]
+    fingerprint: Text
+    founder: bool = True
+    outer_steps: Annotated[int, Field(ge=1, le=2**53)] | None = None
+    resume: ResumeMsg | None = None
+
+
+class Heartbeat(Msg):
+    op: Literal["hb"]
+
+
+class Report(Msg):
+    """A node's word on its last all-reduce: did the average fail its checks, and whom (its ring
+    predecessor) it accuses of a bad contribution, with why."""
+
+    avg_failed: bool = False
+    accused: Annotated[list[Text], Field(min_length=2, max_length=2)] | None = None
+
+
+class Sync(Msg):
+    op: Literal["sync"]
+    node: NodeId
+    session: Token
+    step: Count
+    state_hash: Hash | None = None
+    retry_of: Count | None = None
+    sits_out: Text | None = None
+    report: Report | None = None
+    vote: Signature | None = None  # the node's signature of (run, step, state_hash)
+
+
+class Admit(Msg):
+    op: Literal["admit"]
+    node: NodeId
+    session: Token
+    requeue: bool = False
+
+
+class Received(Msg):
+    op: Literal["received"]
+    node: NodeId
+    session: Token
+    step: Count
+
+
+class Leave(Msg):
+    op: Literal["leave"]
+    node: NodeId
+    session: Token
+
+
+class Status(Msg):
+    op: Literal["status"]
+
+
+Request = Annotated[Register | Heartbeat | Sync | Admit | Received | Leave | Status, Field(discriminator="op")]
+OPS = ("register", "hb", "sync", "admit", "received", "leave", "status")
+_REQUEST: TypeAdapter[Request] = TypeAdapter(Request)
+
+
+# ---- replies -----------------------------------------------------------------------------------
+class Ok(Msg):
+    ok: Literal[True]
+
+
+class RegisterOk(Ok):
+    """:class:`~.protocol.RegisterReply` on the wire."""
+
+    node_id: NodeId
+    session: Token
+    member: bool
+    outer_step: Count
+    epoch_id: Count
+    fingerprint: Text
+    heartbeat_timeout: Annotated[float, Field(gt=0)]
+    note: Annotated[str, Field(max_length=MAX_MESSAGE)] = ""
+
+    def parsed(self) -> RegisterReply:
+        return RegisterReply(**self.model_dump(exclude={"ok"}))
+
+
+class EpochMsg(Msg):
+    """:class:`~.protocol.Epoch` on the wire."""
+
+    epoch_id: Count
+    outer_step: Count
+    members: Annotated[list[Pair], Field(min_length=1, max_length=MAX_NODES)]
+    rank: Count
+    serve: Pairs = []
+    hash_mismatch: Pairs = []
+    changed: bool = True
+    sitting_out: NodeIds = []
+
+    @model_validator(mode="after")
+    def _rank_in_ring(self) -> EpochMsg:
+        if self.rank >= len(self.members):
+            raise ValueError(f"rank {self.rank} outside a ring of {len(self.members)}")
+        return self
+
+    def parsed(self) -> Epoch:
+        def pairs(ps: list[list[str]]) -> tuple[tuple[str, str], ...]:
+            return tuple((a, b) for a, b in ps)
+
+        return Epoch(self.epoch_id, self.outer_step, pairs(self.members), self.rank, pairs(self.serve),
+                     pairs(self.hash_mismatch), self.changed, tuple(self.sitting_out))
+
+
+class EpochOk(Ok):
+    epoch: EpochMsg
+
+
+class AdmissionMsg(Msg):
+    """:class:`~.protocol.Admission` on the wire."""
+
+    donor_id: NodeId
+    donor_addr: Addr
+    admitted_at: Annotated[int, Field(ge=-1, le=2**53)]  # -1: resumed with its own state
+    outer_step: Count
+    epoch_id: Count
+    state_hash: Hash | None = None
+
+    def parsed(self) -> Admission:
+        return Admission(**self.model_dump())
+
+
+class AdmissionOk(Ok):
+    admission: AdmissionMsg
+
+
+class View(Msg):
+    """A heartbeat's answer: the node as the coordinator sees it."""
+
+    role: Literal["member", "pending", "admitted"]
+    admission: Count | None
+    donor: NodeId | None
+    epoch_id: Count
+    epoch_broken: bool
+    serving: NodeIds
+    completed: bool
+
+
+class ViewOk(Ok):
+    view: View
+
+
+class ReceivedOk(Ok):
+    accepted: bool
+
+
+class StatusOk(Ok):
+    status: dict[str, Any]
+
+
+class ErrorReply(Msg):
+    ok: Literal[False]
+    error: Annotated[str, Field(min_length=1, max_length=64)]
+    reason: Annotated[str, Field(max_length=64)]
+    message: Annotated[str, Field(max_length=MAX_MESSAGE)]
+
+
+# ---- parsing -----------------------------------------------------------------------------------
+M = TypeVar("M", bound=Msg)
+
+
+def _first_error(e: ValidationError, skip: str | None = None) -> str:
+    err = e.errors(include_url=False, include_input=False)[0]
+    loc = [str(x) if str(x).isprintable() else repr(str(x)) for x in err["loc"]]  # (an extra key is the peer's)
+    loc = [x if len(x) <= 40 else x[:40] + "..." for x in loc]
+    if loc and loc[0] == skip:  # the union's tag
+        loc = loc[1:]
+    if err["type"].startswith("union_tag"):  # (pydantic's message would quote the peer's tag)
+        return f"op: must be one of {', '.join(OPS)}"
+    msg = err["msg"] if err["msg"].isprintable() else repr(err["msg"])
+    return f"{'.'.join(loc) or '(message)'}: {msg[:200]}"
+
+
+def parse_request(raw: Any) -> Request:
+    """A request, or :class:`ProtocolError` naming its op and the first bad field."""
+    try:
+        return _REQUEST.validate_python(raw)
+    except ValidationError as e:
+        op = raw.get("op") if isinstance(raw, dict) else None
+        op = op if isinstance(op, str) else None
+        name = f"{op[:40]!r} " if op else ""
+        raise ProtocolError(f"malformed {name}request: {_first_error(e, op)}", "malformed") from None
+
+
+def parse_reply(model: type[M], raw: Any, what: str, source: str) -> M:
+    """A reply of ``model`` (``what``: the request it answers), or :class:`ProtocolError`
+    naming ``source`` (the coordinator) and the first bad field."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise ProtocolError(f"malformed {what} reply from {source}: {_first_error(e)}", "malformed") from None

@@ -1,0 +1,438 @@
+"""The coordinator against its own members (issue 21): requests bound to the connection's
+identity, unpredictable session tokens, accusations only from the accused's ring successor,
+history by quorum, a ticker and request handling that survive any exception, handler caps,
+revocation, and signed votes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from intellect_jax.coordinator.journal import RunRecord
+from intellect_jax.coordinator.protocol import PROTOCOL, CoordinatorConfig, RegistrationRefused, Resume, StaleSession
+from intellect_jax.coordinator.schema import Report
+from intellect_jax.coordinator.server import HandlerCaps
+from intellect_jax.coordinator.service import CoordinatorService
+from intellect_jax.coordinator.server import Coordinator
+from intellect_jax.coordinator.wire import SocketWire
+from intellect_jax.net import Authority, Credentials, TransportConfig, recv_msg
+from intellect_jax.net.identity import vote
+from helpers import FP, ManualClock as _ManualClock, Run, coord_client, coord_config, coord_transport, free_port, wait_for
+
+
+def _reg(node: str, i: int) -> dict[str, Any]:
+    return {"op": "register", "node": node, "addr": f"127.0.0.1:{9000 + i}", "devices": 1, "protocol": PROTOCOL,
+            "fingerprint": FP, "founder": True, "resume": None}
+
+
+def _service(clock: Any = None, nodes: str = "ab", **conf: Any) -> tuple[CoordinatorService, dict[str, str]]:
+    kw: dict[str, Any] = {"min_nodes": len(nodes), "join_window": 0.0, "heartbeat_timeout": 60.0,
+                          "keepalive_interval": 0.01} | conf
+    svc = CoordinatorService(CoordinatorConfig(**kw), **({"clock": clock} if clock else {})).start()
+    sess = {}
+    for i, n in enumerate(nodes):
+        reply = svc.handle(_reg(n, i), identity=n)
+        assert reply["ok"], reply
+        sess[n] = reply["session"]
+    return svc, sess
+
+
+def _sync_round(svc: CoordinatorService, sess: dict[str, str], step: int, h: str) -> dict[str, dict]:
+    """Every node of ``sess`` syncs at ``step`` with hash ``h`` at once; their replies."""
+    replies: dict[str, dict] = {}
+
+    def go(n: str) -> None:
+        replies[n] = svc.handle({"op": "sync", "node": n, "session": sess[n], "step": step, "state_hash": h},
+                                deadline=time.monotonic() + 10.0, identity=n)
+
+    ts = [threading.Thread(target=go, args=(n,)) for n in sess]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(15)
+    return replies
+
+
+def _stable(status: dict[str, Any]) -> dict[str, Any]:
+    """A status without the clock-dependent parts."""
+    return {**status, "nodes": [{k: v for k, v in n.items() if k != "heartbeat_age"} for n in status["nodes"]]}
+
+
+# ---------------------------------------------------------------------------------------------
+# identity
+# ---------------------------------------------------------------------------------------------
+def test_acting_in_another_nodes_name_is_refused_for_every_request_and_changes_nothing() -> None:
+    svc, sess = _service(_ManualClock(), nodes="abc")
+    a, b = sess["a"], sess["b"]
+    before = _stable(svc.status())
+    forged = [  # (request, the connection's session) sent by an authenticated "b"
+        ({"op": "register", **{k: v for k, v in _reg("z", 9).items() if k != "op"}}, None),  # a new id not its own
+        (_reg("a", 0), None),  # a's id: refused for identity, not as a duplicate
+        ({"op": "hb"}, ("a", a)),  # a's session
+        ({"op": "sync", "node": "a", "session": a, "step": 0, "state_hash": "h0"}, None),
+        ({"op": "admit", "node": "a", "session": a, "requeue": True}, None),
+        ({"op": "received", "node": "a", "session": a, "step": 1}, None),
+        ({"op": "leave", "node": "a", "session": a}, None),
+    ]
+    for req, session in forged:
+        reply = svc.handle(req, session, deadline=0.0, identity="b")
+        assert reply["ok"] is False and reply["reason"] == "identity", (req, reply)
+        assert "'a'" in reply["message"] or "'z'" in reply["message"], reply
+        assert "\n" not in reply["message"]
+    # b in its own name, with a's session token: the token is bound to a
+    reply = svc.handle({"op": "leave", "node": "b", "session": a}, identity="b")
+    assert reply["ok"] is False and reply["reason"] == "identity", reply
+    # without an authenticated identity nothing but status is served
+    assert svc.handle({"op": "leave", "node": "a", "session": a}, identity=None)["reason"] == "identity"
+    assert svc.handle({"op": "status"}, identity=None)["ok"]
+    assert svc.handle({"op": "status"}, identity="someone-else")["ok"]
+    assert _stable(svc.status()) == before  # nothing changed: nobody left, arrived, registered
+    assert svc.handle({"op": "hb"}, ("b", b), identity="b")["ok"]  # b in its own name still works
+    assert svc.handle({"op": "leave", "node": "c", "session": sess["c"]}, identity="c")["ok"]
+    assert [n["node_id"] for n in svc.status()["nodes"]] == ["a", "b"]
+
+
+def test_session_tokens_are_random_and_bound_to_their_node() -> None:
+    tokens = []
+    for _ in range(2):  # two coordinator instances
+        svc, sess = _service(_ManualClock(), nodes="abcdefgh")
+        tokens += list(sess.values())
+        inst = svc.membership.instance
+        assert not any(inst in t for t in sess.values())
+    assert all(len(t) == 32 and int(t, 16) >= 0 for t in tokens)
+    assert len({t[:8] for t in tokens}) == len(tokens)  # no shared prefix (e.g. an instance's)
+    # another instance's token is stale (register again); another node's is refused
+    r = Run()
+    r.reg("a")
+    with pytest.raises(StaleSession):
+        r.m.heartbeat("a", tokens[0], 0.0)
+    r.reg("b")
+    with pytest.raises(Exception, match="another node's") as ei:
+        r.m.heartbeat("a", r.s["b"], 0.0)
+    assert getattr(ei.value, "reason", "") == "identity"
+
+
+# ---------------------------------------------------------------------------------------------
+# accusations
+# ---------------------------------------------------------------------------------------------
+def _arrive(r: Run, n: str, k: int, accuse: str | None = None, failed: bool = False, retry_of: int | None = None):
+    report = Report(avg_failed=failed, accused=[accuse, "values 99x ours"] if accuse else None)
+    return r.m.arrive(n, r.s[n], k, r.now, f"h{k}", retry_of, None, report)
+
+
+def test_a_made_up_accusation_evicts_nobody_and_counts_against_the_accuser() -> None:
+    r = Run(min_nodes=4, strikes=2)
+    for n in "abcd":
+        r.reg(n)
+    r.barrier(0, list("abcd"), "h0")  # ring [a, b, c, d]: a's successor is b
+    for k in (1, 2):  # c accuses a in two rounds whose average everyone found bad
+        for n in "abcd":
+            _arrive(r, n, k, accuse="a" if n == "c" else None, failed=True)
+        if k == 1:
+            assert r.m._nodes["c"].false_accusations == 1 and r.m._nodes["a"].strikes == 0
+    ev = r.m.status(r.now)["evictions"]
+    assert [(e["node_id"], e["reason"].split(":")[0]) for e in ev] == [("c", "false accusations")]
+    assert r.result("a").node_ids == ["a", "b", "d"]  # type: ignore[union-attr]  # the accused stays
+    said = [ln for ln in r.m.drain_events() if "false accusation" in ln]
+    assert said[0].startswith("WARNING false accusation: c accused a of a bad contribution (values 99x ours) to "
+                              "epoch 1 but is not its ring successor there ([a, b, c, d])")
+    # the successor's blame still counts in failed rounds only
+    r2 = Run(min_nodes=3, strikes=2)
+    for n in "abc":
+        r2.reg(n)
+    r2.barrier(0, list("abc"), "h0")
+    for k, failed in ((1, True), (2, False), (3, True)):
+        for n in "abc":
+            _arrive(r2, n, k, accuse="a" if n == "b" else None, failed=failed)
+    assert [e["node_id"] for e in r2.m.status(r2.now)["evictions"]] == ["a"]
+    assert r2.m._nodes["b"].false_accusations == 0
+
+
+def test_an_accusation_is_judged_in_the_ring_whose_all_reduce_it_reports() -> None:
+    """Barrier 1 forms [a, b, c, d], whose ring fails; b is gone and the retry forms [a, c, d]:
+    that ring did step 2's all-reduce, and there c follows a."""
+    r = Run(min_nodes=4, strikes=1)
+    for n in "abcd":
+        r.reg(n)
+    r.barrier(0, list("abcd"), "h0")
+    e1 = r.barrier(1, list("abcd"), "h1")["a"]
+    r.m.leave("b", r.s["b"], r.now)
+    for n in "acd":
+        _arrive(r, n, 1, retry_of=e1.epoch_id)
+    assert r.result("a").node_ids == ["a", "c", "d"]  # type: ignore[union-attr]
+    for n in "acd":
+        _arrive(r, n, 2, accuse="a" if n == "c" else None, failed=True)
+    assert [e["node_id"] for e in r.m.status(r.now)["evictions"] if not e["graceful"]] == ["a"]
+    assert r.m._nodes["c"].false_accusations == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# history by quorum
+# ---------------------------------------------------------------------------------------------
+def test_a_two_node_tie_records_nothing_evicts_nobody_and_waits_until_one_leaves() -> None:
+    r = Run(min_nodes=2)
+    r.reg("a"), r.reg("b")
+    r.barrier(0, ["a", "b"], "h0")
+    assert r.arrive("a", 1, "h1") is None and r.arrive("b", 1, "h2") is None
+    r.tick(10.0)
+    r.tick(10.0)
+    st = r.m.status(r.now)
+    assert st["evictions"] == [] and 1 not in r.m.record.hashes and r.result("a") is None
+    assert st["waiting"].startswith("no quorum for outer step 1: hash h1.. by [a], hash h2.. by [b]")
+    assert [ln for ln in r.m.drain_events() if "no quorum" in ln] == ["WARNING " + st["waiting"]]  # said once
+    r.m.leave("b", r.s["b"], r.now)  # one side leaves: a is a majority of the new membership
+    assert r.result("a").node_ids == ["a"] and r.m.record.hashes[1] == "h1"  # type: ignore[union-attr]
+    assert r.m.status(r.now)["waiting"] is None
+
+
+def test_a_tie_in_a_rebuild_is_resolved_by_a_member_that_arrives() -> None:
+    first = Run(min_nodes=1)
+    first.reg("a")
+    first.barrier(0, ["a"], "h0")
+    r = Run(record=RunRecord.from_json(first.m.record.to_json()), join_window=5.0)
+    for n, h in (("a", "x1"), ("b", "x2")):  # both claim outer step 1, unrecorded, with other bytes
+        assert r.reg(n, resume=Resume(1, 1, "ab".index(n), h)).member
+        r.m.arrive(n, r.s[n], 1, r.now, h)
+    r.tick(6.0)
+    assert "no quorum for outer step 1" in r.m.status(r.now)["waiting"] and not r.m.started
+    assert r.reg("c", resume=Resume(1, 1, 2, "x1")).member
+    r.m.arrive("c", r.s["c"], 1, r.now, "x1")
+    assert r.result("a").node_ids == ["a", "c"] and r.m.record.hashes[1] == "x1"  # type: ignore[union-attr]
+    assert [e["node_id"] for e in r.m.status(r.now)["evictions"]] == ["b"]
+
+
+# ---------------------------------------------------------------------------------------------
+# nothing kills the ticker or escapes handle
+# ---------------------------------------------------------------------------------------------
+def test_malformed_sync_fields_get_a_one_line_reply_and_the_ticker_lives_on() -> None:
+    svc, sess = _service(nodes="abs", heartbeat_timeout=0.5, tick_interval=0.02)
+    try:
+        for bad, field in (({"report": {"avg_failed": True, "accused": ["b"]}}, "report.accused"),
+                           ({"state_hash": 1234}, "state_hash")):
+            req = {"op": "sync", "node": "a", "session": sess["a"], "step": 0} | bad
+            reply = svc.handle(req, identity="a", deadline=time.monotonic())
+            assert reply["ok"] is False and reply["error"] == "ProtocolError", reply
+            assert reply["message"].startswith(f"malformed 'sync' request: {field}: "), reply
+        end = time.monotonic() + 5.0
+        while time.monotonic() < end and "s" in {n["node_id"] for n in svc.status()["nodes"]}:
+            for n in "ab":
+                svc.handle({"op": "hb"}, (n, sess[n]), identity=n)
+            time.sleep(0.05)
+        ev = {e["node_id"]: e["reason"] for e in svc.status()["evictions"]}
+        assert list(ev) == ["s"] and ev["s"].startswith("no heartbeat"), ev  # the silent node timed out
+    finally:
+        svc.stop()
+
+
+def test_the_ticker_survives_a_failing_tick(caplog: pytest.LogCaptureFixture) -> None:
+    svc, sess = _service(nodes="as", heartbeat_timeout=0.5, tick_interval=0.01)
+    real, fails = svc.membership.tick, [0]
+
+    def flaky(now: float) -> None:
+        if fails[0] < 5:
+            fails[0] += 1
+            raise IndexError("a bug in tick")
+        real(now)
+
+    svc.membership.tick = flaky  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.INFO, "intellect_jax.coordinator"):
+            end = time.monotonic() + 5.0
+            while time.monotonic() < end and not svc.status()["evictions"]:
+                svc.handle({"op": "hb"}, ("a", sess["a"]), identity="a")
+                time.sleep(0.05)
+        assert [e["node_id"] for e in svc.status()["evictions"]] == ["s"]
+        failed = [rec for rec in caplog.records if "tick failed" in rec.getMessage()]
+        assert failed[0].exc_info and failed[0].exc_info[0] is IndexError  # with its traceback, once
+        assert [rec.getMessage() for rec in failed[1:]] == [
+            f"the membership tick failed {n} times so far (last: IndexError: a bug in tick)" for n in (2, 4)]
+        assert not any(rec.exc_info for rec in failed[1:])
+    finally:
+        svc.stop()
+
+
+def test_an_exception_inside_a_request_is_logged_and_answered(caplog: pytest.LogCaptureFixture) -> None:
+    svc, sess = _service(_ManualClock())
+    m = svc.membership
+
+    def broken(*a: Any) -> None:
+        raise AttributeError("'NoneType' object has no attribute 'step'")
+
+    m.heartbeat = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.ERROR, "intellect_jax.coordinator"):
+        reply = svc.handle({"op": "hb"}, ("a", sess["a"]), identity="a")
+    assert reply["ok"] is False and reply["reason"] == "internal" and reply["error"] == "CoordinatorError", reply
+    assert "internal error answering a 'hb' request" in reply["message"]
+    (rec,) = [r for r in caplog.records if r.exc_info]
+    assert rec.exc_info[0] is AttributeError and "identity a" in rec.getMessage()  # type: ignore[index]
+    del m.heartbeat
+    assert svc.handle({"op": "hb"}, ("a", sess["a"]), identity="a")["ok"]
+
+
+# ---------------------------------------------------------------------------------------------
+# handler caps, admissions
+# ---------------------------------------------------------------------------------------------
+def test_handler_caps_per_identity_and_in_all(caplog: pytest.LogCaptureFixture) -> None:
+    caps = HandlerCaps(CoordinatorConfig(max_handlers=3, handlers_per_identity=2))
+    with caplog.at_level(logging.WARNING, "intellect_jax.coordinator"):
+        assert caps.acquire("a") is None and caps.acquire("a") is None
+        for _ in range(3):
+            assert "a has 2 connections served already" in str(caps.acquire("a"))
+        assert caps.acquire("b") is None
+        assert "serves 3 connections already" in str(caps.acquire("c"))
+        caps.release("a")
+        assert caps.acquire("c") is None
+    assert caps.refused == {"a": 3, "c": 1} and caps.total == 3 and caps.by_identity == {"a": 1, "b": 1, "c": 1}
+    said = [r.getMessage() for r in caplog.records if "refusing" in r.getMessage()]
+    assert len(said) == 2 and said[0].startswith("refusing connections of a")  # once per identity
+    with pytest.raises(ValueError, match="max_handlers"):
+        CoordinatorConfig(handlers_per_identity=0)
+
+
+def test_an_admission_carries_the_hash_the_run_recorded_for_its_step() -> None:
+    assert PROTOCOL == 4
+    first = Run(min_nodes=1)
+    first.reg("a")
+    for k in range(4):
+        first.barrier(k, ["a"], f"h{k}")
+    r = Run(record=RunRecord.from_json(first.m.record.to_json()))
+    assert r.reg("a", resume=Resume(3, 1, 0, "h3")).member
+    adm = r.m.admission_for("a", r.s["a"])
+    assert adm is not None and (adm.donor_id, adm.outer_step, adm.state_hash) == ("a", 3, "h3")
+    r.barrier(3, ["a"], "h3")
+    r.reg("j")
+    r.barrier(4, ["a"], "h4")
+    adm = r.m.admission_for("j", r.s["j"])  # the state of step 5 is not recorded yet
+    assert adm is not None and (adm.donor_id, adm.outer_step, adm.state_hash) == ("a", 5, None)
+    r.m.record.record(5, "h5", 10)  # (as if a barrier of step 5 had recorded it)
+    assert r.m.admission_for("j", r.s["j"]).state_hash == "h5"  # type: ignore[union-attr]
+
+
+def test_over_sockets_a_request_acts_only_for_its_certificate_and_connections_are_capped(coordinator) -> None:
+    coord = coordinator(min_nodes=1, handlers_per_identity=2)
+    a = coord_client(coord.address, "a", free_port())
+    impostor = coord_client(coord.address, "a", free_port(), transport=coord_transport("mallory"))
+    held = None
+    try:
+        with pytest.raises(RegistrationRefused, match="register in the name of node 'a' from a connection "
+                                                      "authenticated as 'mallory'") as ei:
+            impostor.register()
+        assert ei.value.reason == "identity" and coord.status()["nodes"] == []
+        assert a.register().member  # a's session: one handler of identity a
+        wire = SocketWire(coord.address, coord_transport("a"))
+        held, reply = wire.open({"op": "status"}, 5.0)  # a second one, kept open
+        assert reply["ok"] and held is not None
+        third = wire._connect(5.0)  # a third: over the cap (answered before it sends anything, then closed)
+        try:
+            busy = recv_msg(third, time.monotonic() + 5.0)
+        finally:
+            third.close()
+        assert busy["ok"] is False and busy["reason"] == "busy" and "a has 2 connections" in busy["message"], busy
+        assert coord.caps.refused == {"a": 1}
+        wire.close(held)
+        held = None
+        wait_for(lambda: coord.caps.by_identity["a"] == 1, what="the held connection's handler to end")
+        assert wire.request({"op": "status"}, time.monotonic() + 5.0, 5.0)["ok"]
+        assert [n["node_id"] for n in a.status()["nodes"]] == ["a"]
+    finally:
+        if held is not None:
+            held.close()
+        a.close(), impostor.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# revocation and signed votes (over sockets, with a run authority of the test's own)
+# ---------------------------------------------------------------------------------------------
+def _authority(tmp_path: Any, *nodes: str) -> tuple[Authority, Any]:
+    auth = Authority.init(tmp_path / "keys", "coord-test")
+    for n in nodes:
+        auth.issue(n)
+    return auth, lambda n: TransportConfig("coord-test", Credentials.load(tmp_path / "keys", n), io_timeout=5.0,
+                                           connect_timeout=5.0, handshake_timeout=5.0)
+
+
+def _syncs(clients: list[Any], step: int, h: str) -> list[Any]:
+    with ThreadPoolExecutor(len(clients)) as ex:
+        return [f.result(20) for f in [ex.submit(c.sync, step, h) for c in clients]]
+
+
+def test_a_revoked_member_is_evicted_and_refused(tmp_path: Any) -> None:
+    auth, cfg = _authority(tmp_path, "a", "b", "c")
+    mine = cfg("c")  # loaded before the revocation: c still holds its files
+    with Coordinator(cfg("coordinator"), config=coord_config(min_nodes=3)) as coord:
+        cs = [coord_client(coord.address, n, free_port(), transport=mine if n == "c" else cfg(n)) for n in "abc"]
+        try:
+            for c in cs:
+                c.register()
+            assert _syncs(cs, 0, "h0")[0].node_ids == ["a", "b", "c"]
+            auth.revoke("c")  # the operator, during the run
+            wait_for(lambda: any(e["node_id"] == "c" for e in coord.status()["evictions"]), 10, "c's eviction")
+            ev = next(e for e in coord.status()["evictions"] if e["node_id"] == "c")
+            assert ev["reason"] == "identity revoked by the run's operator" and not ev["graceful"]
+            again = coord_client(coord.address, "c", free_port(), transport=mine, reconnect_timeout=1.0)
+            with pytest.raises(RegistrationRefused, match="identity c is revoked") as ei:
+                again.register()
+            assert ei.value.reason == "auth"
+            again.close()
+            eps = _syncs(cs[:2], 1, "h1")  # the others go on, with one history
+            assert eps[0].node_ids == ["a", "b"] and coord.status()["high_water_mark"]["hash"] == "h1"
+            assert [e["node_id"] for e in coord.status()["evictions"]] == ["c"]
+        finally:
+            for c in cs:
+                c.close()
+
+
+def test_votes_are_signed_and_the_journal_proves_each_recorded_hash(tmp_path: Any) -> None:
+    """Over sockets every sync's hash carries the node's signature; the journal keeps them, and
+    ``--verify-journal`` checks a quorum of them for every recorded step; an unsigned or
+    mis-signed vote is refused, and a journal whose hash was edited afterwards fails the check."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    _, cfg = _authority(tmp_path, "a", "b", "c")
+    journal = tmp_path / "run.journal"
+    with Coordinator(cfg("coordinator"), config=coord_config(min_nodes=3), journal=str(journal)) as coord:
+        cs = [coord_client(coord.address, n, free_port(), transport=cfg(n)) for n in "abc"]
+        try:
+            for c in cs:
+                c.register()
+            for k in range(3):
+                _syncs(cs, k, f"h{k}")
+            wire = SocketWire(coord.address, cfg("a"))
+            forged = {"op": "sync", "node": "a", "session": cs[0]._session, "step": 3, "state_hash": "h3"}
+            for bad in ({}, {"vote": cfg("b").identity.sign(vote("coord-test", 3, "h3")).hex()},
+                        {"vote": cfg("a").identity.sign(vote("coord-test", 3, "other")).hex()}):
+                reply = wire.request({**forged, **bad}, time.monotonic() + 5.0, 5.0)
+                assert reply["ok"] is False and reply["reason"] == "identity", reply
+                assert "not signed by its certificate" in reply["message"]
+        finally:
+            for c in cs:
+                c.close()
+    rec = json.loads(journal.read_text())
+    assert sorted(rec["hashes"]) == sorted(rec["votes"]) == ["0", "1", "2"]
+    assert all(sorted(v["signed"]) == ["a", "b", "c"] and v["members"] == 3 for v in rec["votes"].values())
+
+    def check() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "intellect_jax.coordinator", "--verify-journal", str(journal),
+                               "--keys", str(tmp_path / "keys")], capture_output=True, text=True, cwd=ROOT,
+                              timeout=60)
+
+    r = check()
+    assert r.returncode == 0 and "3 recorded steps (0..2), each signed by a quorum" in r.stdout, r.stderr
+    rec["hashes"]["1"] = "forged"  # someone edits the record afterwards
+    signed = rec["votes"]["2"]["signed"]
+    signed["b"] = signed["c"] = signed["a"]  # or passes a's signature off as b's and c's
+    journal.write_text(json.dumps(rec))
+    r = check()
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, r.stderr
+    assert "2 of 3 recorded steps not signed by a quorum: outer step 1: 0 valid signatures of 3 members" in err[0]
+    assert "outer step 2: 1 valid signatures of 3 members (a)" in err[0]
