@@ -10,7 +10,7 @@ gloo ``all_reduce`` of fp32 over the same links. Prints one JSON object per meth
 median seconds (slowest rank of each repeat), algorithm bandwidth (fp32 bytes / time),
 CPU seconds per node, bytes sent per node, and the ratio of the line-rate bound
 ``2(N-1)/N * payload / rate`` to the measured time (1.0 = wire speed).
-The run secret reaches the workers through the environment, never the command line.
+The workers' certificates come from a throwaway run authority made here (the test one).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import signal
 import socket
 import statistics
@@ -46,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", type=int, default=1, help="parallel TCP streams per ring link")
     p.add_argument("--block", type=int, default=64, help="int8 block size")
     p.add_argument("--piece", type=int, default=1 << 18, help="pipeline piece, elements")
-    p.add_argument("--integrity", choices=("sha256", "crc32"), default="sha256")
+    p.add_argument("--integrity", choices=("sha256", "crc32"), default="crc32")
     p.add_argument("--no-gloo", action="store_true", help="skip the torch.distributed gloo baseline")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before workers are killed")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -67,10 +66,12 @@ def _data(rank: int, numel: int) -> np.ndarray:
 
 def _worker(a: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
     """One node: time the ring and (if asked) gloo, alternating, so both see the same load."""
-    from intellect_jax.net import NetNode, RingConfig, TransportConfig, load_secret
+    from intellect_jax.net import NetNode, RingConfig
+    from intellect_jax.testing.identities import transport_config
 
     host, port = peers[a.rank].rsplit(":", 1)
-    cfg = TransportConfig(run_id="bench", secret=load_secret(), io_timeout=120, integrity=a.integrity)
+    cfg = transport_config(f"bench{a.rank}", "bench", io_timeout=120, integrity=a.integrity)
+    members = [(f"bench{r}", p) for r, p in enumerate(peers)]
     x = _data(a.rank, a.numel)
     y = np.empty_like(x)
     gloo = None
@@ -84,9 +85,9 @@ def _worker(a: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
         dist.all_reduce(gloo)  # warm-up
     out: dict[str, Any] = {"rank": a.rank, "ring": {"times": [], "cpu": []}, "gloo": {"times": [], "cpu": []}}
     with NetNode(cfg, host, int(port)) as node:
-        ring = node.ring(peers, a.rank, epoch=0, config=RingConfig(
+        ring = node.ring(members, a.rank, epoch=0, config=RingConfig(
             mode=a.mode, block_size=a.block, streams=a.streams, piece_numel=a.piece, deadline=a.timeout))
-        barrier = node.ring(peers, a.rank, epoch=1, config=RingConfig(mode="fp32", deadline=a.timeout))
+        barrier = node.ring(members, a.rank, epoch=1, config=RingConfig(mode="fp32", deadline=a.timeout))
         one = np.zeros(1, np.float32)
         ring.all_reduce_mean(x, out=y)  # warm-up (connects, fills buffer pools)
         for _ in range(a.repeats):
@@ -197,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             import torch.distributed  # noqa: F401
         except ImportError:
             gloo = False
-    os.environ.setdefault("INTELLECT_NET_SECRET", secrets.token_hex(32))
+    from intellect_jax.testing.identities import credentials
+
+    for r in range(a.nodes):  # issued once here; the workers inherit $INTELLECT_TEST_KEYS
+        credentials(f"bench{r}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
     net = netns.ShapedNet(a.nodes, a.shape_mbit) if a.shape_mbit else None
     report: dict[str, Any] = {"nodes": a.nodes, "numel": a.numel, "mode": a.mode, "block": a.block,

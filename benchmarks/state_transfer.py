@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import resource
-import secrets
 import statistics
 import subprocess
 import sys
@@ -53,7 +52,7 @@ def donor(a: argparse.Namespace) -> None:
     from intellect_jax.diloco.state import nesterov_sgd, state_hash
     from intellect_jax.diloco.transfer import NetTransport
     from intellect_jax.net.comm import NetNode
-    from intellect_jax.net.transport import TransportConfig
+    from intellect_jax.testing.identities import transport_config
 
     os.sched_setaffinity(0, {0})  # training (and every thread it starts) on core 0
     t = _trainer(a, f"donor-{os.getpid()}")
@@ -62,7 +61,7 @@ def donor(a: argparse.Namespace) -> None:
     t.train(until=2)  # compiled and warm
     snap = s._replace(inner_opt_state=inner.snapshot(), data=None)
     meta = {"outer_step": 1, "inner_step": 0, "hash": state_hash(s)}
-    net = NetNode(TransportConfig(run_id="xfer", secret=os.environb[b"XFER_SECRET"], io_timeout=120.0), a.addr, 0)
+    net = NetNode(transport_config("donor", "xfer", io_timeout=120.0), a.addr, 0)
 
     class Pinned(NetTransport):
         def send(self, *args, **kw):  # runs in the serve thread
@@ -103,22 +102,22 @@ def joiner(a: argparse.Namespace) -> None:
     from intellect_jax.diloco.store import CheckpointStore
     from intellect_jax.diloco.transfer import NetTransport
     from intellect_jax.net.comm import NetNode
-    from intellect_jax.net.transport import TransportConfig
+    from intellect_jax.testing.identities import transport_config
 
     t = _trainer(a, f"joiner-{os.getpid()}")
     inner = TrainerInner(t)
-    net = NetNode(TransportConfig(run_id="xfer", secret=os.environb[b"XFER_SECRET"], io_timeout=120.0), a.addr, PORT)
+    net = NetNode(transport_config("joiner", "xfer", io_timeout=120.0), a.addr, PORT)
     print("ready", flush=True)
     xfer = NetTransport(net, "joiner")
     meta, got = xfer.receive(Admission("donor", "", 0, 1, 1), inner.template(), lambda: False, timeout=3600)
     got = got._replace(outer_step=1, inner_step=0)
-    ok = state_hash(got) == meta["hash"]
+    ok = state_hash(got) == meta.hash
     t0 = time.perf_counter()
     store = CheckpointStore(t)
     store.save(got, wait=True)
     back = store.load(0)
     store_s = time.perf_counter() - t0
-    print(json.dumps({"role": "joiner", "hash_ok": ok and state_hash(back) == meta["hash"], "received": xfer.last,
+    print(json.dumps({"role": "joiner", "hash_ok": ok and state_hash(back) == meta.hash, "received": xfer.last,
                       "checkpoint_write_and_restore_s": store_s}), flush=True)
     net.close()
     t.close(save=False)
@@ -148,7 +147,11 @@ def main() -> None:
     why = netns.require_root()
     if why:
         sys.exit(f"error: {why}")
-    env = dict(os.environ, XFER_SECRET=secrets.token_hex(32), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+    from intellect_jax.testing.identities import credentials
+
+    for who in ("donor", "joiner"):  # a throwaway run authority; the roles inherit $INTELLECT_TEST_KEYS
+        credentials(who)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                XLA_FLAGS="--xla_force_host_platform_device_count=1")
     base = [sys.executable, __file__, "--preset", a.preset, "--batch", str(a.batch), "--seq", str(a.seq),
             "--baseline-s", str(a.baseline_s), "--out", a.out,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ def run_once(a: argparse.Namespace, mbit: float, overlap: bool, tag: str) -> dic
 
     out = Path(a.out).absolute()
     name = f"{tag}-{'overlap' if overlap else 'sync'}"
-    env = dict(os.environ, INTELLECT_NET_SECRET=a.secret, JAX_PLATFORMS="cpu",
+    env = dict(os.environ, INTELLECT_KEYS=str(a.keys), JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=1")
     H, K = a.inner_steps, a.outer_steps
     with ShapedNet(a.nodes, mbit) as net:
@@ -112,7 +111,12 @@ def main() -> None:
     why = require_root()
     if why:
         sys.exit(f"error: {why}")
-    a.secret = secrets.token_hex(32)
+    from intellect_jax.net.identity import Authority
+
+    a.keys = Path(a.out).absolute() / f"keys-{time.strftime('%H%M%S')}"  # a fresh run authority, every node issued
+    Authority.init(a.keys, "intellect-jax")
+    for i in range(a.nodes):
+        Authority.load(a.keys).issue(f"node{i}")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     tag = time.strftime("%H%M%S")
     results = [cal := run_once(a, a.calibrate_mbit, False, f"{tag}-cal")]
@@ -137,7 +141,7 @@ def main() -> None:
         print(f"{r['run']:<22} {r['mbit']:>8.1f} {r['delay_steps']:>5.1f} {r['utilization']:>6.1%} {r['utilization_min']:>6.1%} "
               f"{r['wall_per_outer_s']:>9.2f}s {r['sync_per_outer_s']:>5.2f}s {r['overlap_wait_s']:>5.2f}s "
               f"{r['mb_sent_per_outer']:>8.2f} {r['val_loss']:>8.4f} {'agree' if r['hashes_agree'] else 'DIFFER'}")
-    print(json.dumps({"args": {k: v for k, v in vars(a).items() if k != "secret"}, "results": results}))
+    print(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "results": results}))
 
 
 if __name__ == "__main__":

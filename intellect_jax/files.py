@@ -9,14 +9,16 @@ import uuid
 from pathlib import Path
 
 
-def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
+def atomic_write(path: str | os.PathLike[str], data: bytes | str, mode: int = 0o666) -> None:
     """Replace ``path`` by ``data`` (``str`` is written as UTF-8) so that a crash, even a power
     loss, leaves the old file or the new one, never a mix or an empty file.
 
     The data goes to a temporary file in the same directory (the rename must stay within one
     filesystem to be atomic), is fsynced, renamed over ``path``, and the directory is fsynced so
-    the rename itself is durable. Missing parent directories are created. On failure ``path`` is
-    untouched and no temporary file is left behind.
+    the rename itself is durable. Missing parent directories are created. ``mode`` (before the
+    umask) applies from the file's creation on: a key written with 0o600 is never readable by
+    others, not even as a temporary file. On failure ``path`` is untouched and no temporary file
+    is left behind.
     """
     if isinstance(data, str):
         data = data.encode()
@@ -26,7 +28,7 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         with open(fd, "wb") as f:
             f.write(data)
             f.flush()

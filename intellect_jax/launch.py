@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import secrets
 import signal
 import socket
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 
 from intellect_jax.cli import run_main
 from intellect_jax.model.config import ConfigError
-from intellect_jax.net.auth import SECRET_ENV
+from intellect_jax.net.identity import Authority, IdentityError
 
 OUTER_RE = re.compile(r"outer step (\d+): epoch (\d+) \((\d+) nodes\), loss ([\d.nan]+), sync ([\d.]+)s")
 
@@ -113,7 +112,6 @@ class Launcher:
         self.port = args.port or _free_port()
         self.env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
                         XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices_per_node}")
-        self.env.setdefault(SECRET_ENV, secrets.token_hex(32))
         self.coord: subprocess.Popen | None = None
         self.lock = threading.Lock()
         self.progress = 0  # most outer steps any node has completed
@@ -129,6 +127,19 @@ class Launcher:
             i = self.extra.index("--run.name")
             del self.extra[i : i + 2]
         self.run_dir = Path(args.out_dir) / self.run_name
+        self.keys = self.run_dir / "keys"  # the run's authority: one certificate per node, made here
+
+    def authority(self) -> Authority:
+        """The run's keys (made on first use), with a certificate for every node named so far."""
+        try:
+            auth = Authority.load(self.keys)
+        except IdentityError:
+            auth = Authority.init(self.keys, self.cfg.diloco.run_id)
+        issued = auth.index()
+        for name in self.names:
+            if name not in issued:
+                auth.issue(name)
+        return auth
 
     def say(self, who: str, line: str) -> None:
         tag = f"[{who}]"
@@ -155,10 +166,12 @@ class Launcher:
 
     def start_coordinator(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.authority()
         cmd = [sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1",
                "--port", str(self.port), "--min-nodes", str(self.args.nodes),
                "--heartbeat-timeout", str(self.args.heartbeat_timeout), "--model-fingerprint", self.fingerprint,
-               "--run-id", self.cfg.diloco.run_id, "--journal", str(self.run_dir / "coordinator.journal")]
+               "--run-id", self.cfg.diloco.run_id, "--journal", str(self.run_dir / "coordinator.journal"),
+               "--keys", str(self.keys)]
         rollback_after = getattr(self.args, "auto_rollback_after", None)
         if rollback_after is not None:
             cmd += ["--auto-rollback-after", str(rollback_after)]
@@ -176,9 +189,13 @@ class Launcher:
 
     def start_node(self, name: str, resume: bool = False) -> None:
         i = self.names.index(name) if name in self.names else len(self.names)
+        if not (self.keys / f"{name}.crt").exists():  # a node named after the start (a late joiner)
+            if name not in self.names:
+                self.names.append(name)
+            self.authority()
         cmd = [sys.executable, "-m", "intellect_jax.train", "--config", self.args.config,
                "--diloco.enabled", "--diloco.coordinator", f"127.0.0.1:{self.port}",
-               "--diloco.node_id", name, "--diloco.data_rank", str(i % max(len(self.names), 1)),
+               "--diloco.node_id", name, "--diloco.keys", str(self.keys), "--diloco.data_rank", str(i % max(len(self.names), 1)),
                "--diloco.data_ranks", str(max(len(self.names), 1)), "--run.no-progress",
                "--run.out_dir", self.args.out_dir, *self.extra]
         cmd += ["--run.name", f"{self.run_name}/{name}"]

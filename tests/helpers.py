@@ -20,10 +20,13 @@ import jax.numpy as jnp
 import pytest
 
 from intellect_jax.coordinator.client import CoordinatorClient
+from intellect_jax.coordinator.clock import RealClock
 from intellect_jax.coordinator.journal import RunRecord
 from intellect_jax.coordinator.membership import Membership
 from intellect_jax.coordinator.protocol import PROTOCOL, CoordinatorConfig, Epoch, Resume
+from intellect_jax.net.identity import COORDINATOR, KEYS_ENV
 from intellect_jax.net.transport import TransportConfig
+from intellect_jax.testing.identities import credentials, keys_dir, transport_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,12 +136,19 @@ def node_inner(cfg, trainer):
     return TrainerInner(trainer, node_pg_path(cfg).build(cfg.diloco.block_size))
 
 
-def node_trainer(cfg, *, rank: int = 0, count: int = 1):
+def node_trainer(cfg, *, rank: int = 0, count: int = 1, share: int | None = None):
     """A DiLoCo node's trainer as `DilocoNode` builds it: checkpoints, evaluations and resumes are
-    the outer loop's (the `CheckpointStore`'s), not the trainer's."""
+    the outer loop's (the `CheckpointStore`'s), not the trainer's. ``share``: one of that many
+    nodes in this process, each on its own slice of the devices (two trainers running device
+    programs with collectives from two threads on the same CPU devices can deadlock XLA's
+    rendezvous: it aborts the process after 40 s)."""
     from intellect_jax.trainer.loop import Role, Trainer
 
-    return Trainer(cfg, node_rank=rank, node_count=count, role=Role.INNER)
+    devices = None
+    if share is not None and share > 1:
+        per = len(jax.devices()) // share
+        devices = jax.devices()[rank * per:(rank + 1) * per]
+    return Trainer(cfg, node_rank=rank, node_count=count, role=Role.INNER, devices=devices)
 
 
 class InProcessRun:
@@ -202,11 +212,11 @@ class InProcessRun:
                                  run_id=self.run_id, journal=Journal(self.run_dir / "coordinator.journal"),
                                  on_event=lambda line: self.say("coord", line))
         rings, transport = LocalRing(ring_config(cfgs[0])), LocalTransport()
-        trainers = [node_trainer(c, rank=i, count=len(nodes)) for i, c in enumerate(cfgs)]
+        trainers = [node_trainer(c, rank=i, count=len(nodes), share=len(nodes)) for i, c in enumerate(cfgs)]
         outcomes: dict[str, Any] = {}
 
         def node(i: int, n: str) -> None:
-            client = CoordinatorClient(None, None, n, f"local://{n}", wire=coord.wire(), heartbeat_interval=0.5,
+            client = CoordinatorClient(None, None, n, f"local://{n}", wire=coord.wire(n), heartbeat_interval=0.5,
                                        outer_steps=loop_cfg.outer_steps)
             store = CheckpointStore(trainers[i], resume=resume, init_from=init_from,
                                     warn=lambda line: self.say(n, line))
@@ -284,8 +294,20 @@ def run_rows(tmp_path, node, run="debug_diloco") -> tuple[list[dict], list[dict]
 
 # ---------------------------------------------------------------------------- coordinators
 
-SECRET = b"coordinator-test-secret-0123456789"
 FP = "fp-llama-debug"
+
+
+class ManualClock(RealClock):
+    """Real locks, a time the test sets, no ticker thread (the test ticks)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def spawn(self, target: Any, name: str) -> Any:
+        return None
 
 
 class Run:
@@ -328,9 +350,10 @@ class Run:
         return out  # type: ignore[return-value]
 
 
-def coord_transport(secret: bytes = SECRET) -> TransportConfig:
-    return TransportConfig(run_id="coord-test", secret=secret, io_timeout=5.0, connect_timeout=5.0,
-                           handshake_timeout=5.0)
+def coord_transport(name: str = COORDINATOR, **kw: Any) -> TransportConfig:
+    """Identity ``name``'s transport (the coordinator's by default), from the test authority."""
+    return transport_config(name, "coord-test", **({"io_timeout": 5.0, "connect_timeout": 5.0,
+                                                   "handshake_timeout": 5.0} | kw))
 
 
 def coord_config(**kw: Any) -> CoordinatorConfig:
@@ -339,10 +362,13 @@ def coord_config(**kw: Any) -> CoordinatorConfig:
     return CoordinatorConfig(**(base | kw))
 
 
-def coord_client(addr: Any, node: str, port: int, fp: str = FP, secret: bytes = SECRET, **kw: Any) -> CoordinatorClient:
+def coord_client(addr: Any, node: str, port: int, fp: str = FP, transport: TransportConfig | None = None,
+                 **kw: Any) -> CoordinatorClient:
+    """A client for ``node``, speaking as ``node`` (or with ``transport``: as someone else)."""
     kw.setdefault("heartbeat_interval", 0.2)
     kw.setdefault("reconnect_timeout", 15.0)
-    return CoordinatorClient(addr, coord_transport(secret), node, f"127.0.0.1:{port}", devices=2, fingerprint=fp, **kw)
+    return CoordinatorClient(addr, transport or coord_transport(node), node, f"127.0.0.1:{port}", devices=2,
+                             fingerprint=fp, **kw)
 
 
 def wait_for(pred: Any, timeout: float = 10.0, what: str = "condition") -> None:
@@ -353,8 +379,11 @@ def wait_for(pred: Any, timeout: float = 10.0, what: str = "condition") -> None:
         time.sleep(0.02)
 
 
-def coord_env() -> dict[str, str]:
-    return {**os.environ, "INTELLECT_NET_SECRET": SECRET.decode(), "PYTHONPATH": ROOT}
+def coord_env(*names: str) -> dict[str, str]:
+    """Environment of a child process that uses the test authority (``names`` issued first)."""
+    for n in names:
+        credentials(n)
+    return {**os.environ, KEYS_ENV: str(keys_dir()), "PYTHONPATH": ROOT}
 
 
 @pytest.fixture
@@ -373,3 +402,20 @@ def coordinator():
     yield start
     for c in started:
         c.stop()
+
+
+def expire(auth: Any, name: str) -> None:
+    """Replace ``name``'s certificate in ``auth``'s directory by one that expired yesterday."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
+
+    key = serialization.load_pem_private_key((auth.dir / f"{name}.key").read_bytes(), password=None)
+    now = dt.datetime.now(dt.UTC)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(auth.ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(days=10)).not_valid_after(now - dt.timedelta(days=1))
+            .sign(auth._key, hashes.SHA256()))  # noqa: SLF001 - a test forges what the product refuses to make
+    (auth.dir / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))

@@ -54,7 +54,7 @@ def _reference_val_loss(tmp_path, nodes: int = 1) -> float:
                            "--diloco.data_rank", str(i), "--diloco.data_ranks", str(nodes)])
 
     cfgs = [cfg(i) for i in range(nodes)]
-    trainers = [node_trainer(c, rank=i, count=nodes) for i, c in enumerate(cfgs)]
+    trainers = [node_trainer(c, rank=i, count=nodes, share=nodes) for i, c in enumerate(cfgs)]
     try:
         lc = loop_config(cfgs[0])
         run_local(lc, [node_inner(c, t) for c, t in zip(cfgs, trainers)], ring_config(cfgs[0]))

@@ -26,9 +26,9 @@ from intellect_jax.coordinator.protocol import (
     RunCompleted,
     StaleSession,
 )
-from intellect_jax.net.transport import TransportConfig
+from intellect_jax.net import Authority, Credentials, TransportConfig
 
-from helpers import FP, ROOT, SECRET, Run, coord_client as _client, coord_config as _conf, coord_env as _env, \
+from helpers import FP, ROOT, Run, coord_client as _client, coord_config as _conf, coord_env as _env, \
     coord_transport as _tcfg, wait_for as _wait_for
 
 
@@ -362,10 +362,12 @@ def test_three_clients_barrier_together_and_status(coordinator) -> None:
             c.close()
 
 
-def test_wrong_secret_rejected_before_registration(coordinator) -> None:
+def test_foreign_certificate_rejected_before_registration(coordinator, tmp_path) -> None:
     coord = coordinator()
-    bad = _client(coord.address, "mallory", 9100, secret=b"not-the-run-secret-0123456789")
-    with pytest.raises(RegistrationRefused, match="refused node mallory's handshake") as ei:
+    Authority.init(tmp_path, "coord-test").issue("mallory")  # a certificate of another run's authority
+    foreign = TransportConfig("coord-test", Credentials.load(tmp_path, "mallory"), connect_timeout=5.0)
+    bad = _client(coord.address, "mallory", 9100, transport=foreign)
+    with pytest.raises(RegistrationRefused, match="no authenticated connection between coordinator .* and node mallory: .*certificate not of this run") as ei:
         bad.register()
     assert ei.value.reason == "auth"
     bad.close()
@@ -458,7 +460,7 @@ def test_lone_member_evicted_resumes_with_its_own_state(coordinator) -> None:
 
 
 def test_quiet_session_judged_by_heartbeat_timeout_not_io_timeout() -> None:
-    cfg = TransportConfig(run_id="coord-test", secret=SECRET, io_timeout=0.2)  # shorter than the heartbeat gap
+    cfg = _tcfg(io_timeout=0.2)  # shorter than the heartbeat gap
     with Coordinator(cfg, config=_conf(min_nodes=1, heartbeat_timeout=2.0)) as coord:
         a = _client(coord.address, "a", 9000, heartbeat_interval=0.7)
         try:
@@ -546,8 +548,8 @@ def test_coordinator_process_sigkilled_and_restarted_mid_barrier() -> None:
 VICTIM = """
 import sys, time
 from intellect_jax.coordinator.client import CoordinatorClient
-from intellect_jax.net import TransportConfig, load_secret
-cfg = TransportConfig(run_id="coord-test", secret=load_secret(), io_timeout=5.0)
+from intellect_jax.testing.identities import transport_config
+cfg = transport_config("victim", "coord-test", io_timeout=5.0)
 c = CoordinatorClient(sys.argv[1], cfg, "victim", "127.0.0.1:9009", fingerprint=sys.argv[2], heartbeat_interval=0.2)
 c.register()
 print(c.sync(0).epoch_id, flush=True)
@@ -561,7 +563,7 @@ def test_sigkilled_client_evicted_at_once_survivors_get_new_epoch(coordinator) -
     coord = coordinator(heartbeat_timeout=30.0, boundary_timeout=60.0)
     host, port = coord.address
     victim = subprocess.Popen([sys.executable, "-c", VICTIM, f"{host}:{port}", FP], stdout=subprocess.PIPE,
-                              text=True, env=_env(), cwd=ROOT)
+                              text=True, env=_env("victim"), cwd=ROOT)
     a, b = _client(coord.address, "a", 9000), _client(coord.address, "b", 9001)
     try:
         a.register(), b.register()

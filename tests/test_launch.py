@@ -5,7 +5,6 @@ strangers refused)."""
 
 import os
 import re
-import secrets
 import subprocess
 import sys
 import time
@@ -67,22 +66,23 @@ def test_a_joiner_named_like_a_founder_is_refused():
 def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     """The one launcher run end to end: 2 founders, node2 joins after outer step 1 by live transfer
     (its donor trains meanwhile), the coordinator is SIGKILLed after step 3 and restarted from its
-    journal; a node with the wrong secret and one with another model are refused in one line.
+    journal; a node of another run authority and one with another model are refused in one line.
     node2's process starts at outer step 1 of 10: the run must outlast its start-up (imports,
     compilation) on a loaded machine, or it would be told that the run is complete."""
     port = free_port()
-    secret = secrets.token_hex(32)
-    env = dict(os.environ, INTELLECT_NET_SECRET=secret)
+    env = dict(os.environ)
     p = launch(tmp_path, "--nodes", "2", "--join", "node2@1", "--kill-coordinator", "3", "--run.steps", "50",
                 port=port, env=env)
-    # once the run is going: a node with the wrong secret and one with another model are refused
+    # once the run is going: a node of another authority and one with another model are refused
     from intellect_jax.coordinator.client import coordinator_status
+    from intellect_jax.net.identity import Authority, Credentials
     from intellect_jax.net.transport import TransportConfig
 
-    tcfg = TransportConfig(run_id="intellect-jax", secret=secret.encode())
+    keys = tmp_path / "runs" / "debug_diloco" / "keys"  # the launcher's run authority
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
+            tcfg = TransportConfig(run_id="intellect-jax", identity=Credentials.load(keys, "operator"))
             if coordinator_status(f"127.0.0.1:{port}", tcfg, timeout=2)["outer_step"] >= 1:
                 break
         except Exception:
@@ -93,18 +93,19 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     base = [sys.executable, "-m", "intellect_jax.train", "--config", "configs/debug_diloco.toml",
             "--diloco.coordinator", f"127.0.0.1:{port}", "--run.out_dir", str(tmp_path / "bad"),
             *LAUNCH_TINY, "--data.cache_dir", str(tmp_path / "cache")]
+    Authority.init(tmp_path / "elsewhere", "intellect-jax").issue("intruder")
+    Authority.load(keys).issue("other")  # the operator lets "other" in; its model differs
     bad = [
-        subprocess.Popen(base + ["--diloco.node_id", "intruder"], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True,
-                         env=dict(env, INTELLECT_NET_SECRET=secrets.token_hex(32))),
-        subprocess.Popen(base + ["--diloco.node_id", "other", "--model.num_layers", "3"], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env),
+        subprocess.Popen(base + ["--diloco.node_id", "intruder", "--diloco.keys", str(tmp_path / "elsewhere")],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env),
+        subprocess.Popen(base + ["--diloco.node_id", "other", "--diloco.keys", str(keys), "--model.num_layers", "3"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env),
     ]
-    (_, err_secret), (_, err_model) = [b.communicate(timeout=300) for b in bad]
+    (_, err_foreign), (_, err_model) = [b.communicate(timeout=300) for b in bad]
     out = p.communicate(timeout=600)[0]
     assert p.returncode == 0, out[-3000:]
-    assert [b.returncode for b in bad] == [2, 2], (err_secret[-500:], err_model[-500:])
-    assert len(err_secret.strip().splitlines()) == 1 and "secret" in err_secret.lower(), err_secret[-500:]
+    assert [b.returncode for b in bad] == [2, 2], (err_foreign[-500:], err_model[-500:])
+    assert len(err_foreign.strip().splitlines()) == 1 and "certificate not of this run" in err_foreign, err_foreign[-500:]
     assert len(err_model.strip().splitlines()) == 1 and "fingerprint" in err_model, err_model[-500:]
     assert "SIGKILL coordinator" in out and "resumed member" in out and "journal: the run is at outer step" in out
     ref = one_history(rows(tmp_path / "runs" / "debug_diloco" / n) for n in ["node0", "node1"])

@@ -1,8 +1,6 @@
 """A DiLoCo node of several processes: the shard plumbing and the lead's stop() in process, and
 real runs of a node of 2 processes x 4 CPU devices beside a node of 1 process x 8 devices."""
 
-import os
-import secrets
 import subprocess
 import sys
 import threading
@@ -18,7 +16,6 @@ from intellect_jax.diloco.multihost import (
     Follower,
     Followers,
     LeadInner,
-    _field,
     build,
     fill,
     local_shards,
@@ -29,9 +26,10 @@ from intellect_jax.diloco.multihost import (
 from intellect_jax.net.comm import NetNode
 from intellect_jax.net.errors import FrameError
 from intellect_jax.net.arrays import recv_array_data, send_arrays
-from intellect_jax.net.transport import TransportConfig, connect, send_msg
+from intellect_jax.net.transport import connect, send_msg
+from intellect_jax.testing.identities import transport_config
 
-from helpers import TINY_ARGS, free_port, hashes, one_history, rows
+from helpers import TINY_ARGS, coord_env, free_port, hashes, one_history, rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,12 +75,10 @@ def test_build_names_a_missing_slice_and_fill_a_gap_or_misfit():
 
 
 def _pair():
-    cfg = TransportConfig(run_id="mh", secret=b"multihost-test-secret-0123456789", io_timeout=5.0)
+    cfg = transport_config("mh-node", "mh", io_timeout=5.0)  # a node's processes share its identity
     lead = NetNode(cfg)
-    from intellect_jax.net.transport import connect
-
-    follower = connect(cfg, lead.address, "c", timeout=5)
-    return lead, lead.accept("c", timeout=5), follower
+    follower = connect(cfg, lead.address, "c", expect="mh-node", timeout=5)
+    return lead, lead.accept("c", peer="mh-node", timeout=5), follower
 
 
 def test_parts_cross_a_connection_and_bad_ones_are_refused():
@@ -122,24 +118,29 @@ def test_parts_cross_a_connection_and_bad_ones_are_refused():
 
 
 def test_a_follower_refuses_lead_messages_of_the_wrong_form():
-    assert _field({"until": 3}, "until", int) == 3
-    for msg in ({}, {"until": "3"}, {"until": True}, {"until": 3.0}):
-        with pytest.raises(FrameError, match="sent until="):
-            _field(msg, "until", int)
-    cfg = TransportConfig(run_id="mh", secret=b"multihost-test-secret-0123456789", io_timeout=5.0)
-    net = NetNode(cfg)
-    f_conn = connect(cfg, net.address, "c", timeout=5)
-    lead_conn = net.accept("c", timeout=5)
+    from wire_fuzz import pair  # (framed connections over a socketpair; fuzzed messages: test_meta_schema.py)
+
+    lead_conn, f_conn = pair("follower", "the node's lead process")
     follower = Follower(None, None, f_conn)  # type: ignore[arg-type]
     try:
-        for msg, why in (({"op": "stop"}, "'stop' within a train"), ({"op": "go", "stop": 1}, "not a bool")):
+        for msg, why in (({"op": "stop"}, "malformed answer within a train: op: Input should be 'go'"),
+                         ({"op": "go", "stop": 1}, "stop: Input should be a valid boolean"),
+                         ({"op": "go"}, "stop: Field required"), ({"op": "go", "stop": True, "x": 1}, "x: Extra")):
             send_msg(lead_conn, msg)
-            with pytest.raises(FrameError, match=why):
+            with pytest.raises(FrameError, match=f"the node's lead process: .*{why}"):
                 follower._lead_stops()
         send_msg(lead_conn, {"op": "go", "stop": True})
         assert follower._lead_stops() is True
+        for msg, why in (({"op": "train", "until": "3", "asks": False}, "train.until: Input should be a valid integer"),
+                         ({"op": "train", "until": True, "asks": False}, "train.until"),
+                         ({"op": "train", "until": 3.0, "asks": False}, "train.until"),
+                         ({"op": "fly"}, "Input tag 'fly' found using 'op' does not match"),
+                         ({"until": 3}, "Unable to extract tag using discriminator 'op'")):
+            send_msg(lead_conn, msg)
+            with pytest.raises(FrameError, match=f"malformed command: .*{why}"):
+                follower.run()
     finally:
-        f_conn.close(), lead_conn.close(), net.close()
+        f_conn.close(), lead_conn.close()
 
 
 TINY = [*TINY_ARGS, "--data.batch_size", "8", "--run.log_every", "1", "--run.no-progress"]
@@ -148,8 +149,8 @@ TINY = [*TINY_ARGS, "--data.batch_size", "8", "--run.log_every", "1", "--run.no-
 def _run(tmp_path, nodes, *, min_nodes, H, outer, more=()):
     """A coordinator and the given nodes ({name: (processes, devices each, extra args)}) to the end;
     returns every process's output by "name" / "name.i"."""
-    secret, port = secrets.token_hex(32), free_port()
-    env = dict(os.environ, INTELLECT_NET_SECRET=secret, JAX_PLATFORMS="cpu")
+    port = free_port()
+    env = dict(coord_env(*nodes), JAX_PLATFORMS="cpu")
     coord = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
                               str(port), "--min-nodes", str(min_nodes), "--heartbeat-timeout", "60",
                               "--journal", str(tmp_path / "coordinator.journal")], cwd=ROOT,
@@ -223,8 +224,8 @@ def test_a_late_two_process_node_takes_the_live_state_then_loses_a_process(tmp_p
     import time
 
     H, outer = 4, 14
-    secret, port, dist = secrets.token_hex(32), free_port(), free_port()
-    env = dict(os.environ, INTELLECT_NET_SECRET=secret, JAX_PLATFORMS="cpu")
+    port, dist = free_port(), free_port()
+    env = dict(coord_env("a", "b"), JAX_PLATFORMS="cpu")
     coord = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
                               str(port), "--min-nodes", "1", "--heartbeat-timeout", "5", "--boundary-timeout", "20",
                               "--journal", str(tmp_path / "coordinator.journal")],
@@ -286,12 +287,12 @@ class Steps:
 
 
 def test_followers_stop_where_the_lead_stops():
-    cfg = TransportConfig(run_id="mh", secret=b"multihost-test-secret-0123456789", io_timeout=5.0)
+    cfg = transport_config("mh-node", "mh", io_timeout=5.0)
     net = NetNode(cfg)
     mine, theirs = Steps(), Steps()
-    f_conn = connect(cfg, net.address, "c", timeout=5)
+    f_conn = connect(cfg, net.address, "c", expect="mh-node", timeout=5)
     followers = Followers.__new__(Followers)  # (one follower, connected by hand: no JAX runtime here)
-    followers.conns = {1: net.accept("c", timeout=5)}
+    followers.conns = {1: net.accept("c", peer="mh-node", timeout=5)}
     follower = Follower(theirs, None, f_conn)  # type: ignore[arg-type]
     served: list[int] = []
     th = threading.Thread(target=lambda: served.append(follower.run()), daemon=True)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from intellect_jax.testing.local_ring import LocalGroup
-from intellect_jax.net import Communicator, NetNode, PeerClosed, PeerTimeout, RingConfig, TransportConfig
+from intellect_jax.net import Communicator, NetNode, PeerClosed, PeerTimeout, RingConfig
+from intellect_jax.testing.identities import transport_config
 
 
 def _threads(group: LocalGroup, inputs: list[np.ndarray]) -> tuple[list, list]:
@@ -104,9 +105,8 @@ def _call_all(comms: list, trees: list, outs: list | None = None) -> list:
 
 
 def test_both_implementations_satisfy_the_protocol() -> None:
-    cfg = TransportConfig(run_id="p", secret=b"0123456789abcdef0123")
-    with NetNode(cfg) as node:
-        ring = node.ring([node.address], 0)
+    with NetNode(transport_config("p0", "p")) as node:
+        ring = node.ring([(node.name, node.address)], 0)
         assert isinstance(ring, Communicator)
         x = np.arange(7, dtype=np.float32)
         assert np.array_equal(ring.all_reduce_mean(x), x)  # a ring of one is an exact copy
@@ -118,9 +118,9 @@ def test_both_implementations_satisfy_the_protocol() -> None:
     copies = [[a.copy() for a in _leaves(t)] for t in trees]
     group = LocalGroup(2, rcfg)
     fake = [group.communicator(r) for r in range(2)]
-    nodes = [NetNode(cfg) for _ in range(2)]
+    nodes = [NetNode(transport_config(f"p{r}", "p")) for r in range(2)]
     try:
-        sock = [n.ring([m.address for m in nodes], r, config=rcfg) for r, n in enumerate(nodes)]
+        sock = [n.ring([(m.name, m.address) for m in nodes], r, config=rcfg) for r, n in enumerate(nodes)]
         results = {}
         for name, comms in (("fake", fake), ("socket", sock)):
             plain = _call_all(comms, trees)

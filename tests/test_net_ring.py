@@ -11,7 +11,9 @@ import pytest
 
 from intellect_jax.net import (
     AuthError,
+    Authority,
     ConfigMismatch,
+    Credentials,
     NetError,
     NetNode,
     PeerTimeout,
@@ -20,15 +22,18 @@ from intellect_jax.net import (
     TransportConfig,
 )
 from intellect_jax.net.frames import HEADER_LEN
+from intellect_jax.testing.identities import transport_config
 from intellect_jax.testing.local_ring import LocalGroup, ring_bytes
 from intellect_jax.net.plan import simulate
 
-SECRET = b"ring-test-secret-0123456789abcdef"
+def _nodes(n: int, first: int = 0, **kw: Any) -> list[NetNode]:
+    """``n`` nodes with identities ``r<first>``, ``r<first+1>``, ... of the test authority."""
+    kw.setdefault("io_timeout", 5.0)
+    return [NetNode(transport_config(f"r{first + i}", "ring-test", **kw)) for i in range(n)]
 
 
-def _nodes(n: int, secret: bytes = SECRET, **kw: Any) -> list[NetNode]:
-    cfg = TransportConfig(run_id="ring-test", secret=secret, io_timeout=kw.pop("io_timeout", 5.0), **kw)
-    return [NetNode(cfg) for _ in range(n)]
+def _members(nodes: list[NetNode]) -> list[tuple[str, Any]]:
+    return [(n.name, n.address) for n in nodes]
 
 
 def _run(comms: list[Any], inputs: list[Any], **call_kw: Any) -> tuple[list[Any], list[BaseException | None]]:
@@ -50,8 +55,7 @@ def _run(comms: list[Any], inputs: list[Any], **call_kw: Any) -> tuple[list[Any]
 
 
 def _ring(nodes: list[NetNode], cfg: RingConfig, epoch: int = 0) -> list[Any]:
-    peers = [n.address for n in nodes]
-    return [n.ring(peers, r, epoch=epoch, config=cfg) for r, n in enumerate(nodes)]
+    return [n.ring(_members(nodes), r, epoch=epoch, config=cfg) for r, n in enumerate(nodes)]
 
 
 def _inputs(world: int, n: int, seed: int = 0) -> list[np.ndarray]:
@@ -194,14 +198,14 @@ def test_a_member_address_that_is_no_address_is_a_config_mismatch() -> None:
     try:
         for bad in ("h:x", "no-port", "h:70000"):
             with pytest.raises(ConfigMismatch, match="ring of epoch 4: not a host:port address"):
-                nodes[0].ring([nodes[0].address, bad], 0, epoch=4)
+                nodes[0].ring([(nodes[0].name, nodes[0].address), ("r9", bad)], 0, epoch=4)
     finally:
         nodes[0].close()
 
 
 def test_config_mismatch_fails_every_rank_fast() -> None:
     nodes = _nodes(3)
-    peers = [n.address for n in nodes]
+    peers = _members(nodes)
     comms = [n.ring(peers, r, config=RingConfig(block_size=32 if r == 1 else 64, deadline=10))
              for r, n in enumerate(nodes)]
     t0 = time.monotonic()
@@ -217,7 +221,8 @@ def test_config_mismatch_fails_every_rank_fast() -> None:
         comms[0].all_reduce_mean(np.zeros(3, np.float32))
 
 
-def test_wrong_secret_rank_is_rejected_before_any_data(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rank_of_another_authority_is_rejected_before_any_data(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Any) -> None:
     from intellect_jax.net import listener as listener_mod, transport
     from intellect_jax.net.frames import MsgType
 
@@ -246,9 +251,10 @@ def test_wrong_secret_rank_is_rejected_before_any_data(monkeypatch: pytest.Monke
     monkeypatch.setattr(transport.Connection, "recv_header", recv_header)
     monkeypatch.setattr(listener_mod.Listener, "accept", accept)
     good = _nodes(2)
-    bad = _nodes(1, secret=b"not-the-run-secret-at-all-000000")
+    Authority.init(tmp_path, "elsewhere").issue("r2")  # the same name, from another authority
+    bad = [NetNode(TransportConfig("ring-test", Credentials.load(tmp_path, "r2"), io_timeout=5.0))]
     nodes = [good[0], good[1], bad[0]]
-    peers = [n.address for n in nodes]
+    peers = _members(nodes)
     comms = [n.ring(peers, r, config=RingConfig(deadline=3)) for r, n in enumerate(nodes)]
     try:
         _, errs = _run(comms, _inputs(3, 1000))

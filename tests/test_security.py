@@ -27,12 +27,12 @@ from intellect_jax.diloco.state import state_hash
 from intellect_jax.diloco.store import MemoryStore
 from intellect_jax.diloco.transfer import NetTransport
 from intellect_jax.net.comm import NetNode, RingConfig
-from intellect_jax.net.transport import TransportConfig
+from intellect_jax.net.identity import KEYS_ENV, Authority
+from intellect_jax.testing.identities import credentials, keys_dir, transport_config
 
-from helpers import TINY_ARGS, free_port
+from helpers import TINY_ARGS, expire, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-SECRET = b"security-test-secret-0123456789abcdef"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,13 +40,15 @@ SECRET = b"security-test-secret-0123456789abcdef"
 # ---------------------------------------------------------------------------------------------
 class Attack:
     """One address holding ``idle`` connections open (renewed as they are dropped), another
-    flooding random bytes, against every port in ``ports``."""
+    flooding random bytes, and 40 addresses of another network holding 8 connections each that
+    sent one byte, against every port in ``ports``."""
 
     def __init__(self, ports: list[int], idle: int = 500) -> None:
         self.ports, self.idle, self.stop = ports, idle, threading.Event()
-        self.opened = self.flooded = 0
+        self.opened = self.flooded = self.one_byte = 0
         self.threads = [threading.Thread(target=self._hold, daemon=True),
-                        threading.Thread(target=self._flood, daemon=True)]
+                        threading.Thread(target=self._flood, daemon=True),
+                        threading.Thread(target=self._one_byte, daemon=True)]
 
     @staticmethod
     def _connect(src: str, port: int) -> socket.socket | None:
@@ -72,6 +74,27 @@ class Attack:
                 if s is not None:
                     held.append(s)
                     self.opened += 1
+            self.stop.wait(1.0)
+        for s in held:
+            s.close()
+
+    def _one_byte(self) -> None:
+        """127.0.2.10-49 (one /24), 8 connections each, each one byte into its TLS hello."""
+        held: list[socket.socket] = []
+        while not self.stop.is_set():
+            for s in held:
+                s.close()
+            held = []
+            for a in range(10, 50):
+                for i in range(8):
+                    s = self._connect(f"127.0.2.{a}", self.ports[i % len(self.ports)])
+                    if s is not None:
+                        try:
+                            s.sendall(b"\x16")
+                            held.append(s)
+                            self.one_byte += 1
+                        except OSError:
+                            s.close()
             self.stop.wait(1.0)
         for s in held:
             s.close()
@@ -105,7 +128,6 @@ def run_nodes(n: int, attack: bool) -> dict:
     """A coordinator and ``n`` nodes (numpy trainers, real sockets: authenticated transport,
     coordinator, int8 ring, state transport), optionally under attack on the coordinator's and
     node0's ports. Returns timings, evictions, hashes, and what the listeners turned away."""
-    cfg = TransportConfig(run_id="sec", secret=SECRET, io_timeout=10.0)
     loop = LoopConfig(inner_steps=5, outer_steps=20, outer_lr=1.0, outer_momentum=0.0, watch_interval=0.2)
     conf = CoordinatorConfig(heartbeat_timeout=3.0, min_nodes=n, join_window=0.0, keepalive_interval=0.3,
                              tick_interval=0.05, outer_steps=loop.outer_steps)
@@ -113,14 +135,15 @@ def run_nodes(n: int, attack: bool) -> dict:
     targets = [rs.standard_normal(64).astype(np.float32) for _ in range(n)]
     init = {"w": rs.standard_normal(64).astype(np.float32), "u": np.zeros((2, 4), np.float32)}
     goal = np.mean(targets, axis=0)
-    with Coordinator(cfg, config=conf) as coord:
-        nets = [NetNode(cfg) for _ in range(n)]
+    cfgs = [transport_config(f"n{i}", "sec", io_timeout=10.0) for i in range(n)]
+    with Coordinator(transport_config("coordinator", "sec", io_timeout=10.0), config=conf) as coord:
+        nets = [NetNode(cfg) for cfg in cfgs]
         reg_s: list[float] = [0.0] * n
         outcomes: list = [None] * n
         loops: list = [None] * n
 
         def node(i: int) -> None:
-            client = CoordinatorClient(coord.address, cfg, f"n{i}", "%s:%d" % nets[i].address, fingerprint="fp",
+            client = CoordinatorClient(coord.address, cfgs[i], f"n{i}", "%s:%d" % nets[i].address, fingerprint="fp",
                                        heartbeat_interval=0.2, outer_steps=loop.outer_steps)
             register = client.register
 
@@ -132,7 +155,7 @@ def run_nodes(n: int, attack: bool) -> dict:
                     reg_s[i] = max(reg_s[i], time.monotonic() - t0)
 
             client.register = timed  # type: ignore[method-assign]
-            ring = lambda ep: nets[i].ring(ep.addresses, ep.rank, epoch=ep.epoch_id,  # noqa: E731
+            ring = lambda ep: nets[i].ring(ep.members, ep.rank, epoch=ep.epoch_id,  # noqa: E731
                                            config=RingConfig(deadline=30.0, piece_numel=1 << 12))
             parts = NodeParts(f"n{i}", NumpyInner(targets[i], init, goal, step_time=0.04), client, ring,
                               NetTransport(nets[i], f"n{i}", watch_interval=0.2), MemoryStore(), log=lambda line: None)
@@ -169,14 +192,15 @@ def run_nodes(n: int, attack: bool) -> dict:
             "evictions": [e for e in status["evictions"] if not e["graceful"]],
             "hashes": {state_hash(lp.state) for lp in loops if lp.state is not None}, "refused": refused,
             "node_refused": node_refused,
-            "attack": (ctx.opened, ctx.flooded) if ctx else None}
+            "attack": (ctx.opened, ctx.flooded, ctx.one_byte) if ctx else None}
 
 
 @pytest.mark.slow
 def test_strangers_cannot_lock_members_out():
-    """While 127.0.0.2 holds 500 idle connections and 127.0.0.3 floods random bytes at the
-    coordinator's and node0's (ring and transfer) ports, 4 nodes register, train and
-    all-reduce: no eviction, a few seconds of added latency at most."""
+    """While 127.0.0.2 holds 500 idle connections, 127.0.0.3 floods random bytes and 40
+    addresses of 127.0.2.0/24 hold 8 one-byte connections each at the coordinator's and node0's
+    (ring and transfer) ports, 4 nodes register, train and all-reduce: no eviction, a few
+    seconds of added latency at most."""
     base = run_nodes(4, attack=False)
     hit = run_nodes(4, attack=True)
     print(f"registration s (max): {max(base['register_s']):.3f} alone, {max(hit['register_s']):.3f} under attack; "
@@ -187,10 +211,12 @@ def test_strangers_cannot_lock_members_out():
         assert not r["evictions"] and len(r["hashes"]) == 1, (r["evictions"], r["hashes"])
     assert max(hit["register_s"]) <= max(base["register_s"]) + 3.0
     assert hit["wall_s"] <= base["wall_s"] + 5.0
-    opened, flooded = hit["attack"]
+    opened, flooded, one_byte = hit["attack"]
     assert opened > 900 and flooded > 300  # the attack ran all along (two waves of 500 idle connections at least)
-    assert hit["refused"].get("source over its handshake budget", 0) > 100
-    assert hit["node_refused"].get("source over its handshake budget", 0) > 100
+    assert one_byte >= 2 * 320  # two waves of 40 x 8 one-byte connections at least
+    for refused in (hit["refused"], hit["node_refused"]):
+        assert refused.get("source over its handshake budget", 0) > 100, refused
+        assert refused.get("network over its handshake budget", 0) > 100, refused
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,36 +286,46 @@ def _finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
 
 
 def test_client_commands_fail_in_one_line(tmp_path):
-    """Every command at once (they are independent; one after another costs the suite ~30 s)."""
+    """Every command at once (they are independent; one after another costs the suite ~30 s):
+    no keys, a missing keys directory, a foreign, revoked or expired certificate, an identity
+    never issued, a coordinator that is not there."""
     dead = free_port()
-    good = {"INTELLECT_NET_SECRET": SECRET.decode()}
+    credentials("sec-node")
+    good = {KEYS_ENV: str(keys_dir())}
+    foreign = tmp_path / "foreign"
+    Authority.init(foreign, "elsewhere")
+    revoked = tmp_path / "revoked"
+    Authority.init(revoked, "intellect-jax").revoke("operator")
+    expired = tmp_path / "expired"
+    expire(Authority.init(expired, "intellect-jax"), "operator")
     # a node whose coordinator is not there
     node = _start("intellect_jax.train", "--config", "configs/debug_diloco.toml", "--diloco.coordinator",
                   f"127.0.0.1:{dead}", "--run.out_dir", str(tmp_path / "runs"), "--run.steps", "10",
                   "--diloco.inner_steps", "5", *TINY_ARGS, "--data.cache_dir", str(tmp_path / "cache"),
-                  "--diloco.register_timeout", "3", env={**good, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+                  "--diloco.node_id", "sec-node", "--diloco.register_timeout", "3",
+                  env={**good, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    status = ("intellect_jax.coordinator", "--status")
     cases = [
-        (("intellect_jax.coordinator", "--status", f"127.0.0.1:{dead}"), good, "127.0.0.1"),
-        (("intellect_jax.coordinator", "--status", f"127.0.0.1:{dead}"), {"INTELLECT_NET_SECRET": "short"},
-         "need at least 16"),
-        (("intellect_jax.coordinator", "--status", "127.0.0.1:1"), {"INTELLECT_NET_SECRET": "",
-                                                                    "INTELLECT_NET_SECRET_FILE": ""}, "no run secret"),
-        (("intellect_jax.coordinator", "--status", "127.0.0.1:1", "--secret-file", str(tmp_path / "missing")), good,
-         "missing"),
+        ((*status, f"127.0.0.1:{dead}"), good, "127.0.0.1"),
+        ((*status, "127.0.0.1:1"), {KEYS_ENV: ""}, "no keys directory"),
+        ((*status, "127.0.0.1:1", "--keys", str(tmp_path / "missing")), good, "missing: no such keys directory"),
+        ((*status, "127.0.0.1:1", "--identity", "nobody"), good, "identity nobody: no certificate"),
+        ((*status, "127.0.0.1:1", "--keys", str(revoked)), good, "identity operator is revoked"),
+        ((*status, "127.0.0.1:1", "--keys", str(expired)), good, "operator.crt: certificate of operator expired"),
+        (("intellect_jax.train", "--config", "configs/debug_diloco.toml", "--diloco.coordinator", "127.0.0.1:1",
+          "--diloco.keys", str(foreign)), good, "holds 0 node identities"),
     ]
-    cfg = TransportConfig(run_id="intellect-jax", secret=SECRET)
-    with Coordinator(cfg) as coord:  # a live coordinator, and a caller with the wrong secret
-        cases.append((("intellect_jax.coordinator", "--status", coord.address_str),
-                      {"INTELLECT_NET_SECRET": "another-secret-0123456789abcdef"}, "secret"))
-        ok = _start("intellect_jax.coordinator", "--status", coord.address_str, env=good)
+    with Coordinator(transport_config("coordinator", "intellect-jax")) as coord:  # live, and a foreign caller
+        cases.append(((*status, coord.address_str, "--keys", str(foreign)), good, "certificate not of this run"))
+        ok = _start(*status, coord.address_str, env=good)
         procs = [(args, needle, _start(*args, env=env)) for args, env, needle in cases]
         for args, needle, p in procs:
             r = _finish(p)
             err = r.stderr.strip().splitlines()
-            assert r.returncode != 0 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (
+            assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (
                 args, r.returncode, r.stderr[-1500:])
         r = _finish(ok)
-        assert r.returncode == 0 and '"outer_step"' in r.stdout
+        assert r.returncode == 0 and '"outer_step"' in r.stdout, r.stderr[-1500:]
     r = _finish(node)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: ") and f"127.0.0.1:{dead}" in err[0], (

@@ -1,7 +1,8 @@
 """``python -m intellect_jax.coordinator``: run the elastic-DiLoCo coordinator (or query one).
 
-The run secret comes from ``--secret-file``, ``$INTELLECT_NET_SECRET_FILE`` or
-``$INTELLECT_NET_SECRET`` (never the command line). Prints ``coordinator listening on
+Its identity is ``coordinator`` in the run's keys directory (``--keys``, else
+``$INTELLECT_KEYS``; made by ``python -m intellect_jax.keys init``); ``--status`` speaks as
+``operator`` (``--identity`` to choose). Prints ``coordinator listening on
 HOST:PORT`` on stdout once bound; logs one line per membership event on stderr; stops on
 SIGTERM/SIGINT. ``--status HOST:PORT`` prints a running coordinator's status as JSON.
 
@@ -28,7 +29,11 @@ from intellect_jax.model.config import ConfigError
 from intellect_jax.coordinator.client import coordinator_status
 from intellect_jax.coordinator.server import Coordinator
 from intellect_jax.coordinator.protocol import CoordinatorConfig
-from intellect_jax.net.auth import load_secret
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from intellect_jax.coordinator.journal import Journal, JournalError, verify_votes
+from intellect_jax.net.identity import CA_CERT, COORDINATOR, OPERATOR, Credentials, keys_dir
 from intellect_jax.net.transport import TransportConfig
 
 DEFAULT_RUN_ID = "intellect-jax"
@@ -39,7 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m intellect_jax.coordinator", description=__doc__.split("\n")[0])
     p.add_argument("--host", default="0.0.0.0", help="interface to bind (default: all)")
     p.add_argument("--port", type=int, default=29400, help="port to bind (0: any free port)")
-    p.add_argument("--secret-file", default=None, help="file holding the run secret (chmod 600)")
+    p.add_argument("--keys", default=None, metavar="DIR",
+                   help="the run's keys directory (default: $INTELLECT_KEYS)")
+    p.add_argument("--identity", default=None,
+                   help=f"whose certificate to use (default: {COORDINATOR}; {OPERATOR} with --status)")
     p.add_argument("--run-id", default=DEFAULT_RUN_ID, help="run id; nodes must use the same")
     p.add_argument("--model-fingerprint", default=None, help="the run's model config fingerprint "
                    "(default: the first registrant's)")
@@ -62,15 +70,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="let the run restart from a checkpoint of outer step K or later, behind the journal's "
                         "newest step (when the newest state is lost for good); logged")
     p.add_argument("--status", metavar="HOST:PORT", default=None, help="print a running coordinator's status")
+    p.add_argument("--verify-journal", metavar="FILE", default=None,
+                   help="check a journal's signed votes against the run authority's certificate (in --keys) and exit")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
+
+
+def verify_journal(path: str, keys: Path) -> int:
+    """Every recorded step's hash must carry the signed votes of a majority of its members."""
+    rec = Journal(path).load_any()
+    ca = x509.load_pem_x509_certificate((keys / CA_CERT).read_bytes()).public_bytes(serialization.Encoding.DER)
+    bad = verify_votes(rec, ca)
+    if bad:
+        raise JournalError(f"journal {path}: {len(bad)} of {len(rec.hashes)} recorded steps not signed by a quorum: "
+                           + "; ".join(f"outer step {k}: {why}" for k, why in list(bad.items())[:5]))
+    print(f"journal {path}: run {rec.run_id}, {len(rec.hashes)} recorded steps "
+          f"({min(rec.hashes, default=0)}..{max(rec.hashes, default=0)}), each signed by a quorum of its members")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = TransportConfig(run_id=args.run_id, secret=load_secret(args.secret_file))
+    if args.verify_journal:
+        return verify_journal(args.verify_journal, keys_dir(args.keys))
+    who = args.identity or (OPERATOR if args.status else COORDINATOR)
+    cfg = TransportConfig(run_id=args.run_id, identity=Credentials.load(keys_dir(args.keys), who))
     if args.status:
         print(json.dumps(coordinator_status(args.status, cfg), indent=2))
         return 0

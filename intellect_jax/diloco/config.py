@@ -32,10 +32,12 @@ class DilocoConfig(BaseModel):
     streams: PositiveInt = 1  # parallel TCP streams per ring link
     coordinator: str | None = None  # host:port of the run's coordinator (a node requires it)
     run_id: str = "intellect-jax"
-    node_id: str | None = None  # default: <hostname>-<pid>
+    node_id: str | None = None  # this node's identity; default: the one node identity in `keys`
     listen: str = "127.0.0.1:0"  # ring / state-transfer listener (host:port)
     advertise: str | None = None  # address peers use to reach `listen` (default: its bound address)
-    secret_file: str | None = None  # else $INTELLECT_NET_SECRET / $INTELLECT_NET_SECRET_FILE
+    # the run's keys directory on this machine: ca.crt, crl.pem and this node's <node_id>.crt and
+    # <node_id>.key, issued by the operator (python -m intellect_jax.keys); else $INTELLECT_KEYS
+    keys: str | None = None
     data_rank: NonNegativeInt = 0  # this node's data shard ...
     data_ranks: PositiveInt = 1  # ... out of this many
     allreduce_deadline: PositiveFloat = 120.0  # seconds for one all-reduce before it is aborted

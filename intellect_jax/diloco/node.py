@@ -8,8 +8,6 @@ and the checkpoint store over the trainer's one `Checkpointer`.
 
 from __future__ import annotations
 
-import os
-import socket
 
 import jax
 
@@ -23,7 +21,7 @@ from intellect_jax.diloco.multihost import Follower, Followers, LeadInner, share
 from intellect_jax.coordinator.protocol import Epoch
 from intellect_jax.diloco.store import CheckpointStore
 from intellect_jax.diloco.transfer import NetTransport
-from intellect_jax.net.auth import load_secret
+from intellect_jax.net.identity import Credentials, keys_dir, sole_identity
 from intellect_jax.net.comm import NetNode, RingConfig, parse_address
 from intellect_jax.net.transport import TransportConfig
 from intellect_jax.trainer.loop import Role, Trainer
@@ -31,9 +29,16 @@ from intellect_jax.trainer.loop import Role, Trainer
 __all__ = ["DilocoError", "DilocoNode", "loop_config", "run_follower"]
 
 
+def node_identity(cfg: TrainConfig) -> str:
+    """This node's id: ``diloco.node_id``, else the one node identity in its keys directory."""
+    return cfg.diloco.node_id or sole_identity(keys_dir(cfg.diloco.keys))
+
+
 def transport_config(cfg: TrainConfig) -> TransportConfig:
+    """The node's transport: its own credentials (checked: one line naming the file if not good)."""
     d = cfg.diloco
-    return TransportConfig(run_id=d.run_id, secret=load_secret(d.secret_file), io_timeout=d.allreduce_deadline)
+    return TransportConfig(run_id=d.run_id, identity=Credentials.load(keys_dir(d.keys), node_identity(cfg)),
+                           io_timeout=d.allreduce_deadline)
 
 
 def loop_config(cfg: TrainConfig, path: PgPath) -> LoopConfig:
@@ -80,7 +85,7 @@ class DilocoNode:
         if not d.coordinator:
             raise DilocoError("diloco.coordinator (host:port) is required")
         self.cfg = cfg
-        self.node_id = d.node_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.node_id = node_identity(cfg)
         self._log = log or (lambda msg: print(f"[{self.node_id}] {msg}", flush=True))
         self.tcfg = transport_config(cfg)
         host, port = parse_address(d.listen)
@@ -99,7 +104,7 @@ class DilocoNode:
         self.followers: Followers | None = None  # the node's other processes (lead of a multi-process node)
 
     def _ring(self, ep: Epoch):
-        return self.net.ring(ep.addresses, ep.rank, epoch=ep.epoch_id, config=self.ring_cfg)
+        return self.net.ring(ep.members, ep.rank, epoch=ep.epoch_id, config=self.ring_cfg)
 
     def run(self) -> Outcome:
         d = self.cfg.diloco

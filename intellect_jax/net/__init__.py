@@ -1,4 +1,4 @@
-"""intellect_jax.net: authenticated, quantized ring all-reduce between DiLoCo nodes (numpy + sockets).
+"""intellect_jax.net: mutual-TLS, quantized ring all-reduce between DiLoCo nodes (numpy + sockets).
 
 The DiLoCo layer needs only :class:`Communicator` (``all_reduce_mean(tree) -> tree`` and
 ``last_stats``); build the real one with :class:`NetNode` + :meth:`NetNode.ring`; the in-process
@@ -8,7 +8,6 @@ objects (:func:`send_msg` / :func:`recv_msg`), lists of arrays (:func:`send_arra
 """
 
 from intellect_jax.net.arrays import recv_arrays, send_arrays
-from intellect_jax.net.auth import TLSConfig, load_secret
 from intellect_jax.net.blob import recv_blob, send_blob
 from intellect_jax.net.comm import (
     CommStats,
@@ -26,6 +25,7 @@ from intellect_jax.net.errors import (
     PeerTimeout,
     RingClosed,
 )
+from intellect_jax.net.identity import Authority, Credentials, IdentityError
 from intellect_jax.net.listener import Listener
 from intellect_jax.net.transport import (
     Address,
@@ -40,11 +40,14 @@ from intellect_jax.net.transport import (
 __all__ = [
     "Address",
     "AuthError",
+    "Authority",
     "CommStats",
     "Communicator",
     "ConfigMismatch",
     "Connection",
+    "Credentials",
     "FrameError",
+    "IdentityError",
     "Listener",
     "NetError",
     "NetNode",
@@ -53,10 +56,8 @@ __all__ = [
     "RingClosed",
     "RingConfig",
     "SocketCommunicator",
-    "TLSConfig",
     "TransportConfig",
     "connect",
-    "load_secret",
     "parse_address",
     "recv_arrays",
     "recv_blob",

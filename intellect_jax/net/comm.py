@@ -13,12 +13,14 @@ import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Annotated, Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import numpy as np
+from pydantic import Field
 
 from intellect_jax.net import quant, tree as treelib
 from intellect_jax.net.errors import ConfigMismatch, PeerTimeout, RingClosed
+from intellect_jax.net.schema import Nat, Wire, recv_model
 from intellect_jax.net.ring import Links, Workspace, ring_all_reduce
 from intellect_jax.net.listener import Listener
 from intellect_jax.net.transport import (
@@ -27,7 +29,6 @@ from intellect_jax.net.transport import (
     TransportConfig,
     connect,
     parse_address,
-    recv_msg,
     send_msg,
 )
 
@@ -149,19 +150,26 @@ class NetNode:
         """Where peers reach this node."""
         return self.listener.address
 
-    def connect(self, address: Address | str, channel: str, *, timeout: float | None = None,
+    @property
+    def name(self) -> str:
+        """This node's identity."""
+        return self.cfg.name
+
+    def connect(self, address: Address | str, channel: str, *, expect: str | None, timeout: float | None = None,
                 name: str | None = None) -> Connection:
-        """Authenticated connection to a peer's listener on ``channel``."""
-        return connect(self.cfg, parse_address(address), channel, timeout=timeout, name=name)
+        """Connection on ``channel`` to the peer at ``address``, which must hold identity
+        ``expect`` (None: any identity of the run)."""
+        return connect(self.cfg, parse_address(address), channel, expect=expect, timeout=timeout, name=name)
 
-    def accept(self, channel: str, *, timeout: float, name: str | None = None) -> Connection:
-        """Next authenticated incoming connection on ``channel``."""
-        return self.listener.accept(channel, timeout=timeout, name=name)
+    def accept(self, channel: str, *, peer: str | None, timeout: float, name: str | None = None) -> Connection:
+        """Next connection on ``channel`` from identity ``peer`` (None: any identity of the run)."""
+        return self.listener.accept(channel, timeout=timeout, peer=peer, name=name)
 
-    def ring(self, peers: Sequence[Address | str], rank: int, *, epoch: int = 0,
+    def ring(self, members: Sequence[tuple[str, Address | str]], rank: int, *, epoch: int = 0,
              config: RingConfig | None = None) -> SocketCommunicator:
-        """A communicator over ``peers`` (ordered; ``peers[rank]`` is this node)."""
-        return SocketCommunicator(self, peers, rank, epoch=epoch, config=config)
+        """A communicator over ``members``, (identity, address) in ring order; ``members[rank]``
+        is this node."""
+        return SocketCommunicator(self, members, rank, epoch=epoch, config=config)
 
     def close(self) -> None:
         """Stop listening."""
@@ -174,6 +182,30 @@ class NetNode:
         self.close()
 
 
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Short = Annotated[str, Field(max_length=64)]
+
+
+class RingMeta(Wire):
+    """What ring neighbours compare before every all-reduce call (``_check_meta``): the call,
+    the ring, the :class:`RingConfig` (less its deadline) and the tree's signature and buckets."""
+
+    v: Annotated[int, Field(ge=0, le=1 << 16)]
+    call: Nat
+    epoch: Int64
+    world: Annotated[int, Field(ge=1, le=1 << 20)]
+    peers: Short
+    mode: Annotated[str, Field(max_length=16)]
+    block_size: Nat
+    streams: Nat
+    piece_numel: Nat
+    bucket_numel: Nat
+    stochastic_rounding: bool
+    seed: Int64
+    sig: Short
+    buckets: Annotated[list[Nat], Field(max_length=1 << 16)]
+
+
 class SocketCommunicator:
     """Ring all-reduce over TCP for one ordered peer list and one epoch.
 
@@ -181,11 +213,14 @@ class SocketCommunicator:
     with the same tree structure (checked on every call).
     """
 
-    def __init__(self, node: NetNode, peers: Sequence[Address | str], rank: int, *, epoch: int = 0,
+    def __init__(self, node: NetNode, members: Sequence[tuple[str, Address | str]], rank: int, *, epoch: int = 0,
                  config: RingConfig | None = None) -> None:
         self.node, self.rank, self.epoch = node, rank, epoch
         try:  # the member list comes from the coordinator, the addresses from each member
-            self.peers = [parse_address(p) for p in peers]
+            if not all(isinstance(m, (tuple, list)) and len(m) == 2 and isinstance(m[0], str) for m in members):
+                raise ValueError(f"not a list of (identity, address): {str(members)[:120]}")
+            self.ids = [m[0] for m in members]
+            self.peers = [parse_address(m[1]) for m in members]
         except ValueError as e:
             raise ConfigMismatch(f"ring of epoch {epoch}: {e}") from None
         self.world_size = len(self.peers)
@@ -204,7 +239,7 @@ class SocketCommunicator:
         self._closed = False
         self._calls = 0
         self._stats = CommStats(world_size=self.world_size, mode=self.config.mode)
-        self._peers_hash = hashlib.sha256(json.dumps(self.peers).encode()).hexdigest()[:16]
+        self._peers_hash = hashlib.sha256(json.dumps([self.ids, self.peers]).encode()).hexdigest()[:16]
 
     @property
     def last_stats(self) -> CommStats:
@@ -212,7 +247,7 @@ class SocketCommunicator:
         return self._stats
 
     def _name(self, r: int) -> str:
-        return f"rank {r} ({self.peers[r][0]}:{self.peers[r][1]})"
+        return f"rank {r} ({self.ids[r]} at {self.peers[r][0]}:{self.peers[r][1]})"
 
     def _channel(self, src: int, dst: int, k: int) -> str:
         return f"ring/{self.epoch}/{src}>{dst}/{k}"
@@ -237,12 +272,13 @@ class SocketCommunicator:
         try:
             for k in range(k_streams):
                 ch = self._channel(self.rank, nxt, k)
-                links.out.append(self._until(lambda t: self.node.connect(self.peers[nxt], ch, timeout=t,
-                                                                         name=self._name(nxt)),
+                links.out.append(self._until(lambda t: self.node.connect(self.peers[nxt], ch, expect=self.ids[nxt],
+                                                                         timeout=t, name=self._name(nxt)),
                                              deadline, f"connecting to {self._name(nxt)}"))
             for k in range(k_streams):
                 ch = self._channel(prv, self.rank, k)
-                links.inn.append(self._until(lambda t: self.node.accept(ch, timeout=t, name=self._name(prv)),
+                links.inn.append(self._until(lambda t: self.node.accept(ch, peer=self.ids[prv], timeout=t,
+                                                                        name=self._name(prv)),
                                              deadline, f"waiting for {self._name(prv)} on channel {ch!r}"))
         except BaseException:
             links.close()
@@ -253,13 +289,15 @@ class SocketCommunicator:
         return links
 
     def _check_meta(self, links: Links, meta: dict[str, Any], deadline: float) -> None:
-        """Send our parameters downstream, compare with the upstream rank's."""
+        """Send our parameters downstream; the upstream rank's, parsed as a :class:`RingMeta`
+        (:class:`FrameError` if they do not parse), must equal ours (:class:`ConfigMismatch`)."""
+        ours = RingMeta.model_validate(meta).model_dump()  # ours must parse too: a new field goes in RingMeta
         send_msg(links.out[0], meta, deadline)
-        theirs = recv_msg(links.inn[0], deadline, max_len=1 << 16)
-        diff = sorted(k for k in set(meta) | set(theirs) if meta.get(k) != theirs.get(k))
+        theirs = recv_model(links.inn[0], RingMeta, "all-reduce header", deadline, max_len=1 << 16).model_dump()
+        diff = [k for k in ours if ours[k] != theirs[k]]
         if diff:
             prv = (self.rank - 1) % self.world_size
-            detail = ", ".join(f"{k}: theirs={theirs.get(k)!r} ours={meta.get(k)!r}" for k in diff)
+            detail = ", ".join(f"{k}: theirs={repr(theirs[k])[:40]} ours={repr(ours[k])[:40]}" for k in diff)
             raise ConfigMismatch(f"{self._name(prv)} disagrees on this all-reduce: {detail}")
 
     def all_reduce_mean(self, tree: T, *, out: T | None = None) -> T:

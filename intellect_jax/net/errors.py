@@ -8,7 +8,7 @@ class NetError(Exception):
 
 
 class AuthError(NetError):
-    """A peer failed the HMAC handshake (wrong secret or run id) or TLS verification."""
+    """A peer is not of this run (its certificate), not who it should be, or refused us."""
 
 
 class FrameError(NetError):

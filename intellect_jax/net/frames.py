@@ -1,4 +1,4 @@
-"""Frame format: a fixed 88-byte authenticated header followed by ``length`` payload bytes.
+"""Frame format: a fixed 88-byte header followed by ``length`` payload bytes.
 
 Header (little endian)::
 
@@ -6,12 +6,11 @@ Header (little endian)::
 
 * ``run``: first 16 bytes of sha256(run id); frames of another run are rejected.
 * ``seq``: per connection and direction, 0, 1, 2, ...; a gap or replay is rejected.
-* ``ptag``: payload integrity tag, sha256 (default) or crc32 (flags say which).
-* ``htag``: HMAC-SHA256 (session key of this direction, truncated to 16 bytes) over the
-  72 bytes before it. It covers ``ptag``, so a peer without the session key can neither
-  forge a header nor swap the payload (hash-then-MAC). The header is verified before the
-  payload is read, so a forged header never makes the receiver allocate ``length`` bytes.
-  Handshake frames (no key yet) carry an unkeyed sha256 instead.
+* ``ptag``: payload integrity tag, crc32 (default) or sha256 (flags say which).
+* ``htag``: sha256 of the 72 bytes before it, truncated to 16 bytes: a checksum. Frames travel
+  inside mutual TLS 1.3 (see :mod:`.identity`), which encrypts and authenticates every byte; the
+  tags catch a peer's own framing bugs, and the header is checked before the payload is read, so
+  a bad header never makes the receiver allocate ``length`` bytes.
 
 Because ``ptag`` is an unkeyed hash of the payload, a node that forwards a payload
 verbatim can reuse the tag it verified instead of hashing again.
@@ -40,9 +39,7 @@ _INTEGRITY_NAME = {v: k for k, v in INTEGRITY.items()}
 class MsgType(enum.IntEnum):
     """Frame types."""
 
-    HELLO = 1
-    CHALLENGE = 2
-    PROOF = 3
+    HELLO = 1  # the channel a new connection is for (inside TLS)
     ACCEPT = 4
     REJECT = 5
     META = 10
@@ -80,23 +77,20 @@ def payload_tag(payload: memoryview | bytes, integrity: str) -> bytes:
     raise ValueError(f"unknown integrity algorithm {integrity!r}; expected one of {list(INTEGRITY)}")
 
 
-def _htag(fixed: bytes, key: bytes | None) -> bytes:
-    if key is None:
-        return hashlib.sha256(fixed).digest()[:TAG_LEN]
-    return hmac.digest(key, fixed, "sha256")[:TAG_LEN]
+def _htag(fixed: bytes) -> bytes:
+    return hashlib.sha256(fixed).digest()[:TAG_LEN]
 
 
 def pack_header(
-    mtype: MsgType, run: bytes, seq: int, length: int, ptag: bytes, key: bytes | None, integrity: str
+    mtype: MsgType, run: bytes, seq: int, length: int, ptag: bytes, integrity: str
 ) -> bytes:
-    """Serialize and authenticate a header."""
+    """Serialize a header."""
     fixed = _FIXED.pack(MAGIC, VERSION, int(mtype), INTEGRITY[integrity], run, seq, length, ptag)
-    return fixed + _htag(fixed, key)
+    return fixed + _htag(fixed)
 
 
 def parse_header(
     raw: bytes | bytearray | memoryview,
-    key: bytes | None,
     *,
     peer: str,
     run: bytes | None,
@@ -117,9 +111,8 @@ def parse_header(
         raise FrameError(f"{peer}: bad frame magic {magic!r} (not an intellect_jax peer?)")
     if version != VERSION:
         raise FrameError(f"{peer}: protocol version {version}, this node speaks {VERSION}")
-    if not hmac.compare_digest(tag, _htag(fixed, key)):
-        what = "header checksum mismatch" if key is None else "header MAC mismatch (forged or corrupted frame)"
-        raise FrameError(f"{peer}: {what}")
+    if not hmac.compare_digest(tag, _htag(fixed)):
+        raise FrameError(f"{peer}: header checksum mismatch")
     if run is not None and frun != run:
         raise FrameError(f"{peer}: frame belongs to another run id")
     mt = _TYPES.get(mtype)

@@ -1,30 +1,70 @@
 """The accepting side: a listener that stays up and routes authenticated connections.
 
-It authenticates every incoming connection in its own thread (a slow or hostile client
-cannot block others) and files it under the channel the client asked for (e.g.
-``ring/<epoch>/<src>><dst>/<stream>`` or ``blob/<name>``), so rings for new epochs, or a
-background blob transfer, cost only new connections. Unclaimed connections are closed after
-``pending_ttl`` seconds.
+It runs each incoming connection's TLS handshake in its own thread (a slow or hostile client
+cannot block others), then reads the channel the client asks for (e.g.
+``ring/<epoch>/<src>><dst>/<stream>``) and files the connection under it, with the identity its
+certificate proves. :meth:`Listener.accept` hands out a channel's connections only from the
+identity that owns it (``peer``): a member that opens another member's channel is closed and
+counted, never served. Unclaimed connections are closed after ``pending_ttl`` seconds.
 
-Before authentication a connection is a stranger's, so strangers get little: at most
-``handshakes_per_source`` connections per source address in handshake at once (the rest are
-closed on arrival, and counted), at most ``max_handshakes`` in all, and ``first_bytes_timeout``
-to start the handshake, ``handshake_timeout`` to finish it. One address holding hundreds of idle
-connections occupies a few slots for a couple of seconds each; peers from other addresses
-(every node, every member of the run) keep getting served.
+Strangers (before authentication) get little: at most ``handshakes_per_source`` connections
+per address and ``handshakes_per_prefix`` per /24 (IPv4) or /64 (IPv6) in handshake at once,
+``max_handshakes`` in all (the rest are closed on arrival, and counted); each must deliver its
+whole TLS hello within ``first_bytes_timeout`` and finish within ``handshake_timeout``. Members
+(after authentication) may leave at most ``pending_per_peer`` connections unclaimed each.
 """
 
 from __future__ import annotations
 
 import collections
+import ipaddress
 import select
 import socket
+import ssl
 import threading
 import time
 
-from intellect_jax.net import auth
-from intellect_jax.net.errors import NetError, PeerTimeout
-from intellect_jax.net.transport import Address, Connection, TransportConfig, _tune
+from intellect_jax.net.errors import AuthError, FrameError, NetError, PeerTimeout
+from intellect_jax.net.frames import MsgType
+from intellect_jax.net.identity import peer_identity
+from intellect_jax.net.transport import MAX_CHANNEL_BYTES, Address, Connection, TransportConfig, _tune
+
+TLS_RECORD_MAX = 5 + (1 << 14) + 256  # a TLS record: 5-byte header, at most 16 KiB + expansion
+
+
+def prefix_of(ip: str) -> str:
+    """The network an address belongs to for the handshake budget: its /24 (IPv4) or /64 (IPv6)."""
+    try:
+        addr = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    bits = 24 if addr.version == 4 else 64
+    return str(ipaddress.ip_network(f"{addr}/{bits}", strict=False))
+
+
+def await_hello(sock: socket.socket, deadline: float) -> None:
+    """Wait (without consuming it) until the client's whole first TLS record, its hello, has
+    arrived; :class:`PeerTimeout` at ``deadline``, :class:`FrameError` if it is not TLS."""
+    need = 5
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([sock], [], [], left)[0]:
+            raise PeerTimeout("no complete TLS hello in time")
+        head = sock.recv(need, socket.MSG_PEEK)
+        if not head:
+            raise FrameError("closed before its TLS hello")
+        if len(head) >= 5:
+            if head[0] != 0x16:  # handshake record
+                raise FrameError("not a TLS client")
+            need = 5 + int.from_bytes(head[3:5], "big")
+            if need > TLS_RECORD_MAX:
+                raise FrameError("oversized TLS hello")
+            if len(head) >= need:
+                return
+        if len(head) < need:
+            time.sleep(0.005)  # a partial hello: poll until the rest arrives (peek does not consume)
 
 
 class Listener:
@@ -35,12 +75,13 @@ class Listener:
         self.cfg = cfg
         self._srv = socket.create_server((host, port), backlog=128)
         self.address: Address = self._srv.getsockname()[:2]
-        self._ctx = cfg.tls.server_context() if cfg.tls is not None else None
+        self._ctx = cfg.identity.server_context
         self._cond = threading.Condition()
         self._pending: dict[str, collections.deque[tuple[float, Connection]]] = {}
+        self._per_peer: collections.Counter[str] = collections.Counter()  # unclaimed, per identity
         self._rejections: collections.deque[tuple[float, str]] = collections.deque(maxlen=16)
         self._slots = threading.BoundedSemaphore(max_handshakes)
-        self._per_source: collections.Counter[str] = collections.Counter()  # handshakes in progress
+        self._busy: collections.Counter[str] = collections.Counter()  # handshakes, per address and network
         self.refused: collections.Counter[str] = collections.Counter()  # connections turned away, per reason
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name=f"net-listen-{self.address[1]}", daemon=True)
@@ -55,80 +96,123 @@ class Listener:
                     return
                 time.sleep(0.01)
                 continue
+            keys = (addr[0], prefix_of(addr[0]))
             with self._cond:
-                busy = self._per_source[addr[0]] >= self.cfg.handshakes_per_source
-                if not busy:
-                    self._per_source[addr[0]] += 1
-            if busy or not self._slots.acquire(blocking=False):
-                if not busy:
-                    self._release_source(addr[0])
-                why = "source over its handshake budget" if busy else "too many concurrent handshakes"
+                why = ("source over its handshake budget" if self._busy[keys[0]] >= self.cfg.handshakes_per_source
+                       else "network over its handshake budget" if self._busy[keys[1]] >= self.cfg.handshakes_per_prefix
+                       else None)
+                if why is None:
+                    self._busy.update(keys)
+            if why is None and not self._slots.acquire(blocking=False):
+                self._release(keys)
+                why = "too many concurrent handshakes"
+            if why is not None:
                 self._note(f"{addr[0]}:{addr[1]}: {why}", why)
                 sock.close()
                 continue
-            threading.Thread(target=self._handshake, args=(sock, addr), daemon=True).start()
+            threading.Thread(target=self._handshake, args=(sock, addr, keys), daemon=True).start()
 
-    def _release_source(self, ip: str) -> None:
+    def _release(self, keys: tuple[str, str]) -> None:
         with self._cond:
-            self._per_source[ip] -= 1
-            if self._per_source[ip] <= 0:
-                del self._per_source[ip]
+            self._busy.subtract(keys)
+            for k in keys:
+                if self._busy[k] <= 0:
+                    del self._busy[k]
 
     def _note(self, msg: str, why: str = "handshake failed") -> None:
         with self._cond:
             self._rejections.append((time.monotonic(), msg))
             self.refused[why] += 1
 
-    def _handshake(self, sock: socket.socket, addr: tuple) -> None:
+    def _handshake(self, sock: socket.socket, addr: tuple, keys: tuple[str, str]) -> None:
         peer = f"{addr[0]}:{addr[1]}"
+        cfg = self.cfg
         try:
-            if not select.select([sock], [], [], self.cfg.first_bytes_timeout)[0]:
-                raise PeerTimeout(f"{peer}: no handshake within {self.cfg.first_bytes_timeout:.1f}s")
-            _tune(sock, self.cfg)
-            sock.settimeout(self.cfg.handshake_timeout)
-            if self._ctx is not None:
+            try:
+                await_hello(sock, time.monotonic() + cfg.first_bytes_timeout)
+                _tune(sock, cfg)
+                sock.settimeout(cfg.handshake_timeout)
                 sock = self._ctx.wrap_socket(sock, server_side=True)
-            conn = Connection(sock, self.cfg, peer)
-            deadline = time.monotonic() + self.cfg.handshake_timeout
-            channel, send_key, recv_key = auth.server_handshake(conn, self.cfg.secret, self.cfg.run, deadline)
-            conn.set_keys(send_key, recv_key)
-            conn.channel = channel
+                ident, serial, cert = peer_identity(sock)  # type: ignore[arg-type]
+            finally:  # a stranger's slot ends with the TLS handshake
+                self._slots.release()
+                self._release(keys)
+            conn = Connection(sock, cfg, f"{ident}@{peer}", identity=ident, serial=serial, cert=cert)
+            deadline = time.monotonic() + cfg.handshake_timeout
+            hdr, raw = conn.recv(MsgType.HELLO, deadline=deadline, max_len=MAX_CHANNEL_BYTES)
+            channel = raw.decode("utf-8", errors="strict") if raw else ""
+            if not channel:
+                raise FrameError(f"{conn.peer}: empty channel name")
+            refusal = self._admit(conn, channel)
+            if refusal is not None:
+                self._reject(conn, refusal, deadline)
+                raise AuthError(f"{conn.peer}: {refusal}")
+            conn.send(MsgType.ACCEPT, deadline=deadline)
         except Exception as e:  # noqa: BLE001 - any failure rejects this client only
             self._note(str(e) if peer in str(e) else f"{peer}: {e}",
-                       "no handshake in time" if isinstance(e, PeerTimeout) else "handshake failed")
+                       "no handshake in time" if isinstance(e, (PeerTimeout, TimeoutError)) else
+                       "refused" if isinstance(e, AuthError) else "handshake failed")
             sock.close()
             return
-        finally:
-            self._slots.release()
-            self._release_source(addr[0])
         with self._cond:
             if self._closed:
                 conn.close()
                 return
-            self._purge()
+            conn.channel = channel
             self._pending.setdefault(channel, collections.deque()).append((time.monotonic(), conn))
+            self._per_peer[ident] += 1
             self._cond.notify_all()
 
+    def _admit(self, conn: Connection, channel: str) -> str | None:
+        """Why an authenticated connection is refused (None: it is filed)."""
+        if self.cfg.identity.revocations.revoked(conn.serial):
+            return f"identity {conn.identity} is revoked"
+        with self._cond:
+            self._purge()
+            if self._per_peer[conn.identity] >= self.cfg.pending_per_peer:
+                return f"{conn.identity} holds {self._per_peer[conn.identity]} unclaimed connections already"
+        return None
+
+    @staticmethod
+    def _reject(conn: Connection, reason: str, deadline: float) -> None:
+        try:
+            conn.send(MsgType.REJECT, reason.encode(), deadline=deadline)
+        except (NetError, OSError, ssl.SSLError):
+            pass  # best effort; the connection is dropped anyway
+
+    def _take(self, ch: str) -> Connection:
+        """(under the lock) The oldest pending connection of ``ch``."""
+        q = self._pending[ch]
+        conn = q.popleft()[1]
+        if not q:
+            del self._pending[ch]
+        self._per_peer[conn.identity] -= 1
+        if self._per_peer[conn.identity] <= 0:
+            del self._per_peer[conn.identity]
+        return conn
+
     def _purge(self) -> None:
-        """Drop connections nobody claimed within ``pending_ttl`` (old epochs)."""
+        """(under the lock) Drop connections nobody claimed within ``pending_ttl`` (old epochs)."""
         cutoff = time.monotonic() - self.cfg.pending_ttl
         for ch in list(self._pending):
-            q = self._pending[ch]
-            while q and q[0][0] < cutoff:
-                q.popleft()[1].close()
-            if not q:
-                del self._pending[ch]
+            while ch in self._pending and self._pending[ch][0][0] < cutoff:
+                self._take(ch).close()
 
-    def accept(self, channel: str, *, timeout: float, name: str | None = None) -> Connection:
-        """Wait for an authenticated connection on ``channel``."""
+    def accept(self, channel: str, *, timeout: float, peer: str | None = None, name: str | None = None) -> Connection:
+        """Wait for an authenticated connection on ``channel`` from identity ``peer`` (None: any
+        identity of the run; the caller then checks ``conn.identity``). Connections on the
+        channel from anyone else are closed and counted as refused."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
-                q = self._pending.get(channel)
-                if q:
-                    conn = q.popleft()[1]
-                    if not q:
-                        del self._pending[channel]
+                while self._pending.get(channel):
+                    conn = self._take(channel)
+                    if peer is not None and conn.identity != peer:
+                        self._rejections.append((time.monotonic(), f"{conn.peer} on channel {channel!r}, "
+                                                 f"which belongs to {peer}"))
+                        self.refused["channel of another identity"] += 1
+                        conn.close()
+                        continue
                     if name:
                         conn.peer = name
                     return conn
@@ -137,7 +221,7 @@ class Listener:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise PeerTimeout(
-                        f"no authenticated connection from {name or 'peer'} on channel {channel!r} "
+                        f"no authenticated connection from {name or peer or 'peer'} on channel {channel!r} "
                         f"within {timeout:.1f}s{self._recent_rejections(timeout + 60.0)}"
                     )
                 self._cond.wait(left)
@@ -145,14 +229,14 @@ class Listener:
     def _recent_rejections(self, window: float) -> str:
         cutoff = time.monotonic() - window
         recent = [m for t, m in self._rejections if t >= cutoff]
-        return f"; recently rejected handshakes: {recent[-3:]}" if recent else ""
+        return f"; recently rejected: {recent[-3:]}" if recent else ""
 
     def discard(self, prefix: str) -> None:
         """Close pending connections whose channel starts with ``prefix``."""
         with self._cond:
             for ch in [c for c in self._pending if c.startswith(prefix)]:
-                for _, conn in self._pending.pop(ch):
-                    conn.close()
+                while ch in self._pending:
+                    self._take(ch).close()
 
     def __enter__(self) -> Listener:
         return self
@@ -165,6 +249,7 @@ class Listener:
         with self._cond:
             self._closed = True
             pending, self._pending = self._pending, {}
+            self._per_peer.clear()
             self._cond.notify_all()
         try:
             self._srv.shutdown(socket.SHUT_RDWR)

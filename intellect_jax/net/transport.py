@@ -1,11 +1,12 @@
-"""Authenticated TCP transport: connections, a listener that routes by channel, timeouts.
+"""Mutual-TLS transport: connections bound to identities, a listener that routes by channel.
 
 * :class:`Connection` sends and receives frames (see :mod:`.frames`); payloads go out as
-  memoryviews of the caller's buffers (``sendmsg`` scatter-gather, no copies) and come in
-  with ``recv_into`` into preallocated buffers. Every blocking call waits at most
-  ``io_timeout`` without progress and never past the caller's deadline.
-* :func:`connect` dials a peer (retrying until a timeout) and runs the client handshake;
-  :class:`~intellect_jax.net.listener.Listener` is the accepting side.
+  memoryviews of the caller's buffers and come in with ``recv_into`` into preallocated buffers.
+  Every blocking call waits at most ``io_timeout`` without progress and never past the
+  caller's deadline. ``conn.identity`` is the verified identity at the other end.
+* :func:`connect` dials a peer (retrying until a timeout), runs TLS 1.3 with both sides'
+  certificates (:mod:`.identity`), checks the peer is who the caller expects, and names the
+  channel; :class:`~intellect_jax.net.listener.Listener` is the accepting side.
 * :func:`send_msg` / :func:`recv_msg`: one JSON object in a ``META`` frame, the one way every
   layer exchanges small messages (requests, commands, headers).
 
@@ -19,13 +20,13 @@ import socket
 import ssl
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from intellect_jax.net import auth
 from intellect_jax.net.errors import AuthError, FrameError, PeerClosed, PeerTimeout
+from intellect_jax.net.identity import Credentials, peer_identity
 from intellect_jax.net.frames import (
     HEADER_LEN,
     INTEGRITY,
@@ -41,6 +42,7 @@ from intellect_jax.net.frames import (
 Address = tuple[str, int]
 Buffer = bytes | bytearray | memoryview | np.ndarray
 MAX_MSG = 1 << 20  # default size limit of one JSON message
+MAX_CHANNEL_BYTES = 512
 
 
 def parse_address(addr: Address | str) -> Address:
@@ -61,33 +63,38 @@ def parse_address(addr: Address | str) -> Address:
 
 @dataclass(frozen=True)
 class TransportConfig:
-    """Everything a node needs to talk to its peers. The secret never appears in repr."""
+    """Everything a node needs to talk to its peers: the run id, its own identity (key,
+    certificate, the run authority, the revocation list) and the limits of its connections."""
 
     run_id: str
-    secret: bytes = field(repr=False)
+    identity: Credentials
     io_timeout: float = 30.0
     connect_timeout: float = 30.0
     handshake_timeout: float = 10.0
     max_frame_bytes: int = 64 << 20
-    integrity: str = "sha256"
+    integrity: str = "crc32"  # TLS authenticates every byte; the payload tag only catches framing bugs
     keepalive: tuple[int, int, int] = (10, 5, 3)  # idle s, interval s, probes
     sock_buf_bytes: int | None = None
-    tls: auth.TLSConfig | None = None
-    pending_ttl: float = 300.0
-    first_bytes_timeout: float = 2.0  # an unauthenticated client must start its handshake this soon
+    pending_ttl: float = 300.0  # an authenticated connection nobody claims is closed after this
+    pending_per_peer: int = 64  # unclaimed authenticated connections one identity may hold
+    first_bytes_timeout: float = 2.0  # an unauthenticated client must send its whole TLS hello this soon
     handshakes_per_source: int = 8  # unauthenticated connections in handshake at once, per source address
+    handshakes_per_prefix: int = 32  # ... per /24 (IPv4) or /64 (IPv6) network
 
     def __post_init__(self) -> None:
-        if len(self.secret) < auth.MIN_SECRET_BYTES:
-            raise AuthError(f"run secret is {len(self.secret)} bytes; need at least {auth.MIN_SECRET_BYTES}")
         if self.integrity not in INTEGRITY:
             raise ValueError(f"unknown integrity {self.integrity!r}; expected one of {list(INTEGRITY)}")
         if min(self.io_timeout, self.connect_timeout, self.handshake_timeout, self.first_bytes_timeout) <= 0:
             raise ValueError("timeouts must be positive")
-        if self.handshakes_per_source < 1:
-            raise ValueError("handshakes_per_source must be >= 1")
+        if min(self.handshakes_per_source, self.handshakes_per_prefix, self.pending_per_peer) < 1:
+            raise ValueError("handshakes_per_source, handshakes_per_prefix and pending_per_peer must be >= 1")
         if self.max_frame_bytes < 1 << 16:
             raise ValueError("max_frame_bytes must be at least 64 KiB")
+
+    @property
+    def name(self) -> str:
+        """This side's identity."""
+        return self.identity.name
 
     @property
     def run(self) -> bytes:
@@ -116,20 +123,23 @@ def _bytes_view(buf: Buffer) -> memoryview:
 
 
 class Connection:
-    """One authenticated, framed TCP (or TLS) connection to a peer."""
+    """One framed connection to a peer (TLS, except in unit tests of the framing):
+    ``identity``/``serial`` are the peer certificate's, ``peer`` a name for messages."""
 
-    def __init__(self, sock: socket.socket, cfg: TransportConfig, peer: str, channel: str = "") -> None:
+    def __init__(self, sock: socket.socket, cfg: TransportConfig, peer: str, channel: str = "",
+                 identity: str = "", serial: int = 0, cert: bytes = b"") -> None:
         self.cfg = cfg
         self.peer = peer
         self.channel = channel
+        self.identity = identity
+        self.serial = serial
+        self.cert = cert  # the peer's certificate (DER): checks what it signs
         self.bytes_sent = 0
         self.bytes_received = 0
         self._sock = sock
         self._tls = isinstance(sock, ssl.SSLSocket)
         self._waitall = 0 if self._tls else socket.MSG_WAITALL
         self._run = cfg.run
-        self._send_key: bytes | None = None
-        self._recv_key: bytes | None = None
         self._send_seq = 0
         self._recv_seq = 0
         self._timeouts: dict[int, float] = {}
@@ -152,11 +162,6 @@ class Connection:
         else:
             t = max(t, 0.001)  # 0 would mean "forever"
             self._sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(t), int(t % 1 * 1e6)))
-
-    def set_keys(self, send_key: bytes, recv_key: bytes) -> None:
-        """Install the session keys after the handshake; frame counters restart at 0."""
-        self._send_key, self._recv_key = send_key, recv_key
-        self._send_seq = self._recv_seq = 0
 
     def _timeout(self, deadline: float | None, what: str) -> float:
         t = self.cfg.io_timeout
@@ -218,7 +223,7 @@ class Connection:
             raise FrameError(f"refusing to send a {n}-byte frame to {self.peer} (limit {self.cfg.max_frame_bytes})")
         if ptag is None:
             ptag = payload_tag(mv, self.cfg.integrity)
-        hdr = pack_header(mtype, self._run, self._send_seq, n, ptag, self._send_key, self.cfg.integrity)
+        hdr = pack_header(mtype, self._run, self._send_seq, n, ptag, self.cfg.integrity)
         self._send_seq += 1
         self._send_views([memoryview(hdr), mv], deadline, "sending a frame")
         self.bytes_sent += HEADER_LEN + n
@@ -236,8 +241,7 @@ class Connection:
         raw = bytearray(HEADER_LEN)
         self._recv_into(memoryview(raw), deadline, "a frame header")
         limit = self.cfg.max_frame_bytes if max_len is None else min(max_len, self.cfg.max_frame_bytes)
-        run = self._run if self._recv_key is not None else None  # handshake checks the run itself
-        hdr = parse_header(raw, self._recv_key, peer=self.peer, run=run, max_len=self.cfg.max_frame_bytes,
+        hdr = parse_header(raw, peer=self.peer, run=self._run, max_len=self.cfg.max_frame_bytes,
                            integrity=self.cfg.integrity)
         if hdr.seq != self._recv_seq:
             raise FrameError(f"{self.peer}: frame seq {hdr.seq}, expected {self._recv_seq} (replayed or lost frame)")
@@ -316,9 +320,11 @@ def recv_msg(conn: Connection, deadline: float | None = None, max_len: int = MAX
     return msg
 
 
-def connect(cfg: TransportConfig, address: Address, channel: str, *, timeout: float | None = None,
-            name: str | None = None) -> Connection:
-    """Dial ``address`` (retrying refused connections until ``timeout``) and authenticate."""
+def connect(cfg: TransportConfig, address: Address, channel: str, *, expect: str | None = None,
+            timeout: float | None = None, name: str | None = None) -> Connection:
+    """Dial ``address`` and open ``channel`` on it over mutual TLS 1.3, retrying refused or
+    dropped attempts until ``timeout``. ``expect``: the identity the peer must hold (an
+    :class:`AuthError` otherwise); None accepts any identity of the run (the caller checks)."""
     timeout = cfg.connect_timeout if timeout is None else timeout
     deadline = time.monotonic() + timeout
     peer = name or f"{address[0]}:{address[1]}"
@@ -328,24 +334,51 @@ def connect(cfg: TransportConfig, address: Address, channel: str, *, timeout: fl
         if left <= 0:
             raise PeerTimeout(f"could not connect to {peer} within {timeout:.1f}s ({last})")
         try:
-            sock = socket.create_connection(address, timeout=min(left, cfg.handshake_timeout))
-            break
-        except OSError as e:
-            last = e
+            return _open(cfg, address, channel, expect, peer, min(left, cfg.handshake_timeout))
+        except _Retry as e:
+            last = e.__cause__
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(2 * delay, 0.5)
+
+
+class _Retry(Exception):
+    """A connection attempt that failed before anyone's identity was judged."""
+
+
+def _open(cfg: TransportConfig, address: Address, channel: str, expect: str | None, peer: str,
+          timeout: float) -> Connection:
+    try:
+        sock = socket.create_connection(address, timeout=timeout)
+    except OSError as e:
+        raise _Retry() from e
     try:
         _tune(sock, cfg)
-        if cfg.tls is not None:
-            sock = cfg.tls.client_context().wrap_socket(sock)
-        conn = Connection(sock, cfg, peer, channel)
-        hs_deadline = min(deadline + cfg.handshake_timeout, time.monotonic() + cfg.handshake_timeout)
-        send_key, recv_key = auth.client_handshake(conn, cfg.secret, cfg.run, channel, hs_deadline)
-    except ssl.SSLError as e:
-        sock.close()
-        raise AuthError(f"TLS handshake with {peer} failed ({e})") from None
+        sock.settimeout(timeout)
+        try:
+            tls = cfg.identity.client_context.wrap_socket(sock)
+        except ssl.SSLCertVerificationError as e:
+            raise AuthError(f"{peer}: certificate not of this run ({e.verify_message})") from None
+        except ssl.SSLError as e:
+            if "alert" in str(e).lower():  # the peer refused our certificate
+                raise AuthError(f"{peer} refused our certificate ({e.reason})") from None
+            raise _Retry() from e
+        except (OSError, EOFError) as e:  # dropped before the handshake finished (listener over budget)
+            raise _Retry() from e
+        sock = tls
+        ident, serial, cert = peer_identity(tls)
+        if cfg.identity.revocations.revoked(serial):
+            raise AuthError(f"{peer}: identity {ident} is revoked")
+        if expect is not None and ident != expect:
+            raise AuthError(f"{peer} is {ident!r}, not {expect!r}")
+        conn = Connection(tls, cfg, peer, channel, ident, serial, cert)
+        hs_deadline = time.monotonic() + cfg.handshake_timeout
+        try:
+            conn.send(MsgType.HELLO, channel.encode(), deadline=hs_deadline)
+            conn.recv(MsgType.ACCEPT, deadline=hs_deadline, max_len=0)
+        except (FrameError, PeerClosed) as e:  # TLS 1.3: a refused client certificate shows up here
+            raise AuthError(f"{peer} dropped the connection on channel {channel!r} (our certificate "
+                            f"refused?): {e}") from None
     except BaseException:
         sock.close()
         raise
-    conn.set_keys(send_key, recv_key)
     return conn

@@ -19,8 +19,6 @@ from typing import Any
 
 import numpy as np
 
-SECRET = b"intellect-jax-test-secret-0123456789"
-
 
 @dataclass(frozen=True)
 class Fault:
@@ -68,9 +66,10 @@ def _install_fault(fault: Fault) -> None:
 
 def _rank_main(rank: int, world: int, numel: int, ring_kw: dict[str, Any], io_timeout: float,
                fault: Fault | None, ports_q: Any, peers_rx: Any, results_q: Any) -> None:
-    from intellect_jax.net import NetError, NetNode, RingConfig, TransportConfig
+    from intellect_jax.net import NetError, NetNode, RingConfig
+    from intellect_jax.testing.identities import transport_config
 
-    cfg = TransportConfig(run_id="test-run", secret=SECRET, io_timeout=io_timeout, connect_timeout=10)
+    cfg = transport_config(f"rank{rank}", io_timeout=io_timeout, connect_timeout=10)
     node = NetNode(cfg, "127.0.0.1", 0)
     ports_q.put((rank, node.address[1]))
     x = rank_data(rank, numel)
@@ -83,7 +82,8 @@ def _rank_main(rank: int, world: int, numel: int, ring_kw: dict[str, Any], io_ti
         if msg is None:
             break
         ports, my_rank = msg
-        ring = node.ring([("127.0.0.1", p) for p in ports], my_rank, epoch=epoch, config=RingConfig(**ring_kw))
+        ring = node.ring([(f"rank{r}", ("127.0.0.1", p)) for r, p in ports], my_rank, epoch=epoch,
+                         config=RingConfig(**ring_kw))
         t0 = time.monotonic()
         report: dict[str, Any] = {"rank": rank, "epoch": epoch}
         try:
@@ -101,6 +101,10 @@ def _rank_main(rank: int, world: int, numel: int, ring_kw: dict[str, Any], io_ti
 def run_ring_processes(world: int, *, numel: int = 1 << 21, fault: Fault | None = None, retry: bool = False,
                        io_timeout: float = 3.0, timeout: float = 60.0, **ring_kw: Any) -> list[dict[str, Any]]:
     """Spawn ``world`` ranks, run one all-reduce (and a retry without the victim); return reports."""
+    from intellect_jax.testing.identities import credentials
+
+    for r in range(world):  # issued here, once: the children (spawned) find them in $INTELLECT_TEST_KEYS
+        credentials(f"rank{r}")
     ctx = mp.get_context("spawn")
     ports_q, results_q = ctx.Queue(), ctx.Queue()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
@@ -115,7 +119,7 @@ def run_ring_processes(world: int, *, numel: int = 1 << 21, fault: Fault | None 
     deadline = time.monotonic() + timeout
     try:
         ports = dict(ports_q.get(timeout=timeout) for _ in range(world))
-        order = [ports[r] for r in range(world)]
+        order = [(r, ports[r]) for r in range(world)]
         for r in range(world):
             pipes[r][1].send((order, r))
         survivors = [r for r in range(world) if fault is None or fault.kind == "garbage" or r != fault.rank]
@@ -132,7 +136,7 @@ def run_ring_processes(world: int, *, numel: int = 1 << 21, fault: Fault | None 
             if fault.kind == "garbage":  # the victim also reported; it sits out the retry
                 pipes[fault.rank][1].send(None)
             for i, r in enumerate(alive):
-                pipes[r][1].send(([ports[a] for a in alive], i))
+                pipes[r][1].send(([(a, ports[a]) for a in alive], i))
             for _ in alive:
                 reports.append(results_q.get(timeout=max(0.1, deadline - time.monotonic())))
         for r in range(world):

@@ -1,0 +1,384 @@
+"""Per-node identities: a run authority, certificates that name node ids, and revocation.
+
+The run's operator holds a certificate authority (ECDSA P-256, made with ``cryptography``) in a
+keys directory; every node and the coordinator get their own key and a certificate whose common
+name is their identity (a node id, or ``coordinator``). Connections are mutual TLS 1.3 with
+these certificates (:attr:`Credentials.server_context`, :attr:`Credentials.client_context`), so
+every connection is bound to the identity at its other end, and everything on it is encrypted.
+
+Keys directory (``python -m intellect_jax.keys`` manages it)::
+
+    ca.crt  ca.key  crl.pem  issued.json  <name>.crt  <name>.key
+
+A node needs ``ca.crt``, ``crl.pem`` and its own ``<name>.crt``/``<name>.key``; ``ca.key`` never
+leaves the operator. ``crl.pem`` is the authority's signed revocation list: a listener re-reads
+it when it changes and refuses revoked certificates from the next connection on.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import os
+import re
+import ssl
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from intellect_jax.files import atomic_write
+from intellect_jax.net.errors import AuthError
+
+COORDINATOR = "coordinator"  # the coordinator's identity
+OPERATOR = "operator"  # the operator's own identity (status queries)
+RESERVED = frozenset({COORDINATOR, OPERATOR, "ca", "crl", "issued"})
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+CA_CERT, CA_KEY, CRL, INDEX = "ca.crt", "ca.key", "crl.pem", "issued.json"
+DEFAULT_DAYS = 365
+KEYS_ENV = "INTELLECT_KEYS"
+
+
+class IdentityError(AuthError):
+    """A missing, foreign, expired, revoked or malformed key or certificate (names the file)."""
+
+
+def check_name(name: str) -> str:
+    """An identity is 1-64 characters of ``[A-Za-z0-9._-]``, starting with a letter or digit."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise IdentityError(f"invalid identity {str(name)[:80]!r}: use 1-64 characters of A-Z a-z 0-9 . _ -")
+    return name
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise IdentityError(f"{path}: no such {what}") from None
+    except OSError as e:
+        raise IdentityError(f"{path}: cannot read the {what} ({e.strerror})") from None
+
+
+def _load_cert(path: Path) -> x509.Certificate:
+    try:
+        return x509.load_pem_x509_certificate(_read(path, "certificate"))
+    except ValueError:
+        raise IdentityError(f"{path}: not a PEM certificate") from None
+
+
+def _load_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    try:
+        key = serialization.load_pem_private_key(_read(path, "private key"), password=None)
+    except (ValueError, TypeError):
+        raise IdentityError(f"{path}: not an unencrypted PEM private key") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise IdentityError(f"{path}: not an EC private key")
+    return key
+
+
+def common_name(cert: x509.Certificate) -> str:
+    names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(names[0].value) if names else ""
+
+
+class Revocations:
+    """The authority's revocation list (``crl.pem``), re-read when the file changes; a list that
+    is missing means nothing is revoked, one that is not signed by the authority is an error."""
+
+    def __init__(self, path: Path | None, ca: x509.Certificate) -> None:
+        self.path, self._ca = path, ca
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int] | None = None
+        self._serials: frozenset[int] = frozenset()
+        self.refresh()
+
+    def refresh(self) -> frozenset[int]:
+        """Revoked serial numbers (re-reads the file if its size or mtime changed)."""
+        if self.path is None:
+            return self._serials
+        with self._lock:
+            try:
+                st = self.path.stat()
+            except FileNotFoundError:
+                self._stamp, self._serials = None, frozenset()
+                return self._serials
+            stamp = (st.st_mtime_ns, st.st_size)
+            if stamp != self._stamp:
+                self._serials = self._parse()
+                self._stamp = stamp
+            return self._serials
+
+    def _parse(self) -> frozenset[int]:
+        assert self.path is not None
+        try:
+            crl = x509.load_pem_x509_crl(_read(self.path, "revocation list"))
+        except ValueError:
+            raise IdentityError(f"{self.path}: not a PEM revocation list") from None
+        if not crl.is_signature_valid(self._ca.public_key()):  # type: ignore[arg-type]
+            raise IdentityError(f"{self.path}: revocation list not signed by this run's authority")
+        return frozenset(r.serial_number for r in crl)
+
+    def revoked(self, serial: int) -> bool:
+        return serial in self.refresh()
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """One identity's key and certificate, the run authority's certificate, and its revocation
+    list. :meth:`load` checks them all and fails in one line naming the file."""
+
+    name: str
+    ca: Path
+    cert: Path
+    key: Path
+    revocations: Revocations = field(repr=False, compare=False)
+
+    @classmethod
+    def load(cls, keys_dir: str | os.PathLike[str], name: str) -> Credentials:
+        """``<keys_dir>/{ca.crt, <name>.crt, <name>.key, crl.pem}``, checked: issued by the
+        authority to ``name``, valid now, not revoked, key matching."""
+        d = Path(keys_dir)
+        check_name(name)
+        if not d.is_dir():
+            raise IdentityError(f"{d}: no such keys directory")
+        ca_path, cert_path, key_path = d / CA_CERT, d / f"{name}.crt", d / f"{name}.key"
+        ca = _load_cert(ca_path)
+        if not cert_path.exists():
+            raise IdentityError(f"identity {name}: no certificate {cert_path} "
+                                f"(the operator issues one: python -m intellect_jax.keys issue {name})")
+        cert, key = _load_cert(cert_path), _load_key(key_path)
+        try:
+            cert.verify_directly_issued_by(ca)
+        except (ValueError, TypeError, InvalidSignature):
+            raise IdentityError(f"{cert_path}: not issued by this run's authority {ca_path}") from None
+        if common_name(cert) != name:
+            raise IdentityError(f"{cert_path}: certificate of {common_name(cert)!r}, not of {name!r}")
+        now = _now()
+        if now > cert.not_valid_after_utc:
+            raise IdentityError(f"{cert_path}: certificate of {name} expired on {cert.not_valid_after_utc:%Y-%m-%d}")
+        if now < cert.not_valid_before_utc:
+            raise IdentityError(f"{cert_path}: certificate of {name} not valid before "
+                                f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M}")
+        if key.public_key().public_numbers() != cert.public_key().public_numbers():  # type: ignore[union-attr]
+            raise IdentityError(f"{key_path}: private key does not match {cert_path}")
+        revocations = Revocations(d / CRL, ca)
+        if revocations.revoked(cert.serial_number):
+            raise IdentityError(f"identity {name} is revoked ({cert_path} is in {d / CRL})")
+        return cls(name, ca_path, cert_path, key_path, revocations)
+
+    def _context(self, purpose: int) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(purpose)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.load_cert_chain(self.cert, self.key)
+        ctx.load_verify_locations(self.ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    @functools.cached_property
+    def _private_key(self) -> ec.EllipticCurvePrivateKey:
+        return _load_key(self.key)
+
+    @functools.cached_property
+    def cert_der(self) -> bytes:
+        """This identity's certificate (DER)."""
+        return _load_cert(self.cert).public_bytes(serialization.Encoding.DER)
+
+    def sign(self, data: bytes) -> bytes:
+        """ECDSA-SHA256 signature of ``data`` with this identity's key (see :func:`verify`)."""
+        return self._private_key.sign(data, ec.ECDSA(hashes.SHA256()))
+
+    @functools.cached_property
+    def server_context(self) -> ssl.SSLContext:
+        """Mutual TLS 1.3, listening side: the client must present a certificate of the run."""
+        ctx = self._context(ssl.PROTOCOL_TLS_SERVER)
+        ctx.num_tickets = 0  # no session tickets: nothing arrives after the handshake but data
+        return ctx
+
+    @functools.cached_property
+    def client_context(self) -> ssl.SSLContext:
+        """Mutual TLS 1.3, connecting side. Peers are addressed by IP, so host names are not
+        checked; the identity in the certificate is (see :func:`peer_identity`)."""
+        ctx = self._context(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        return ctx
+
+
+def keys_dir(path: str | os.PathLike[str] | None) -> Path:
+    """The keys directory: ``path``, else ``$INTELLECT_KEYS``; one line if neither is set."""
+    path = path or os.environ.get(KEYS_ENV)
+    if not path:
+        raise IdentityError(f"no keys directory: pass one (diloco.keys, --keys) or set ${KEYS_ENV}; "
+                            "the run's operator makes it with python -m intellect_jax.keys")
+    return Path(path)
+
+
+def sole_identity(keys: str | os.PathLike[str]) -> str:
+    """The one identity in ``keys`` that has a key and is not the run's own (a node's default)."""
+    d = Path(keys)
+    names = sorted(p.stem for p in d.glob("*.key") if p.stem not in RESERVED)
+    if len(names) != 1:
+        raise IdentityError(f"{d}: holds {len(names)} node identities ({', '.join(names[:5]) or 'none'}); "
+                            "name this node's with diloco.node_id")
+    return names[0]
+
+
+def peer_identity(sock: ssl.SSLSocket) -> tuple[str, int, bytes]:
+    """(identity, serial number, DER certificate) verified at the other end of ``sock``."""
+    der = sock.getpeercert(binary_form=True)
+    if not der:
+        raise AuthError("peer presented no certificate")
+    cert = x509.load_der_x509_certificate(der)
+    return common_name(cert), cert.serial_number, der
+
+
+def vote(run_id: str, outer_step: int, state_hash: str) -> bytes:
+    """What a node signs when it states its state's hash at a barrier."""
+    return f"intellect_jax vote\nrun {run_id}\nouter step {outer_step}\nstate {state_hash}".encode()
+
+
+def vouched(ca_der: bytes, cert_hex: str, name: str, data: bytes, signature_hex: str) -> bool:
+    """Whether ``signature_hex`` over ``data`` is by a certificate (``cert_hex``) that the
+    authority ``ca_der`` issued to ``name`` (a record checked after the fact, e.g. the journal)."""
+    try:
+        ca, cert = x509.load_der_x509_certificate(ca_der), x509.load_der_x509_certificate(bytes.fromhex(cert_hex))
+        cert.verify_directly_issued_by(ca)
+        sig = bytes.fromhex(signature_hex)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return common_name(cert) == name and verify(bytes.fromhex(cert_hex), data, sig)
+
+
+def verify(cert_der: bytes, data: bytes, signature: bytes) -> bool:
+    """Whether ``signature`` over ``data`` was made with the key of the certificate ``cert_der``."""
+    try:
+        key = x509.load_der_x509_certificate(cert_der).public_key()
+        if not isinstance(key, ec.EllipticCurvePublicKey):
+            return False
+        key.verify(signature, data, ec.ECDSA(hashes.SHA256()))
+        return True
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+
+
+# ---- the operator's side -------------------------------------------------------------------------
+class Authority:
+    """The run's certificate authority in a keys directory (the operator's machine only)."""
+
+    def __init__(self, keys_dir: Path, ca: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+        self.dir, self.ca, self._key = keys_dir, ca, key
+
+    @classmethod
+    def init(cls, keys_dir: str | os.PathLike[str], run_id: str, days: int = DEFAULT_DAYS) -> Authority:
+        """Make a new authority (refuses to overwrite one), with the coordinator's and the
+        operator's identities and an empty revocation list."""
+        d = Path(keys_dir)
+        if (d / CA_KEY).exists() or (d / CA_CERT).exists():
+            raise IdentityError(f"{d}: already holds a run authority ({CA_CERT}); use another directory")
+        d.mkdir(parents=True, exist_ok=True)
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"intellect_jax run authority {run_id}"[:64])])
+        now = _now()
+        ca = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+              .serial_number(x509.random_serial_number())
+              .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+              .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+              .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                           data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                           crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+              .sign(key, hashes.SHA256()))
+        atomic_write(d / CA_KEY, _key_pem(key), mode=0o600)
+        atomic_write(d / CA_CERT, ca.public_bytes(serialization.Encoding.PEM))
+        auth = cls(d, ca, key)
+        auth._write_index({})
+        auth._write_crl(set())
+        for who in (COORDINATOR, OPERATOR):
+            auth.issue(who, days=days, reserved_ok=True)
+        return auth
+
+    @classmethod
+    def load(cls, keys_dir: str | os.PathLike[str]) -> Authority:
+        d = Path(keys_dir)
+        ca, key = _load_cert(d / CA_CERT), _load_key(d / CA_KEY)
+        if key.public_key().public_numbers() != ca.public_key().public_numbers():  # type: ignore[union-attr]
+            raise IdentityError(f"{d / CA_KEY}: does not match {d / CA_CERT}")
+        return cls(d, ca, key)
+
+    def index(self) -> dict[str, list[dict[str, object]]]:
+        """Every certificate issued, by identity: serial (hex), expiry, revoked."""
+        path = self.dir / INDEX
+        try:
+            data = json.loads(_read(path, "index of issued certificates"))
+        except ValueError:
+            raise IdentityError(f"{path}: not a JSON index of issued certificates") from None
+        if not isinstance(data, dict):
+            raise IdentityError(f"{path}: not a JSON index of issued certificates")
+        return data
+
+    def _write_index(self, index: dict[str, list[dict[str, object]]]) -> None:
+        atomic_write(self.dir / INDEX, json.dumps(index, indent=1, sort_keys=True).encode())
+
+    def issue(self, name: str, days: int = DEFAULT_DAYS, *, reserved_ok: bool = False) -> tuple[Path, Path]:
+        """Issue ``name`` a fresh key and certificate; returns (certificate, key) paths."""
+        check_name(name)
+        if name in RESERVED and not reserved_ok:
+            raise IdentityError(f"identity {name!r} is reserved for the run itself")
+        if days < 1:
+            raise IdentityError(f"a certificate must be valid for at least a day, not {days}")
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = _now()
+        not_after = min(now + dt.timedelta(days=days), self.ca.not_valid_after_utc)
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+                .issuer_name(self.ca.subject).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(not_after)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(self._key, hashes.SHA256()))
+        cert_path, key_path = self.dir / f"{name}.crt", self.dir / f"{name}.key"
+        atomic_write(key_path, _key_pem(key), mode=0o600)
+        atomic_write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+        index = self.index()
+        index.setdefault(name, []).append({"serial": format(cert.serial_number, "x"),
+                                           "not_after": f"{not_after:%Y-%m-%dT%H:%M:%SZ}", "revoked": False})
+        self._write_index(index)
+        return cert_path, key_path
+
+    def revoke(self, name: str) -> int:
+        """Revoke every certificate issued to ``name``; returns how many were newly revoked."""
+        index = self.index()
+        if name not in index:
+            raise IdentityError(f"identity {name!r} was never issued by the authority in {self.dir}")
+        if name in (COORDINATOR,):
+            raise IdentityError("the coordinator's identity cannot be revoked; start a new run authority")
+        fresh = [e for e in index[name] if not e["revoked"]]
+        for e in fresh:
+            e["revoked"] = True
+        self._write_crl({int(str(e["serial"]), 16) for es in index.values() for e in es if e["revoked"]})
+        self._write_index(index)
+        return len(fresh)
+
+    def _write_crl(self, serials: set[int]) -> None:
+        now = _now()
+        b = (x509.CertificateRevocationListBuilder().issuer_name(self.ca.subject)
+             .last_update(now).next_update(self.ca.not_valid_after_utc))
+        for s in sorted(serials):
+            b = b.add_revoked_certificate(x509.RevokedCertificateBuilder().serial_number(s)
+                                          .revocation_date(now).build())
+        atomic_write(self.dir / CRL, b.sign(self._key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))

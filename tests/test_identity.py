@@ -1,0 +1,237 @@
+"""Per-node identities: the keys command, credential checks, mutual TLS bound to identities,
+revocation, channels only their owner may open, and the listener's budgets."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from intellect_jax.diloco.transfer import channel as state_channel
+from intellect_jax.net import AuthError, Authority, Credentials, IdentityError, NetNode, PeerTimeout
+from intellect_jax.net.frames import MsgType
+from intellect_jax.net.listener import Listener, prefix_of
+from intellect_jax.net.transport import TransportConfig, connect
+from intellect_jax.testing.identities import transport_config
+
+from helpers import ROOT, expire, wait_for
+
+
+def _keys(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "intellect_jax.keys", "--dir", "k", *args], cwd=cwd, text=True,
+                          capture_output=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=60)
+
+
+def test_keys_command_manages_the_run_authority(tmp_path: Path) -> None:
+    assert _keys("init", "--run-id", "r1", cwd=tmp_path).returncode == 0
+    r = _keys("issue", "alice", "bob", cwd=tmp_path)
+    assert r.returncode == 0 and "alice" in r.stdout and "bob" in r.stdout, r.stderr
+    k = tmp_path / "k"
+    for name in ("ca", "coordinator", "operator", "alice", "bob"):  # private keys are the owner's alone
+        assert stat.S_IMODE((k / f"{name}.key").stat().st_mode) == 0o600, name
+    assert _keys("revoke", "bob", cwd=tmp_path).stdout.strip() == "bob: 1 certificate(s) revoked"
+    listing = _keys("list", cwd=tmp_path).stdout
+    assert "REVOKED" in next(line for line in listing.splitlines() if line.startswith("bob"))
+    assert "valid" in next(line for line in listing.splitlines() if line.startswith("alice"))
+    Credentials.load(k, "alice")
+    with pytest.raises(IdentityError, match=r"identity bob is revoked"):
+        Credentials.load(k, "bob")
+    for args, needle in ((("init",), "already holds a run authority"),
+                         (("issue", "coordinator"), "reserved"),
+                         (("issue", "bad name"), "invalid identity"),
+                         (("revoke", "carol"), "never issued"),
+                         (("revoke", "coordinator"), "cannot be revoked")):
+        r = _keys(*args, cwd=tmp_path)
+        err = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(err) == 1 and needle in err[0], (args, r.stderr)
+
+
+def test_credentials_fail_in_one_line_naming_the_file(tmp_path: Path) -> None:
+    auth = Authority.init(tmp_path / "run", "r")
+    auth.issue("a")
+    auth.issue("b")
+    other = Authority.init(tmp_path / "other", "r")
+    other.issue("a")
+    run = tmp_path / "run"
+    (run / "mixed").mkdir()
+    for f in ("ca.crt", "a.key"):
+        (run / "mixed" / f).write_bytes((run / f).read_bytes())
+    (run / "mixed" / "a.crt").write_bytes((tmp_path / "other" / "a.crt").read_bytes())  # a foreign certificate
+    (run / "swapped").mkdir()
+    for f in ("ca.crt", "a.crt"):
+        (run / "swapped" / f).write_bytes((run / f).read_bytes())
+    (run / "swapped" / "a.key").write_bytes((run / "b.key").read_bytes())
+    (run / "renamed").mkdir()
+    (run / "renamed" / "ca.crt").write_bytes((run / "ca.crt").read_bytes())
+    for ext in ("crt", "key"):
+        (run / "renamed" / f"c.{ext}").write_bytes((run / f"b.{ext}").read_bytes())
+    cases = [
+        (tmp_path / "nowhere", "a", "no such keys directory"),
+        (run, "zed", "identity zed: no certificate"),
+        (run / "mixed", "a", "a.crt: not issued by this run's authority"),
+        (run / "swapped", "a", "a.key: private key does not match"),
+        (run / "renamed", "c", "c.crt: certificate of 'b', not of 'c'"),
+        (run, "../a", "invalid identity"),
+    ]
+    for d, name, needle in cases:
+        with pytest.raises(IdentityError, match=needle) as e:
+            Credentials.load(d, name)
+        assert "\n" not in str(e.value)
+    expire(auth, "b")
+    with pytest.raises(IdentityError, match=r"b.crt: certificate of b expired on"):
+        Credentials.load(run, "b")
+    (run / "crl.pem").write_bytes((tmp_path / "other" / "crl.pem").read_bytes())  # a list the run never signed
+    with pytest.raises(IdentityError, match="revocation list not signed by this run's authority"):
+        Credentials.load(run, "a")
+
+
+def test_connections_are_tls13_bound_to_both_identities() -> None:
+    a, b = transport_config("id-a", "id-run"), transport_config("id-b", "id-run")
+    with Listener(a) as lst:
+        conn = connect(b, lst.address, "chan/1", expect="id-a", timeout=5)
+        srv = lst.accept("chan/1", peer="id-b", timeout=5)
+        assert (conn.identity, srv.identity) == ("id-a", "id-b")
+        assert srv._sock.version() == "TLSv1.3" and conn._sock.version() == "TLSv1.3"
+        x = np.arange(200_000, dtype=np.float32)
+        conn.send(MsgType.DATA, x)
+        y = np.empty_like(x)
+        srv.recv_payload_into(srv.recv_header(MsgType.DATA, deadline=time.monotonic() + 5), y)
+        assert np.array_equal(x, y)
+        conn.close()
+        srv.close()
+        # a client that expects someone else at that address does not talk to it
+        with pytest.raises(AuthError, match="is 'id-a', not 'id-c'"):
+            connect(b, lst.address, "chan/2", expect="id-c", timeout=5)
+        # a plaintext client gets nothing: the listener drops it
+        raw = socket.create_connection(lst.address)
+        raw.sendall(b"IJNT" + bytes(200))
+        raw.settimeout(5)
+        try:
+            assert raw.recv(100) == b""
+        except ConnectionResetError:
+            pass
+        raw.close()
+        wait_for(lambda: lst.refused["handshake failed"] == 2, 5, "the listener to count both")  # and the one
+        # that hung up on id-a
+
+
+def test_foreign_authority_is_refused_both_ways(tmp_path: Path) -> None:
+    Authority.init(tmp_path, "id-run").issue("id-a")
+    foreign = TransportConfig("id-run", Credentials.load(tmp_path, "id-a"))
+    home = transport_config("id-a", "id-run")
+    with Listener(home) as lst:  # a foreign client: refused by the listener, before any channel
+        with pytest.raises(AuthError):
+            connect(foreign, lst.address, "chan/1", timeout=5)
+        with pytest.raises(PeerTimeout, match="recently rejected"):
+            lst.accept("chan/1", peer=None, timeout=0.5)
+    with Listener(foreign) as lst:  # a foreign listener: our client refuses its certificate
+        with pytest.raises(AuthError, match="certificate not of this run"):
+            connect(home, lst.address, "chan/1", timeout=5)
+
+
+def test_revocation_refuses_the_next_connection_at_once(tmp_path: Path) -> None:
+    auth = Authority.init(tmp_path, "r")
+    for n in ("srv", "m1", "m2"):
+        auth.issue(n)
+    cfg = {n: TransportConfig("r", Credentials.load(tmp_path, n)) for n in ("srv", "m1", "m2")}
+    with Listener(cfg["srv"]) as lst:
+        connect(cfg["m1"], lst.address, "c", timeout=5).close()
+        assert lst.accept("c", peer="m1", timeout=5).identity == "m1"
+        auth.revoke("m1")  # the operator, while the listener runs
+        with pytest.raises(AuthError, match="identity m1 is revoked"):
+            connect(cfg["m1"], lst.address, "c", timeout=5)
+        connect(cfg["m2"], lst.address, "c", timeout=5).close()  # everyone else as before
+        assert lst.accept("c", peer="m2", timeout=5).identity == "m2"
+        assert lst.refused["refused"] >= 1
+    with pytest.raises(IdentityError, match="identity m1 is revoked"):  # nor can it start again
+        Credentials.load(tmp_path, "m1")
+
+
+@pytest.mark.parametrize("channel", ["ring/7/1>2/0", state_channel("ch-owner", 3)])
+def test_a_channel_is_handed_out_only_from_its_owner(channel: str) -> None:
+    """Mallory opens the channel that belongs to alice (a ring link of alice's, the state
+    channel of a joiner alice was admitted to serve), first and twice: the listener closes
+    mallory's connections and hands out alice's."""
+    owner, mallory, alice = (transport_config(n, "ch-run") for n in ("ch-owner", "ch-mallory", "ch-alice"))
+    with Listener(owner) as lst:
+        fake = [connect(mallory, lst.address, channel, timeout=5) for _ in range(2)]
+        real = connect(alice, lst.address, channel, timeout=5)
+        got = lst.accept(channel, peer="ch-alice", timeout=5)
+        assert got.identity == "ch-alice"
+        assert lst.refused["channel of another identity"] == 2
+        got.send(MsgType.META, b"{}")
+        assert real.recv(MsgType.META, deadline=time.monotonic() + 5)[1] == b"{}"
+        for c in (*fake, real, got):
+            c.close()
+
+
+def test_a_member_hoarding_unclaimed_connections_does_not_stop_an_honest_one() -> None:
+    """1,000 connections from one member nobody claims: it keeps ``pending_per_peer`` of them,
+    the rest are refused on arrival, and an honest member's connection goes through."""
+    owner = transport_config("h-owner", "h-run", pending_per_peer=64)
+    hoarder, honest = transport_config("h-hoarder", "h-run"), transport_config("h-honest", "h-run")
+    with Listener(owner) as lst:
+        refused, held = 0, []
+        for i in range(1000):
+            try:
+                held.append(connect(hoarder, lst.address, f"state/x/{i}", timeout=5))
+            except AuthError as e:
+                assert "unclaimed connections already" in str(e)
+                refused += 1
+        assert (len(held), refused) == (64, 936)
+        t0 = time.monotonic()
+        conn = connect(honest, lst.address, "state/h-honest/1", timeout=5)
+        assert lst.accept("state/h-honest/1", peer="h-honest", timeout=5).identity == "h-honest"
+        assert time.monotonic() - t0 < 2
+        for c in (*held, conn):
+            c.close()
+
+
+def test_one_byte_strangers_hold_a_slot_for_the_first_bytes_timeout_only() -> None:
+    """A stranger that sent one byte of its hello is dropped after ``first_bytes_timeout``,
+    and one network (a /24) gets ``handshakes_per_prefix`` slots however many addresses it has."""
+    cfg = transport_config("s-owner", "s-run", first_bytes_timeout=0.5, handshakes_per_prefix=12)
+    member = transport_config("s-member", "s-run")
+    with Listener(cfg) as lst:
+        socks = []
+        for a in range(10, 14):  # 4 addresses of 127.0.3.0/24, 5 connections each: 12 get a slot
+            for _ in range(5):
+                s = socket.socket()
+                s.bind((f"127.0.3.{a}", 0))
+                s.connect(lst.address)
+                s.sendall(b"\x16")
+                socks.append(s)
+        time.sleep(0.2)
+        assert lst.refused["network over its handshake budget"] == 8
+        t0 = time.monotonic()
+        for s in socks:  # the 12 slotted ones are closed after 0.5 s, the 8 others at once
+            s.settimeout(3)
+            try:
+                assert s.recv(10) == b""
+            except ConnectionResetError:
+                pass
+        assert time.monotonic() - t0 < 1.5
+        assert lst.refused["no handshake in time"] == 12
+        connect(member, lst.address, "c", timeout=5).close()  # 127.0.0.1 was never short of a slot
+
+
+def test_prefix_of() -> None:
+    assert prefix_of("10.1.2.3") == "10.1.2.0/24"
+    assert prefix_of("2001:db8:1:2:3:4:5:6") == "2001:db8:1:2::/64"
+    assert prefix_of("::ffff:10.1.2.3") == "10.1.2.0/24"
+    assert prefix_of("not-an-ip") == "not-an-ip"
+
+
+def test_netnode_ring_needs_identities() -> None:
+    with NetNode(transport_config("solo", "solo-run")) as node:
+        ring = node.ring([("solo", node.address)], 0)
+        assert np.array_equal(ring.all_reduce_mean(np.ones(3, np.float32)), np.ones(3, np.float32))
+        threading.Thread(target=ring.close).start()
