@@ -4,6 +4,7 @@ so a malformed one from an impostor or broken coordinator is one clear ProtocolE
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -211,3 +212,60 @@ def test_a_malformed_reply_is_one_protocol_error(op: str, reply: dict[str, Any],
         assert says in str(ei.value) and "\n" not in str(ei.value), str(ei.value)
     finally:
         c.close()
+
+
+def test_fuzzed_requests_over_sockets_then_a_three_node_run_keeps_one_history(coordinator) -> None:
+    """The same fuzz against a live socket coordinator, from members and a stranger to the run's
+    membership (each malformed request on its own TLS connection, plus frames that are not JSON
+    objects); afterwards three nodes run three barriers: one hash per step, nobody evicted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from intellect_jax.coordinator.wire import SocketWire
+    from intellect_jax.net import FrameError, PeerClosed, recv_msg
+    from intellect_jax.net.frames import MsgType
+    from helpers import coord_client, coord_transport, free_port
+
+    coord = coordinator(min_nodes=3)
+    cs = [coord_client(coord.address, n, free_port()) for n in "abc"]
+    try:
+        for c in cs:
+            c.register()
+        sess = {"a": cs[0]._session}
+        wires = {n: SocketWire(coord.address, coord_transport(n)) for n in ("a", "b", "mallory")}
+        before = _stable(coord.status())
+
+        @settings(max_examples=60, deadline=None, database=None)
+        @given(st.data())
+        def fuzz(data: Any) -> None:
+            wire = wires[data.draw(st.sampled_from(sorted(wires)))]
+            conn = wire._connect(5.0)
+            try:
+                if data.draw(st.integers(0, 9)) == 0:  # a frame that is no JSON object
+                    conn.send(MsgType.META, data.draw(st.sampled_from([b"[1, 2]", b"\"x\"", b"{", b"\xff"])))
+                else:
+                    req = data.draw(_malformed(sess))
+                    try:
+                        parse_request(req)
+                        assume(False)  # (valid after all)
+                    except ProtocolError:
+                        pass
+                    conn.send(MsgType.META, json.dumps(req).encode())
+                reply = recv_msg(conn, time.monotonic() + 5.0)
+                assert reply["ok"] is False and reply["error"] == "ProtocolError", reply
+            except (FrameError, PeerClosed):
+                pass  # (the server may hang up after its one-line answer to a broken frame)
+            finally:
+                conn.close()
+
+        fuzz()
+        assert _stable(coord.status()) == before
+        with ThreadPoolExecutor(3) as ex:
+            for k in range(3):
+                eps = [f.result(20) for f in [ex.submit(c.sync, k, f"h{k}") for c in cs]]
+                assert all(ep.node_ids == ["a", "b", "c"] for ep in eps)
+        status = coord.status()
+        assert status["evictions"] == [] and status["high_water_mark"] == {"outer_step": 2, "hash": "h2"}
+        assert coord.membership.record.hashes == {0: "h0", 1: "h1", 2: "h2"}
+    finally:
+        for c in cs:
+            c.close()
