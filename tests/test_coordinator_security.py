@@ -427,6 +427,9 @@ def test_votes_are_signed_and_the_journal_proves_each_recorded_hash(tmp_path: An
 
     r = check()
     assert r.returncode == 0 and "3 recorded steps (0..2), each signed by a quorum" in r.stdout, r.stderr
+    Authority.load(tmp_path / "keys").issue("a")  # a's certificate is renewed: its old votes still hold
+    r = check()
+    assert r.returncode == 0, r.stderr
     rec["hashes"]["1"] = "forged"  # someone edits the record afterwards
     signed = rec["votes"]["2"]["signed"]
     signed["b"] = signed["c"] = signed["a"]  # or passes a's signature off as b's and c's
@@ -436,3 +439,29 @@ def test_votes_are_signed_and_the_journal_proves_each_recorded_hash(tmp_path: An
     assert r.returncode == 2 and len(err) == 1, r.stderr
     assert "2 of 3 recorded steps not signed by a quorum: outer step 1: 0 valid signatures of 3 members" in err[0]
     assert "outer step 2: 1 valid signatures of 3 members (a)" in err[0]
+
+
+def test_malformed_votes_and_journals_are_one_line_errors(tmp_path: Any) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from intellect_jax.coordinator.journal import Journal, JournalError
+    from intellect_jax.coordinator.schema import parse_request
+    from intellect_jax.coordinator.protocol import ProtocolError
+    from helpers import ROOT
+
+    sync = {"op": "sync", "node": "a", "session": "s", "step": 0, "state_hash": "h"}
+    for bad in ("a" * 17, "zz" * 10, "ab"):  # odd length, not hex, too short
+        with pytest.raises(ProtocolError, match="malformed 'sync' request: vote"):
+            parse_request({**sync, "vote": bad})
+    path = tmp_path / "j"
+    path.write_text(json.dumps({"version": 1, "run_id": "r", "votes": []}))
+    with pytest.raises(JournalError, match="unreadable"):
+        Journal(path).load("r")
+    Authority.init(tmp_path / "keys", "r")
+    path.write_text(json.dumps({"version": 1, "run_id": "r", "hashes": {"1": "h"}, "votes": {"1": {"members": 3}}}))
+    r = subprocess.run([sys.executable, "-m", "intellect_jax.coordinator", "--verify-journal", str(path), "--keys",
+                        str(tmp_path / "keys")], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "outer step 1: malformed votes" in err[0], r.stderr

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -235,3 +236,90 @@ def test_netnode_ring_needs_identities() -> None:
         ring = node.ring([("solo", node.address)], 0)
         assert np.array_equal(ring.all_reduce_mean(np.ones(3, np.float32)), np.ones(3, np.float32))
         threading.Thread(target=ring.close).start()
+
+
+def test_a_listener_serves_past_file_descriptor_1023() -> None:
+    """A coordinator of a large run holds more than 1,024 descriptors; the listener's wait for
+    a stranger's hello must not depend on ``select`` (limited to descriptors below 1024)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1400 if hard == resource.RLIM_INFINITY else min(hard, 1400)
+    if want < 1300:
+        pytest.skip(f"the descriptor limit ({hard}) is too low")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
+    pipes = [os.pipe() for _ in range(600)]  # 1,200 descriptors
+    try:
+        owner, member = transport_config("fd-owner", "fd-run"), transport_config("fd-member", "fd-run")
+        with Listener(owner) as lst:
+            conn = connect(member, lst.address, "c", timeout=5)
+            assert conn._sock.fileno() > 1023 and lst.accept("c", peer="fd-member", timeout=5).identity == "fd-member"
+            conn.close()
+    finally:
+        for a, b in pipes:
+            os.close(a), os.close(b)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_concurrent_connections_of_one_member_respect_its_pending_places() -> None:
+    """100 connections of one member at once, 8 places: never more than 8 filed (the place is
+    taken when its TLS handshake ends, before it names its channel)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    owner = transport_config("cc-owner", "cc-run", pending_per_peer=8)
+    member = transport_config("cc-member", "cc-run")
+
+    def one(i: int) -> Any:
+        try:
+            return connect(member, lst.address, f"x/{i}", timeout=10)
+        except AuthError:
+            return None
+
+    with Listener(owner) as lst, ThreadPoolExecutor(16) as ex:
+        conns = list(ex.map(one, range(100)))
+        kept = [c for c in conns if c is not None]
+        assert len(kept) == 8 and lst._per_peer["cc-member"] == 8
+        for c in kept:
+            c.close()
+
+
+def test_a_damaged_revocation_list_keeps_the_last_good_one(tmp_path: Path) -> None:
+    auth = Authority.init(tmp_path, "r")
+    for n in ("srv", "m1", "m2"):
+        auth.issue(n)
+    cfg = {n: TransportConfig("r", Credentials.load(tmp_path, n)) for n in ("srv", "m1", "m2")}
+    auth.revoke("m2")
+    with Listener(cfg["srv"]) as lst:
+        with pytest.raises(AuthError, match="identity m2 is revoked"):  # the listener has read the list
+            connect(cfg["m2"], lst.address, "c", timeout=5)
+        (tmp_path / "crl.pem").write_bytes(b"-----BEGIN X509 CRL-----\nhalf a copy")  # a copy in progress
+        connect(cfg["m1"], lst.address, "c", timeout=5).close()  # members are still served ...
+        with pytest.raises(AuthError, match="identity m2 is revoked"):  # ... and m2 is still out
+            connect(cfg["m2"], lst.address, "c", timeout=5)
+
+
+def test_a_stranger_with_a_whole_hello_that_stalls_holds_its_slot_twice_first_bytes_timeout() -> None:
+    import ssl
+
+    cfg = transport_config("st-owner", "st-run", first_bytes_timeout=0.5)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    try:
+        ctx.wrap_bio(incoming, outgoing).do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    hello = outgoing.read()  # a real TLS client hello; then nothing more
+    with Listener(cfg) as lst:
+        s = socket.create_connection(lst.address)
+        s.sendall(hello)
+        s.settimeout(5)
+        t0 = time.monotonic()
+        try:
+            while s.recv(1 << 16):  # the server's part of the handshake, then the close
+                pass
+        except ConnectionResetError:
+            pass
+        assert 0.3 < time.monotonic() - t0 < 1.5  # 2 x 0.5 s from its arrival, not handshake_timeout (10 s)
+        s.close()
+        wait_for(lambda: lst.refused["no handshake in time"] == 1, 5, "the listener to count it")

@@ -79,7 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def verify_journal(path: str, keys: Path) -> int:
     """Every recorded step's hash must carry the signed votes of a majority of its members."""
     rec = Journal(path).load_any()
-    ca = x509.load_pem_x509_certificate((keys / CA_CERT).read_bytes()).public_bytes(serialization.Encoding.DER)
+    try:
+        ca = x509.load_pem_x509_certificate((keys / CA_CERT).read_bytes()).public_bytes(serialization.Encoding.DER)
+    except ValueError:
+        raise JournalError(f"{keys / CA_CERT}: not a PEM certificate") from None
     bad = verify_votes(rec, ca)
     if bad:
         raise JournalError(f"journal {path}: {len(bad)} of {len(rec.hashes)} recorded steps not signed by a quorum: "

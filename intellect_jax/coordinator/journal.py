@@ -13,9 +13,10 @@ stays finished.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +40,12 @@ class RunRecord:
     next_epoch: int = 1
     hashes: dict[int, str] = field(default_factory=dict)  # outer step -> recorded hash (recent ones)
     rollbacks: list[dict[str, Any]] = field(default_factory=list)  # operator-requested rollbacks done
-    # outer step -> {"members": how many voted at its barrier, "signed": {node: signature (hex) of
-    # identity.vote(run, step, recorded hash)}}; certs: node -> its certificate (DER, hex)
+    # outer step -> {"members": how many members its barrier had when it was recorded, "signed":
+    # {node: [signature (hex) of identity.vote(run, step, recorded hash), certificate key]}};
+    # certs: certificate key (sha256 of the DER, 16 hex) -> certificate (DER, hex)
     votes: dict[int, dict[str, Any]] = field(default_factory=dict)
     certs: dict[str, str] = field(default_factory=dict)
+    rev: int = field(default=0, repr=False, compare=False)  # bumped by sign(): the journal saves then
 
     def record(self, step: int, state_hash: str, keep: int) -> None:
         """The run's hash of outer step ``step`` (the newest one becomes the high-water mark)."""
@@ -57,9 +60,19 @@ class RunRecord:
         steps kept are those of :attr:`hashes`)."""
         if not votes:
             return
-        self.votes[step] = {"members": members, "signed": {n: sig for n, (sig, _) in sorted(votes.items())}}
-        self.certs.update({n: cert for n, (_, cert) in votes.items()})
+        at = self.votes.setdefault(step, {"members": members, "signed": {}})
+        new = {n: v for n, v in votes.items() if n not in at["signed"]}  # a step formed again adds, never replaces
+        if not new:
+            return
+        for n, (sig, cert) in new.items():
+            key = hashlib.sha256(bytes.fromhex(cert)).hexdigest()[:16]
+            at["signed"][n] = [sig, key]
+            self.certs[key] = cert
+        at["signed"] = dict(sorted(at["signed"].items()))
         self.votes = {k: v for k, v in self.votes.items() if k in self.hashes}
+        used = {key for v in self.votes.values() for _, key in v["signed"].values()}
+        self.certs = {k: c for k, c in self.certs.items() if k in used}
+        self.rev += 1
 
     def judge(self, step: int, state_hash: str | None, floor: int) -> str:
         """Why a state of outer step ``step`` cannot resume a rebuilt run whose lowest acceptable
@@ -78,19 +91,26 @@ class RunRecord:
         self.hwm_step, self.hwm_hash = step, self.hashes.get(step)
         self.completed = False
 
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+    def to_json(self, votes: bool = True) -> dict[str, Any]:
+        """The record as JSON; ``votes=False``: without the signed votes (cheap to compare)."""
+        d = {k: getattr(self, k) for k in ("run_id", "fingerprint", "outer_steps", "hwm_step", "hwm_hash",
+                                           "completed", "next_epoch")}
         d["hashes"] = {str(k): h for k, h in self.hashes.items()}
-        d["votes"] = {str(k): v for k, v in self.votes.items()}
+        d["rollbacks"] = [dict(r) for r in self.rollbacks]
+        if votes:
+            d["votes"] = {str(k): v for k, v in self.votes.items()}
+            d["certs"] = dict(self.certs)
         return {"version": VERSION, **d}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RunRecord:
         if d.get("version") != VERSION:
             raise JournalError(f"journal version {d.get('version')} is not {VERSION}")
-        d = {k: v for k, v in d.items() if k != "version"}
+        d = {k: v for k, v in d.items() if k not in ("version", "rev")}
         d["hashes"] = {int(k): h for k, h in d.get("hashes", {}).items()}
         d["votes"] = {int(k): v for k, v in d.get("votes", {}).items()}
+        if not isinstance(d.get("certs", {}), dict):
+            raise JournalError("certs is not an object")
         return cls(**d)
 
 
@@ -105,7 +125,7 @@ class Journal:
         """The record on disk, whichever run's it is."""
         try:
             return RunRecord.from_json(json.loads(self.path.read_text()))
-        except (OSError, ValueError, TypeError, JournalError) as e:
+        except (OSError, ValueError, TypeError, AttributeError, JournalError) as e:
             raise JournalError(f"journal {self.path}: unreadable ({e})") from None
 
     def load(self, run_id: str) -> RunRecord:
@@ -115,16 +135,18 @@ class Journal:
         rec = self.load_any()
         if rec.run_id != run_id:
             raise JournalError(f"journal {self.path} belongs to run {rec.run_id!r}, not {run_id!r}")
-        self._saved = rec.to_json()
+        self._saved = (rec.to_json(votes=False), rec.rev)
         return rec
 
     def save(self, rec: RunRecord) -> bool:
-        """Write ``rec`` if it changed since the last save; True if written."""
-        d = rec.to_json()
-        if d == self._saved:
+        """Write ``rec`` if it changed since the last save; True if written. (Called under the
+        coordinator's lock after every request: the signed votes, which grow with nodes x
+        steps, are compared by their revision, not by value.)"""
+        key = (rec.to_json(votes=False), rec.rev)
+        if key == self._saved:
             return False
-        atomic_write(self.path, json.dumps(d, sort_keys=True))
-        self._saved = d
+        atomic_write(self.path, json.dumps(rec.to_json(), sort_keys=True))
+        self._saved = key
         return True
 
 
@@ -134,15 +156,17 @@ class MemoryJournal(Journal):
 
     def __init__(self) -> None:  # noqa: D107 - no path
         self._saved = None
+        self._stored: dict[str, Any] | None = None
 
     def load(self, run_id: str) -> RunRecord:
-        return RunRecord.from_json(self._saved) if self._saved else RunRecord(run_id=run_id)
+        return RunRecord.from_json(self._stored) if self._stored else RunRecord(run_id=run_id)
 
     def save(self, rec: RunRecord) -> bool:
-        d = rec.to_json()
-        if d == self._saved:
+        key = (rec.to_json(votes=False), rec.rev)
+        if key == self._saved:
             return False
-        self._saved = json.loads(json.dumps(d))
+        self._stored = json.loads(json.dumps(rec.to_json()))
+        self._saved = key
         return True
 
 
@@ -160,8 +184,13 @@ def verify_votes(rec: RunRecord, ca_der: bytes) -> dict[int, str]:
         if v is None:
             bad[step] = "no signed votes"
             continue
-        good = [n for n, sig in v["signed"].items()
-                if vouched(ca_der, rec.certs.get(n, ""), n, vote(rec.run_id, step, h), sig)]
-        if 2 * len(good) <= int(v["members"]):
-            bad[step] = f"{len(good)} valid signatures of {v['members']} members ({', '.join(good) or 'none'})"
+        try:
+            good = [n for n, (sig, key) in v["signed"].items()
+                    if vouched(ca_der, rec.certs.get(key, ""), n, vote(rec.run_id, step, h), sig)]
+            members = int(v["members"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            bad[step] = f"malformed votes ({type(e).__name__})"
+            continue
+        if 2 * len(good) <= members:
+            bad[step] = f"{len(good)} valid signatures of {members} members ({', '.join(good) or 'none'})"
     return bad

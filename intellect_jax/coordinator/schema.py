@@ -22,7 +22,7 @@ MAX_MESSAGE = 4096  # characters of an error reply's message
 NodeId = Annotated[str, Field(min_length=1, max_length=128)]
 Token = Annotated[str, Field(min_length=1, max_length=64)]
 Hash = Annotated[str, Field(min_length=1, max_length=128)]
-Signature = Annotated[str, Field(pattern=r"^[0-9a-f]{16,512}$")]  # hex, DER ECDSA
+Signature = Annotated[str, Field(pattern=r"^(?:[0-9a-f]{2}){8,256}$")]  # hex bytes, DER ECDSA
 Text = Annotated[str, Field(max_length=256)]
 Addr = Annotated[str, Field(min_length=1, max_length=256)]
 Count = Annotated[int, Field(ge=0, le=2**53)]

@@ -152,6 +152,9 @@ class Coordinator:
                 continue
             except NetError:
                 return
+            if conn.serial in self._revoked:  # filed by the listener just before the list changed
+                conn.close()
+                continue
             with self._lock:
                 if self._stop.is_set():
                     conn.close()
@@ -162,8 +165,15 @@ class Coordinator:
             if busy is not None:
                 self._refuse(conn, busy)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name=f"coordinator-conn-{conn.peer}",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name=f"coordinator-conn-{conn.peer}",
+                                 daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: this connection is refused
+                log.warning("no thread to serve %s: %s", conn.peer, e)
+                with self._lock:
+                    self._conns.discard(conn)
+                    self.caps.release(conn.identity)
+                conn.close()
 
     def _evict_revoked(self) -> None:
         """The run authority's revocation list changed: evict the members it revokes and close

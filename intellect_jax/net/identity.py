@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
+import logging
 import os
 import re
 import ssl
@@ -98,7 +99,8 @@ def common_name(cert: x509.Certificate) -> str:
 
 class Revocations:
     """The authority's revocation list (``crl.pem``), re-read when the file changes; a list that
-    is missing means nothing is revoked, one that is not signed by the authority is an error."""
+    is missing means nothing is revoked, one that is not signed by the authority is an error at
+    start, and later (a damaged or half-copied file) a warning that keeps the last good list."""
 
     def __init__(self, path: Path | None, ca: x509.Certificate) -> None:
         self.path, self._ca = path, ca
@@ -119,7 +121,14 @@ class Revocations:
                 return self._serials
             stamp = (st.st_mtime_ns, st.st_size)
             if stamp != self._stamp:
-                self._serials = self._parse()
+                try:
+                    self._serials = self._parse()
+                except IdentityError as e:
+                    if self._stamp is None:  # never read a good one (at start): fail
+                        raise
+                    # a damaged or half-copied list while running: keep the last good one
+                    logging.getLogger("intellect_jax.net").warning("%s; keeping the revocation list read "
+                                                                   "before", e)
                 self._stamp = stamp
             return self._serials
 

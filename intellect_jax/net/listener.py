@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import ipaddress
+import logging
 import select
 import socket
 import ssl
@@ -29,6 +30,7 @@ from intellect_jax.net.frames import MsgType
 from intellect_jax.net.identity import peer_identity
 from intellect_jax.net.transport import MAX_CHANNEL_BYTES, Address, Connection, TransportConfig, _tune
 
+log = logging.getLogger("intellect_jax.net")
 TLS_RECORD_MAX = 5 + (1 << 14) + 256  # a TLS record: 5-byte header, at most 16 KiB + expansion
 
 
@@ -46,11 +48,15 @@ def prefix_of(ip: str) -> str:
 
 def await_hello(sock: socket.socket, deadline: float) -> None:
     """Wait (without consuming it) until the client's whole first TLS record, its hello, has
-    arrived; :class:`PeerTimeout` at ``deadline``, :class:`FrameError` if it is not TLS."""
-    need = 5
+    arrived; :class:`PeerTimeout` at ``deadline``, :class:`FrameError` if it is not TLS.
+    ``poll``, not ``select`` (which fails on descriptors past 1023); while a partial hello sits
+    unread the socket stays readable, so the wait between peeks grows (5 ms to 80 ms)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    need, pause = 5, 0.005
     while True:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([sock], [], [], left)[0]:
+        if left <= 0 or not poller.poll(left * 1000):
             raise PeerTimeout("no complete TLS hello in time")
         head = sock.recv(need, socket.MSG_PEEK)
         if not head:
@@ -63,8 +69,8 @@ def await_hello(sock: socket.socket, deadline: float) -> None:
                 raise FrameError("oversized TLS hello")
             if len(head) >= need:
                 return
-        if len(head) < need:
-            time.sleep(0.005)  # a partial hello: poll until the rest arrives (peek does not consume)
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(2 * pause, 0.08)
 
 
 class Listener:
@@ -110,7 +116,14 @@ class Listener:
                 self._note(f"{addr[0]}:{addr[1]}: {why}", why)
                 sock.close()
                 continue
-            threading.Thread(target=self._handshake, args=(sock, addr, keys), daemon=True).start()
+            try:
+                threading.Thread(target=self._handshake, args=(sock, addr, keys), daemon=True).start()
+            except RuntimeError as e:  # no thread to be had (a process limit): this one is refused
+                self._slots.release()
+                self._release(keys)
+                self._note(f"{addr[0]}:{addr[1]}: {e}", "no thread for a handshake")
+                sock.close()
+                time.sleep(0.01)
 
     def _release(self, keys: tuple[str, str]) -> None:
         with self._cond:
@@ -127,51 +140,71 @@ class Listener:
     def _handshake(self, sock: socket.socket, addr: tuple, keys: tuple[str, str]) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         cfg = self.cfg
+        ident = None  # set once this connection holds one of its identity's pending places
         try:
-            try:
-                await_hello(sock, time.monotonic() + cfg.first_bytes_timeout)
+            try:  # a stranger: its whole hello within first_bytes_timeout, TLS done within twice that
+                t0 = time.monotonic()
+                await_hello(sock, t0 + cfg.first_bytes_timeout)
                 _tune(sock, cfg)
-                sock.settimeout(cfg.handshake_timeout)
+                sock.settimeout(max(0.001, t0 + 2 * cfg.first_bytes_timeout - time.monotonic()))
                 sock = self._ctx.wrap_socket(sock, server_side=True)
-                ident, serial, cert = peer_identity(sock)  # type: ignore[arg-type]
+                who, serial, cert = peer_identity(sock)  # type: ignore[arg-type]
             finally:  # a stranger's slot ends with the TLS handshake
                 self._slots.release()
                 self._release(keys)
-            conn = Connection(sock, cfg, f"{ident}@{peer}", identity=ident, serial=serial, cert=cert)
+            conn = Connection(sock, cfg, f"{who}@{peer}", identity=who, serial=serial, cert=cert)
             deadline = time.monotonic() + cfg.handshake_timeout
+            refusal = self._reserve(conn)
+            if refusal is None:
+                ident = who
+            else:  # let its hello arrive (a second at most), so that it reads why it is refused
+                deadline = min(deadline, time.monotonic() + 1.0)
             hdr, raw = conn.recv(MsgType.HELLO, deadline=deadline, max_len=MAX_CHANNEL_BYTES)
-            channel = raw.decode("utf-8", errors="strict") if raw else ""
-            if not channel:
-                raise FrameError(f"{conn.peer}: empty channel name")
-            refusal = self._admit(conn, channel)
             if refusal is not None:
                 self._reject(conn, refusal, deadline)
                 raise AuthError(f"{conn.peer}: {refusal}")
+            channel = raw.decode("utf-8", errors="strict") if raw else ""
+            if not channel:
+                raise FrameError(f"{conn.peer}: empty channel name")
             conn.send(MsgType.ACCEPT, deadline=deadline)
         except Exception as e:  # noqa: BLE001 - any failure rejects this client only
             self._note(str(e) if peer in str(e) else f"{peer}: {e}",
                        "no handshake in time" if isinstance(e, (PeerTimeout, TimeoutError)) else
                        "refused" if isinstance(e, AuthError) else "handshake failed")
+            if ident is not None:
+                with self._cond:
+                    self._unreserve(ident)
             sock.close()
             return
         with self._cond:
             if self._closed:
+                self._unreserve(ident)
                 conn.close()
                 return
             conn.channel = channel
             self._pending.setdefault(channel, collections.deque()).append((time.monotonic(), conn))
-            self._per_peer[ident] += 1
             self._cond.notify_all()
 
-    def _admit(self, conn: Connection, channel: str) -> str | None:
-        """Why an authenticated connection is refused (None: it is filed)."""
-        if self.cfg.identity.revocations.revoked(conn.serial):
-            return f"identity {conn.identity} is revoked"
+    def _reserve(self, conn: Connection) -> str | None:
+        """Why an authenticated connection is refused; None: it holds one of its identity's
+        ``pending_per_peer`` places from now on (while it names its channel, then unclaimed)."""
+        try:
+            if self.cfg.identity.revocations.revoked(conn.serial):
+                return f"identity {conn.identity} is revoked"
+        except Exception as e:  # noqa: BLE001 - see Revocations.refresh: it keeps the last good list
+            log.warning("%s", e)
         with self._cond:
             self._purge()
             if self._per_peer[conn.identity] >= self.cfg.pending_per_peer:
                 return f"{conn.identity} holds {self._per_peer[conn.identity]} unclaimed connections already"
+            self._per_peer[conn.identity] += 1
         return None
+
+    def _unreserve(self, ident: str) -> None:
+        """(under the lock)"""
+        self._per_peer[ident] -= 1
+        if self._per_peer[ident] <= 0:
+            del self._per_peer[ident]
 
     @staticmethod
     def _reject(conn: Connection, reason: str, deadline: float) -> None:
@@ -186,9 +219,7 @@ class Listener:
         conn = q.popleft()[1]
         if not q:
             del self._pending[ch]
-        self._per_peer[conn.identity] -= 1
-        if self._per_peer[conn.identity] <= 0:
-            del self._per_peer[conn.identity]
+        self._unreserve(conn.identity)
         return conn
 
     def _purge(self) -> None:

@@ -249,7 +249,7 @@ class Connection:
         if hdr.mtype != expect:
             if hdr.mtype == MsgType.REJECT and hdr.length <= 4096:
                 reason = self._read(hdr, deadline).decode(errors="replace")
-                raise AuthError(f"{self.peer} rejected us: {reason}")
+                raise AuthError(f"{self.peer} rejected us: {' '.join(reason.split())[:200]!r}")
             raise FrameError(f"{self.peer}: expected a {expect.name} frame, got {hdr.mtype.name}")
         if hdr.length > limit:
             raise FrameError(f"{self.peer}: {hdr.mtype.name} frame announces {hdr.length} bytes, above {limit}")
@@ -334,7 +334,7 @@ def connect(cfg: TransportConfig, address: Address, channel: str, *, expect: str
         if left <= 0:
             raise PeerTimeout(f"could not connect to {peer} within {timeout:.1f}s ({last})")
         try:
-            return _open(cfg, address, channel, expect, peer, min(left, cfg.handshake_timeout))
+            return _open(cfg, address, channel, expect, peer, min(left, cfg.handshake_timeout), deadline)
         except _Retry as e:
             last = e.__cause__
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
@@ -346,7 +346,7 @@ class _Retry(Exception):
 
 
 def _open(cfg: TransportConfig, address: Address, channel: str, expect: str | None, peer: str,
-          timeout: float) -> Connection:
+          timeout: float, deadline: float) -> Connection:
     try:
         sock = socket.create_connection(address, timeout=timeout)
     except OSError as e:
@@ -371,7 +371,7 @@ def _open(cfg: TransportConfig, address: Address, channel: str, expect: str | No
         if expect is not None and ident != expect:
             raise AuthError(f"{peer} is {ident!r}, not {expect!r}")
         conn = Connection(tls, cfg, peer, channel, ident, serial, cert)
-        hs_deadline = time.monotonic() + cfg.handshake_timeout
+        hs_deadline = max(min(deadline, time.monotonic() + cfg.handshake_timeout), time.monotonic() + 0.05)
         try:
             conn.send(MsgType.HELLO, channel.encode(), deadline=hs_deadline)
             conn.recv(MsgType.ACCEPT, deadline=hs_deadline, max_len=0)
