@@ -26,33 +26,39 @@ from intellect_jax.testing.identities import transport_config
 from helpers import ROOT, expire, wait_for
 
 
-def _keys(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "intellect_jax.keys", "--dir", "k", *args], cwd=cwd, text=True,
-                          capture_output=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=60)
+def _keys(*args: str, cwd: Path, capsys: Any) -> tuple[int, str, str]:
+    """``python -m intellect_jax.keys --dir <cwd>/k ARGS`` in this process: (exit code, out, err)."""
+    from intellect_jax.cli import run_main
+    from intellect_jax.keys import main
+
+    code = run_main(lambda: main(["--dir", str(cwd / "k"), *args]))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_keys_command_manages_the_run_authority(tmp_path: Path) -> None:
-    assert _keys("init", "--run-id", "r1", cwd=tmp_path).returncode == 0
-    r = _keys("issue", "alice", "bob", cwd=tmp_path)
-    assert r.returncode == 0 and "alice" in r.stdout and "bob" in r.stdout, r.stderr
+def test_keys_command_manages_the_run_authority(tmp_path: Path, capsys: Any) -> None:
+    r = subprocess.run([sys.executable, "-m", "intellect_jax.keys", "--dir", "k", "init", "--run-id", "r1"],
+                       cwd=tmp_path, text=True, capture_output=True, env={**os.environ, "PYTHONPATH": ROOT},
+                       timeout=60)  # the command itself, once; the rest in this process
+    assert r.returncode == 0 and "run authority in k" in r.stdout, r.stderr
+    code, out, _ = _keys("issue", "alice", "bob", cwd=tmp_path, capsys=capsys)
+    assert code == 0 and "alice" in out and "bob" in out
     k = tmp_path / "k"
     for name in ("ca", "coordinator", "operator", "alice", "bob"):  # private keys are the owner's alone
         assert stat.S_IMODE((k / f"{name}.key").stat().st_mode) == 0o600, name
-    assert _keys("revoke", "bob", cwd=tmp_path).stdout.strip() == "bob: 1 certificate(s) revoked"
-    listing = _keys("list", cwd=tmp_path).stdout
+    assert _keys("revoke", "bob", cwd=tmp_path, capsys=capsys)[1].strip() == "bob: 1 certificate(s) revoked"
+    listing = _keys("list", cwd=tmp_path, capsys=capsys)[1]
     assert "REVOKED" in next(line for line in listing.splitlines() if line.startswith("bob"))
     assert "valid" in next(line for line in listing.splitlines() if line.startswith("alice"))
     Credentials.load(k, "alice")
     with pytest.raises(IdentityError, match=r"identity bob is revoked"):
         Credentials.load(k, "bob")
-    for args, needle in ((("init",), "already holds a run authority"),
-                         (("issue", "coordinator"), "reserved"),
-                         (("issue", "bad name"), "invalid identity"),
-                         (("revoke", "carol"), "never issued"),
+    for args, needle in ((("init",), "already holds a run authority"), (("issue", "coordinator"), "reserved"),
+                         (("issue", "bad name"), "invalid identity"), (("revoke", "carol"), "never issued"),
                          (("revoke", "coordinator"), "cannot be revoked")):
-        r = _keys(*args, cwd=tmp_path)
-        err = r.stderr.strip().splitlines()
-        assert r.returncode == 2 and len(err) == 1 and needle in err[0], (args, r.stderr)
+        code, _, err = _keys(*args, cwd=tmp_path, capsys=capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (args, err)
 
 
 def test_credentials_fail_in_one_line_naming_the_file(tmp_path: Path) -> None:
