@@ -329,3 +329,20 @@ def test_a_stranger_with_a_whole_hello_that_stalls_holds_its_slot_twice_first_by
         assert 0.3 < time.monotonic() - t0 < 1.5  # 2 x 0.5 s from its arrival, not handshake_timeout (10 s)
         s.close()
         wait_for(lambda: lst.refused["no handshake in time"] == 1, 5, "the listener to count it")
+
+
+def test_unclaimed_connections_are_capped_per_channel_prefix() -> None:
+    """Over ``pending_per_prefix`` unclaimed connections on one prefix (members together), the
+    next is refused; other prefixes and a claimed channel's new connection go on."""
+    owner = transport_config("cp-owner", "cp-run", pending_per_prefix=6)
+    members = [transport_config(f"cp-m{i}", "cp-run") for i in range(3)]
+    with Listener(owner) as lst:
+        held = [connect(m, lst.address, f"state/x/{i}", timeout=5) for i in range(2) for m in members]
+        with pytest.raises(AuthError, match=r"channels state/\.\.\. hold 6 unclaimed connections already"):
+            connect(members[0], lst.address, "state/x/9", timeout=5)
+        other = connect(members[0], lst.address, "ring/1/0>1/0", timeout=5)  # another prefix: served
+        lst.accept("state/x/0", peer="cp-m0", timeout=5).close()  # one claimed: a place is free again
+        more = connect(members[1], lst.address, "state/x/8", timeout=5)
+        assert lst._per_kind == {"state": 6, "ring": 1}
+        for c in (*held, other, more):
+            c.close()

@@ -11,7 +11,8 @@ Strangers (before authentication) get little: at most ``handshakes_per_source`` 
 per address and ``handshakes_per_prefix`` per /24 (IPv4) or /64 (IPv6) in handshake at once,
 ``max_handshakes`` in all (the rest are closed on arrival, and counted); each must deliver its
 whole TLS hello within ``first_bytes_timeout`` and finish within ``handshake_timeout``. Members
-(after authentication) may leave at most ``pending_per_peer`` connections unclaimed each.
+(after authentication) may leave at most ``pending_per_peer`` connections unclaimed each, and
+all members together at most ``pending_per_prefix`` per channel prefix (``ring``, ``state``, ...).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def prefix_of(ip: str) -> str:
         addr = addr.ipv4_mapped
     bits = 24 if addr.version == 4 else 64
     return str(ipaddress.ip_network(f"{addr}/{bits}", strict=False))
+
+
+def prefix_kind(channel: str) -> str:
+    """A channel's prefix, its first path element (``ring``, ``state``, ``coordinator``)."""
+    return channel.split("/", 1)[0][:64]
 
 
 def await_hello(sock: socket.socket, deadline: float) -> None:
@@ -85,6 +91,7 @@ class Listener:
         self._cond = threading.Condition()
         self._pending: dict[str, collections.deque[tuple[float, Connection]]] = {}
         self._per_peer: collections.Counter[str] = collections.Counter()  # unclaimed, per identity
+        self._per_kind: collections.Counter[str] = collections.Counter()  # unclaimed, per channel prefix
         self._rejections: collections.deque[tuple[float, str]] = collections.deque(maxlen=16)
         self._slots = threading.BoundedSemaphore(max_handshakes)
         self._busy: collections.Counter[str] = collections.Counter()  # handshakes, per address and network
@@ -141,6 +148,7 @@ class Listener:
         peer = f"{addr[0]}:{addr[1]}"
         cfg = self.cfg
         ident = None  # set once this connection holds one of its identity's pending places
+        kind = None  # ... and once it holds one of its channel prefix's
         try:
             try:  # a stranger: its whole hello within first_bytes_timeout, TLS done within twice that
                 t0 = time.monotonic()
@@ -166,19 +174,32 @@ class Listener:
             channel = raw.decode("utf-8", errors="strict") if raw else ""
             if not channel:
                 raise FrameError(f"{conn.peer}: empty channel name")
+            with self._cond:
+                k = prefix_kind(channel)
+                if self._per_kind[k] >= cfg.pending_per_prefix:
+                    refusal = f"channels {k}/... hold {self._per_kind[k]} unclaimed connections already"
+                else:
+                    self._per_kind[k] += 1
+                    kind = k
+            if refusal is not None:
+                self._reject(conn, refusal, deadline)
+                raise AuthError(f"{conn.peer}: {refusal}")
             conn.send(MsgType.ACCEPT, deadline=deadline)
         except Exception as e:  # noqa: BLE001 - any failure rejects this client only
             self._note(str(e) if peer in str(e) else f"{peer}: {e}",
                        "no handshake in time" if isinstance(e, (PeerTimeout, TimeoutError)) else
                        "refused" if isinstance(e, AuthError) else "handshake failed")
-            if ident is not None:
-                with self._cond:
+            with self._cond:
+                if ident is not None:
                     self._unreserve(ident)
+                if kind is not None:
+                    self._unkind(kind)
             sock.close()
             return
         with self._cond:
             if self._closed:
                 self._unreserve(ident)
+                self._unkind(kind)  # type: ignore[arg-type]
                 conn.close()
                 return
             conn.channel = channel
@@ -206,6 +227,12 @@ class Listener:
         if self._per_peer[ident] <= 0:
             del self._per_peer[ident]
 
+    def _unkind(self, kind: str) -> None:
+        """(under the lock)"""
+        self._per_kind[kind] -= 1
+        if self._per_kind[kind] <= 0:
+            del self._per_kind[kind]
+
     @staticmethod
     def _reject(conn: Connection, reason: str, deadline: float) -> None:
         try:
@@ -220,6 +247,7 @@ class Listener:
         if not q:
             del self._pending[ch]
         self._unreserve(conn.identity)
+        self._unkind(prefix_kind(ch))
         return conn
 
     def _purge(self) -> None:
@@ -281,6 +309,7 @@ class Listener:
             self._closed = True
             pending, self._pending = self._pending, {}
             self._per_peer.clear()
+            self._per_kind.clear()
             self._cond.notify_all()
         try:
             self._srv.shutdown(socket.SHUT_RDWR)

@@ -77,6 +77,7 @@ class TransportConfig:
     sock_buf_bytes: int | None = None
     pending_ttl: float = 300.0  # an authenticated connection nobody claims is closed after this
     pending_per_peer: int = 64  # unclaimed authenticated connections one identity may hold
+    pending_per_prefix: int = 4096  # ... all identities together, per channel prefix (ring, state, ...)
     first_bytes_timeout: float = 2.0  # an unauthenticated client must send its whole TLS hello this soon
     handshakes_per_source: int = 8  # unauthenticated connections in handshake at once, per source address
     handshakes_per_prefix: int = 32  # ... per /24 (IPv4) or /64 (IPv6) network
@@ -86,8 +87,10 @@ class TransportConfig:
             raise ValueError(f"unknown integrity {self.integrity!r}; expected one of {list(INTEGRITY)}")
         if min(self.io_timeout, self.connect_timeout, self.handshake_timeout, self.first_bytes_timeout) <= 0:
             raise ValueError("timeouts must be positive")
-        if min(self.handshakes_per_source, self.handshakes_per_prefix, self.pending_per_peer) < 1:
-            raise ValueError("handshakes_per_source, handshakes_per_prefix and pending_per_peer must be >= 1")
+        if min(self.handshakes_per_source, self.handshakes_per_prefix, self.pending_per_peer,
+               self.pending_per_prefix) < 1:
+            raise ValueError("handshakes_per_source, handshakes_per_prefix, pending_per_peer and pending_per_prefix "
+                             "must be >= 1")
         if self.max_frame_bytes < 1 << 16:
             raise ValueError("max_frame_bytes must be at least 64 KiB")
 
