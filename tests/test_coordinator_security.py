@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pytest
 
 from intellect_jax.coordinator.journal import RunRecord
@@ -21,7 +22,9 @@ from intellect_jax.coordinator.service import CoordinatorService
 from intellect_jax.coordinator.server import Coordinator
 from intellect_jax.coordinator.wire import SocketWire
 from intellect_jax.net import Authority, Credentials, TransportConfig, recv_msg
+from intellect_jax.net.evidence import evidence, raw_signature, seal, statement
 from intellect_jax.net.identity import vote
+from intellect_jax.testing.identities import credentials
 from helpers import FP, ManualClock as _ManualClock, Run, coord_client, coord_config, coord_transport, free_port, wait_for
 
 
@@ -120,9 +123,22 @@ def test_session_tokens_are_random_and_bound_to_their_node() -> None:
 # ---------------------------------------------------------------------------------------------
 # accusations
 # ---------------------------------------------------------------------------------------------
-def _arrive(r: Run, n: str, k: int, accuse: str | None = None, failed: bool = False, retry_of: int | None = None):
-    report = Report(avg_failed=failed, accused=[accuse, "values 99x ours"] if accuse else None)
-    return r.m.arrive(n, r.s[n], k, r.now, f"h{k}", retry_of, None, report)
+NAN_PIECE = np.array([1e-3, np.nan, -2e-3, 4e-3], np.float32)
+
+
+def _nan_evidence(step: int, epoch: int) -> dict[str, Any]:
+    """Unsigned evidence of a non-finite piece (an in-process run signs nothing)."""
+    return evidence(step=step, epoch=epoch, call=0, segment=0, piece=0, numel=4, mode="fp32", block=1,
+                    payload=NAN_PIECE.tobytes(), signature=None)
+
+
+def _arrive(r: Run, n: str, k: int, accuse: str | None = None, failed: bool = False, retry_of: int | None = None,
+            ev: dict[str, Any] | None = None, h: str | None = None, vote: tuple[str, str] | None = None):
+    if accuse and ev is None:
+        ev = _nan_evidence(k - 1, r.m._last.epoch_id)  # type: ignore[union-attr]
+    report = Report.model_validate({"avg_failed": failed, "accused": [accuse, "values 99x ours"] if accuse else None,
+                                    "evidence": ev if accuse else None})
+    return r.m.arrive(n, r.s[n], k, r.now, h or f"h{k}", retry_of, None, report, vote)
 
 
 def test_a_made_up_accusation_evicts_nobody_and_counts_against_the_accuser() -> None:
@@ -139,8 +155,8 @@ def test_a_made_up_accusation_evicts_nobody_and_counts_against_the_accuser() -> 
     assert [(e["node_id"], e["reason"].split(":")[0]) for e in ev] == [("c", "false accusations")]
     assert r.result("a").node_ids == ["a", "b", "d"]  # type: ignore[union-attr]  # the accused stays
     said = [ln for ln in r.m.drain_events() if "false accusation" in ln]
-    assert said[0].startswith("WARNING false accusation: c accused a of a bad contribution (values 99x ours) to "
-                              "epoch 1 but is not its ring successor there ([a, b, c, d])")
+    assert said[0].startswith("WARNING false accusation: c accused a of a bad contribution (values 99x ours) but "
+                              "is not its ring successor in epoch 1 ([a, b, c, d])")
     # the successor's blame still counts in failed rounds only
     r2 = Run(min_nodes=3, strikes=2)
     for n in "abc":
@@ -169,6 +185,57 @@ def test_an_accusation_is_judged_in_the_ring_whose_all_reduce_it_reports() -> No
         _arrive(r, n, 2, accuse="a" if n == "c" else None, failed=True)
     assert [e["node_id"] for e in r.m.status(r.now)["evictions"] if not e["graceful"]] == ["a"]
     assert r.m._nodes["c"].false_accusations == 0
+
+
+def _signed(signer: str | None, values: np.ndarray, *, run_id: str, step: int, epoch: int,
+            opening: dict[str, Any] | None) -> dict[str, Any]:
+    """Evidence of ``values`` as a's own piece sent to b, signed by ``signer`` (None: unsigned)."""
+    payload = values.astype(np.float32).tobytes()
+    sig = None
+    if signer is not None:
+        said = statement(run_id, step, epoch, 0, "a", "b", 2, 0, values.size, "fp32", 1, payload)
+        sig = raw_signature(credentials(signer).sign(said))
+    return {**evidence(step=step, epoch=epoch, call=0, segment=2, piece=0, numel=values.size, mode="fp32", block=1,
+                       payload=payload, signature=sig), "opening": opening}
+
+
+OPENING = {"core": "ab" * 16, "numel": 1000, "scale": 10.0}  # the outer params' RMS: 10 / sqrt(1000) = 0.316
+HONEST, OUTSIZED = np.full(64, 0.05, np.float32), np.full(64, 5.0, np.float32)  # 0.16x and 16x that RMS
+EVIDENCE = {  # name: (signer, values, outer step signed, opening) -> whether a is found guilty
+    "no evidence": (None, None, 0, None, False),
+    "signed by the accuser": ("b", NAN_PIECE, 0, None, False),
+    "unsigned in a signed run": (None, NAN_PIECE, 0, None, False),
+    "an honest piece": ("a", HONEST, 0, OPENING, False),
+    "a scale that opens no recorded hash": ("a", OUTSIZED, 0, {**OPENING, "scale": 0.01}, False),
+    "a piece of another outer step": ("a", NAN_PIECE, 5, None, False),
+    "a non-finite piece": ("a", NAN_PIECE, 0, None, True),
+    "an outsized piece, its scale opened": ("a", OUTSIZED, 0, OPENING, True),
+}
+
+
+@pytest.mark.parametrize("case", list(EVIDENCE))
+def test_an_accusation_stands_only_on_the_accused_s_own_signed_piece(case: str) -> None:
+    """b, a's ring successor, accuses a in a round whose average everyone found bad: a is
+    blamed only when b shows a piece a signed for that all-reduce which is bad by the
+    coordinator's own verdict (against a scale that opens the recorded hash); otherwise the
+    accusation counts against b."""
+    signer, values, step, opening, guilty = EVIDENCE[case]
+    r = Run(min_nodes=3, strikes=2)
+    for n in "abc":
+        r.reg(n)
+    r.barrier(0, list("abc"), seal(OPENING["core"], OPENING["numel"], OPENING["scale"]))  # ring [a, b, c]
+    epoch, run_id = r.m._last.epoch_id, r.m.record.run_id  # type: ignore[union-attr]
+    ev = None if values is None else _signed(signer, values, run_id=run_id, step=step, epoch=epoch, opening=opening)
+    for n in "abc":
+        vote = ("00" * 8, credentials(n).cert_der.hex())  # the coordinator checked it; the certificate is kept
+        report = Report.model_validate({"avg_failed": True, "accused": ["a", "its piece"] if n == "b" else None,
+                                        "evidence": ev if n == "b" else None})
+        r.m.arrive(n, r.s[n], 1, r.now, "h1", None, None, report, vote)
+    assert r.result("b") is not None
+    a, b = r.m._nodes["a"], r.m._nodes["b"]
+    assert (a.strikes, b.false_accusations) == ((1, 0) if guilty else (0, 1))
+    said = [ln for ln in r.m.drain_events() if "false accusation" in ln]
+    assert bool(said) is not guilty, said
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from typing import Any
@@ -21,8 +22,11 @@ from intellect_jax.net import (
     RingConfig,
     TransportConfig,
 )
+from intellect_jax.coordinator.policing import weigh
+from intellect_jax.coordinator.schema import Evidence
+from intellect_jax.net.evidence import verdict
 from intellect_jax.net.frames import HEADER_LEN
-from intellect_jax.testing.identities import transport_config
+from intellect_jax.testing.identities import credentials, transport_config
 from intellect_jax.testing.local_ring import LocalGroup, ring_bytes
 from intellect_jax.net.plan import simulate
 
@@ -289,3 +293,39 @@ def test_new_epoch_on_same_nodes_after_close() -> None:
 def test_rejects_non_float32() -> None:
     with pytest.raises(TypeError, match="float32"):
         LocalGroup(2).all_reduce_mean_all([np.zeros(3), np.zeros(3)])
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp32"])
+def test_a_bad_own_piece_is_kept_with_its_sender_s_signature(mode: str) -> None:
+    """Rank 0's own contribution holds a NaN: its successor keeps that piece, signed by rank 0,
+    as evidence; the coordinator's check accepts it with rank 0's certificate, and refuses it
+    altered, held against another node, or told by another accuser."""
+    nodes = _nodes(3, first=20)
+    try:
+        cfg = RingConfig(mode=mode, piece_numel=256, deadline=30)
+        comms = [n.ring(_members(nodes), r, epoch=7, step=4, config=cfg) for r, n in enumerate(nodes)]
+        xs = _inputs(3, 3000)
+        xs[0][300] = np.nan  # in rank 0's own segment (the first third), its second piece
+        for c in comms:
+            c.inspect = lambda theirs: verdict(theirs, None)
+        _, errs = _run(comms, xs)
+        assert errs == [None] * 3
+        assert comms[0].suspect is None and comms[2].suspect is None
+        prev, why, ev = comms[1].suspect
+        assert (prev, why) == (0, "non-finite values")
+        e = Evidence.model_validate(ev)
+        assert (e.step, e.epoch, e.mode, e.piece, e.numel) == (4, 7, mode, 1, 256) and e.signature
+        kw: dict[str, Any] = dict(run_id="ring-test", step=4, epoch_id=7, recorded=None)
+        cert = credentials("r20").cert_der
+        assert weigh(e, accuser="r21", accused="r20", cert=cert, **kw) == ("non-finite values", "")
+        raw = bytearray(base64.b64decode(e.payload))
+        raw[-1] ^= 1
+        altered = e.model_copy(update={"payload": base64.b64encode(bytes(raw)).decode()})
+        for bad, who in ((altered, ("r21", "r20", cert)), (e, ("r21", "r22", credentials("r22").cert_der)),
+                         (e, ("r22", "r20", cert))):
+            guilty, flaw = weigh(bad, accuser=who[0], accused=who[1], cert=who[2], **kw)
+            assert guilty is None and "signature" in flaw, flaw
+        assert weigh(e, accuser="r21", accused="r20", cert=cert, **{**kw, "step": 5})[0] is None  # another round
+    finally:
+        for n in nodes:
+            n.close()

@@ -264,8 +264,9 @@ def test_without_the_checks_the_poison_gets_through(monkeypatch):
     """The same malicious run with the average check disabled: the outer state is damaged (so
     the test above can fail)."""
     from intellect_jax.diloco import loop as L
+    from intellect_jax.diloco.guard import tree_norm
 
-    monkeypatch.setattr(L, "check_average", lambda avg, history, cfg, scale=None: (L.tree_norm(avg), None))
+    monkeypatch.setattr(L, "check_average", lambda avg, history, cfg, scale=None: (tree_norm(avg), None))
     _, _, clean = poison_run({})
     with pytest.raises(AssertionError):  # NaN reaches the params: the final loss is NaN, or far off
         _, _, final = poison_run(POISON["sent x1000"])

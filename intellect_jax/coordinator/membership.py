@@ -361,7 +361,7 @@ class Membership:
             self._remove(n, now, why)
         if members and recorded is not None:
             self.history.complete(step, recorded)
-        members, evict = self.police.judge(step, members)
+        members, evict = self.police.judge(step, members, self.record.run_id, self.record.hashes.get(step - 1))
         for n, why in evict:
             self._remove(n, now, why)
         if members:

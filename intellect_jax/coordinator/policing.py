@@ -5,21 +5,66 @@ pseudo-gradient checks failed (it sat out, contributing zeros) at ``sit_out_limi
 a row is broken; a member its ring successor blamed in ``strikes`` rounds whose average most
 members found bad poisons the run. One blame alone evicts nobody: the successor may be the liar,
 and a round only counts when most members saw the damage. Only the accused's ring successor in
-the epoch whose all-reduce is reported can have seen its contribution: an accusation by anyone
-else is false, counted against the accuser, who is evicted at ``strikes`` false accusations.
+the epoch whose all-reduce is reported can have seen its contribution, and it must show it: the
+accused's own piece with the accused's signature (:func:`weigh`, ``net.evidence``). An accusation
+by anyone else, without evidence, or with evidence that does not hold up is false, counted
+against the accuser, who is evicted at ``strikes`` false accusations.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Callable
+
+import numpy as np
 
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Node
+from intellect_jax.coordinator.schema import Evidence
+from intellect_jax.net import quant
+from intellect_jax.net.evidence import SUSPECT_FACTOR, der_signature, reference_rms, seal, statement, verdict
+from intellect_jax.net.identity import verify
+
+# the coordinator's verdict allows for float sums done in another order on the accuser's machine
+LENIENCY = 0.999
 
 
 def follows(ring: tuple[str, ...], accuser: str, accused: str) -> bool:
     """Whether ``accuser`` is ``accused``'s successor in ``ring`` (the node that receives its chunks)."""
     return accused in ring and accuser in ring and ring.index(accuser) == (ring.index(accused) + 1) % len(ring)
+
+
+def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser: str, accused: str,
+          cert: bytes | None, recorded: str | None) -> tuple[str | None, str]:
+    """Whether ``ev`` shows ``accused``'s own piece in outer step ``step``'s all-reduce (epoch
+    ``epoch_id``, received by ``accuser``) bad: (verdict, "") or (None, why it does not).
+    ``cert``: the accused's certificate (None: an in-process run, nothing is signed);
+    ``recorded``: the hash the run recorded for ``step``, which the scale must open."""
+    if ev is None:
+        return None, "no evidence"
+    if (ev.step, ev.epoch) != (step, epoch_id):
+        return None, f"evidence from outer step {ev.step} in epoch {ev.epoch}, not {step} in {epoch_id}"
+    try:
+        raw = base64.b64decode(ev.payload, validate=True)
+    except (binascii.Error, ValueError):
+        return None, "the evidence's piece is not base64"
+    if len(raw) != quant.encoded_nbytes(ev.numel, ev.mode, ev.block):
+        return None, f"the evidence's piece is {len(raw)} bytes, not {ev.numel} values in {ev.mode}"
+    if cert is not None:
+        said = statement(run_id, ev.step, ev.epoch, ev.call, accused, accuser, ev.segment, ev.piece, ev.numel,
+                         ev.mode, ev.block, raw)
+        if ev.signature is None or not verify(cert, said, der_signature(bytes.fromhex(ev.signature))):
+            return None, f"the evidence's piece does not carry {accused}'s signature"
+    ref = None
+    if ev.opening is not None:
+        o = ev.opening
+        if recorded is None or seal(o.core, o.numel, o.scale) != recorded:
+            return None, f"the evidence's scale does not open the hash recorded for outer step {step}"
+        ref = reference_rms(o.scale, o.numel)
+    why = verdict(quant.decode(np.frombuffer(raw, np.uint8).copy(), ev.numel, ev.mode, ev.block), ref,
+                  SUSPECT_FACTOR * LENIENCY)
+    return (why, "") if why else (None, "the evidence's piece is within bounds")
 
 
 class Police:
@@ -35,24 +80,35 @@ class Police:
         """Barrier ``step`` formed epoch ``epoch_id`` (a retry replaces the failed epoch)."""
         self._rings = {k: v for k, v in self._rings.items() if k == step - 1} | {step: (epoch_id, ring)}
 
-    def judge(self, step: int, members: list[Node]) -> tuple[list[Node], list[tuple[Node, str]]]:
+    def judge(self, step: int, members: list[Node], run_id: str = "",
+              recorded: str | None = None) -> tuple[list[Node], list[tuple[Node, str]]]:
         """Count barrier ``step``'s sit-outs, blames and false accusations; returns (members kept,
-        (member, why) to evict), in ring order. Every member has arrived (with its report)."""
+        (member, why) to evict), in ring order. Every member has arrived (with its report).
+        ``recorded``: the hash recorded for outer step ``step - 1``, whose all-reduce is reported."""
         reports = [(n, n.arrival.report) for n in members if n.arrival.report]  # type: ignore[union-attr]
         failed = sum(1 for _, r in reports if r.avg_failed) * 2 > len(members)
         epoch_id, ring = self._rings.get(step - 1, (0, None))
+        by_id = {n.node_id: n for n in members}
         blamed: dict[str, str] = {}
         for n, r in reports:
             if r.accused is None or ring is None:
                 continue
             accused, why = r.accused
-            if follows(ring, n.node_id, accused):
-                blamed[accused] = why
+            if not follows(ring, n.node_id, accused):
+                self._false(n, accused, why, f"is not its ring successor in epoch {epoch_id} ([{', '.join(ring)}])")
                 continue
-            n.false_accusations += 1
-            self._say(f"WARNING false accusation: {n.node_id} accused {accused} of a bad contribution ({why}) to "
-                      f"epoch {epoch_id} but is not its ring successor there ([{', '.join(ring)}]); "
-                      f"{n.false_accusations} by {n.node_id} so far")
+            if accused not in by_id:
+                continue  # gone already: nothing to weigh it against
+            a_vote, n_vote = by_id[accused].arrival.vote, n.arrival.vote  # type: ignore[union-attr]
+            if a_vote is None and n_vote is not None:
+                continue  # a signed run, and no certificate of the accused's at hand: nothing can be checked
+            guilty, flaw = weigh(r.evidence, run_id=run_id, step=step - 1, epoch_id=epoch_id, accuser=n.node_id,
+                                 accused=accused, cert=bytes.fromhex(a_vote[1]) if a_vote else None,
+                                 recorded=recorded)
+            if guilty is None:
+                self._false(n, accused, why, f"its evidence does not hold: {flaw}")
+                continue
+            blamed[accused] = guilty
         keep: list[Node] = []
         evict: list[tuple[Node, str]] = []
         for n in members:
@@ -65,8 +121,13 @@ class Police:
                 evict.append((n, f"poisoned contributions: blamed by its ring successor in {n.strikes} "
                                  f"rounds whose average failed ({blamed.get(n.node_id)})"))
             elif n.false_accusations >= self.config.strikes:
-                evict.append((n, f"false accusations: it accused nodes it does not follow in the ring "
-                                 f"{n.false_accusations} times"))
+                evict.append((n, f"false accusations: {n.false_accusations} accusations without valid evidence "
+                                 "or of nodes it does not follow in the ring"))
             else:
                 keep.append(n)
         return keep, evict
+
+    def _false(self, n: Node, accused: str, why: str, flaw: str) -> None:
+        n.false_accusations += 1
+        self._say(f"WARNING false accusation: {n.node_id} accused {accused} of a bad contribution ({why[:80]}) but "
+                  f"{flaw}; {n.false_accusations} by {n.node_id} so far")

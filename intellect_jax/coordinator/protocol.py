@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROTOCOL = 4  # coordinator protocol version; bump on any incompatible change (4: strict schemas, identities)
+PROTOCOL = 5  # coordinator protocol version; bump on any incompatible change (5: accusations with evidence)
 
 
 class CoordinatorError(Exception):

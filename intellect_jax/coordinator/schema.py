@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from intellect_jax.coordinator.protocol import Admission, Epoch, ProtocolError, RegisterReply
+from intellect_jax.net.evidence import MAX_EVIDENCE_BYTES
 
 MAX_NODES = 4096  # members, joiners and node-id lists (a node holds one coordinator connection: see max_handlers)
 MAX_MESSAGE = 4096  # characters of an error reply's message
@@ -62,12 +63,38 @@ class Heartbeat(Msg):
     op: Literal["hb"]
 
 
+class Opening(Msg):
+    """A state hash opened (``diloco.state.hash_opening``): the scale a piece is judged by."""
+
+    core: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    numel: Annotated[int, Field(ge=1, le=2**53)]
+    scale: Annotated[float, Field(gt=0, allow_inf_nan=False)]  # the outer params' norm
+
+
+class Evidence(Msg):
+    """A bad piece of the accused's own contribution, as it arrived, with the accused's
+    signature (``net.evidence``; none in an in-process run)."""
+
+    step: Count
+    epoch: Count
+    call: Count
+    segment: Count
+    piece: Count
+    numel: Annotated[int, Field(ge=1, le=1 << 20)]
+    mode: Literal["fp32", "bf16", "int8"]
+    block: Annotated[int, Field(ge=1, le=1 << 16)]
+    payload: Annotated[str, Field(max_length=-(-MAX_EVIDENCE_BYTES // 3) * 4)]  # base64
+    signature: Annotated[str, Field(pattern=r"^[0-9a-f]{128}$")] | None = None  # r || s, hex
+    opening: Opening | None = None  # of the recorded hash of outer step ``step``
+
+
 class Report(Msg):
     """A node's word on its last all-reduce: did the average fail its checks, and whom (its ring
-    predecessor) it accuses of a bad contribution, with why."""
+    predecessor) it accuses of a bad contribution, with why and the evidence."""
 
     avg_failed: bool = False
     accused: Annotated[list[Text], Field(min_length=2, max_length=2)] | None = None
+    evidence: Evidence | None = None
 
 
 class Sync(Msg):

@@ -36,7 +36,7 @@ from intellect_jax.net import (
 )
 
 CHANNEL = "coordinator"
-MAX_MSG = 1 << 20
+MAX_MSG = 2 << 20  # a sync carries at most one piece of evidence (net.evidence.MAX_EVIDENCE_BYTES, base64)
 log = logging.getLogger("intellect_jax.coordinator")
 
 

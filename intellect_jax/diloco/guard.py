@@ -12,10 +12,11 @@ Three lines of defence, all cheap next to the all-reduce:
   ``DilocoState`` (so a joiner decides like everyone else). Every node holds the same bits,
   so every node reaches the same verdict; a failing round is skipped (outer params and
   momentum unchanged), never applied.
-* **Blame** (:func:`inspect`): in a ring, a rank's first message to its successor is its own
-  contribution, unsummed; the successor looks at it and, when it is non-finite or far larger
-  than its own, reports the predecessor with its next barrier. The coordinator evicts a node
-  that is reported in rounds whose average failed (see ``docs/security.md``).
+* **Blame** (``net.evidence``): in a ring, a rank's first messages to its successor are its own
+  contribution, unsummed and signed; the successor judges each against the RMS of a recent
+  average (from these norms) and reports a bad one, signed piece and all, with its next
+  barrier. The coordinator re-checks the evidence and evicts a node found guilty in rounds
+  whose average failed (see ``docs/security.md``).
 
 Norms are rounded to 6 significant digits before they are compared or stored, so nodes whose
 CPUs sum in a different order still agree.
@@ -37,7 +38,6 @@ class GuardConfig:
     factor: float = 10.0  # a norm above factor x the recent median fails
     history: int = 8  # recent norms kept
     min_history: int = 3  # no magnitude check before this many norms are known
-    suspect_factor: float = 30.0  # a predecessor's piece this many times our own RMS is reported
 
 
 def _round(x: float) -> float:
@@ -95,15 +95,3 @@ def check_average(avg: Any, history: tuple[float, ...], cfg: GuardConfig,
                   scale: float | None = None) -> tuple[float, str | None]:
     norm = tree_norm(avg)
     return norm, judge(norm, history, cfg, scale)
-
-
-def inspect(theirs: np.ndarray, ours: np.ndarray, cfg: GuardConfig) -> str | None:
-    """A predecessor's raw piece against ours at the same positions: non-finite, or an RMS
-    ``suspect_factor`` times ours (only when ours is not all zeros)."""
-    if not np.isfinite(theirs).all():
-        return "non-finite values"
-    ours_rms = float(np.sqrt(np.mean(np.square(ours, dtype=np.float64)))) if ours.size else 0.0
-    theirs_rms = float(np.sqrt(np.mean(np.square(theirs, dtype=np.float64)))) if theirs.size else 0.0
-    if ours_rms > 0 and theirs_rms > cfg.suspect_factor * ours_rms:
-        return f"values {theirs_rms / ours_rms:.0f}x ours"
-    return None

@@ -26,12 +26,13 @@ import numpy as np
 
 from intellect_jax.coordinator.clock import abort_when
 from intellect_jax.coordinator.protocol import Admission, Epoch, Evicted, Resume, RunCompleted
-from intellect_jax.diloco.guard import OwnGuard, check_average, inspect, remember, tree_norm
+from intellect_jax.diloco.guard import OwnGuard, check_average, remember
 from intellect_jax.diloco.overlap import Gate, Round
 from intellect_jax.diloco.parts import DilocoError, LoopConfig, NodeParts, Outcome, TransferFailed
-from intellect_jax.diloco.state import DilocoState, host_copy, nesterov_sgd, outer_step, state_hash
+from intellect_jax.diloco.state import DilocoState, hash_opening, host_copy, nesterov_sgd, outer_step, state_hash
 from intellect_jax.diloco.transfer import vet_received
 from intellect_jax.net.errors import NetError, PeerTimeout
+from intellect_jax.net.evidence import reference_rms, seal, verdict
 
 __all__ = ["NodeLoop", "OuterResult", "claim_of"]
 
@@ -313,13 +314,15 @@ class NodeLoop:
         """Outer step ``s.outer_step`` -> +1 with this node's pseudo-gradient: own check, barrier and
         all-reduce (retried over new epochs), check of the average, Nesterov step."""
         p, H = self.p, self.cfg.inner_steps
-        k, h = s.outer_step, state_hash(s)
-        scale = tree_norm(s.outer_params) if len(s.norms) < self.guard.min_history else None
+        opening = hash_opening(s)  # the state hash, opened: the scale pieces are judged by (net.evidence)
+        k, h = s.outer_step, seal(opening["core"], opening["numel"], opening["scale"])
+        scale = opening["scale"] if len(s.norms) < self.guard.min_history else None
         pg_norm, sits_out = self.own.check(pg, scale)
         if sits_out:  # a broken contribution stays home: zeros, and the others are told
             p.log(f"WARNING sitting out outer step {k + 1}: this node's pseudo-gradient has {sits_out}")
             pg = jax.tree.map(np.zeros_like, pg)
-        avg, ep, stats, tries, suspect = self._all_reduce(k, h, pg, sits_out, report)
+        ref = reference_rms(opening["scale"], opening["numel"])
+        avg, ep, stats, tries, suspect = self._all_reduce(k, h, pg, sits_out, report, ref)
         self._confirm(k, h)
         avg, avg_norm, skip = self._vet(s, avg, ep, scale)
         if skip:  # every node holds the same bits, so every node skips
@@ -329,7 +332,8 @@ class NodeLoop:
             s = outer_step(s, avg, self.tx, inner_step=(k + 1) * H)._replace(norms=remember(s.norms, avg_norm, self.guard))
         if suspect:
             p.log(f"WARNING {ep.node_ids[suspect[0]]}'s contribution to outer step {k + 1} had {suspect[1]}")
-        report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None}
+        report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None,
+                  "evidence": {**suspect[2], "opening": opening if ref is not None else None} if suspect else None}
         return OuterResult(s, ep, stats, tries, report, pg_norm, avg_norm, sits_out, skip, None if skip else avg)
 
     def _confirm(self, k: int, h: str) -> None:
@@ -351,8 +355,8 @@ class NodeLoop:
         norm, why = check_average(avg, s.norms, self.guard, scale)
         return avg, norm, why
 
-    def _all_reduce(self, k: int, h: str, pg: Any, sits_out: str | None,
-                    report: dict | None) -> tuple[Any, Epoch, Any, int, tuple[int, str] | None]:
+    def _all_reduce(self, k: int, h: str, pg: Any, sits_out: str | None, report: dict | None,
+                    ref: float | None) -> tuple[Any, Epoch, Any, int, tuple[int, str, dict] | None]:
         p, cfg = self.p, self.cfg
         retry_of = None
         for attempt in range(cfg.max_retries + 1):
@@ -363,7 +367,7 @@ class NodeLoop:
                 p.log(f"no ring for outer step {k + 1} in epoch {ep.epoch_id}: {e}; retrying")
                 retry_of = ep.epoch_id
                 continue
-            comm.inspect = lambda theirs, ours: inspect(theirs, ours, self.guard)
+            comm.inspect = lambda theirs: verdict(theirs, ref)  # the predecessor's own pieces
             try:
                 with abort_when(p.clock, lambda: p.client.epoch_broken(ep.epoch_id), comm.abort, cfg.watch_interval):
                     avg = comm.all_reduce_mean(pg)

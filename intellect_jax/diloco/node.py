@@ -104,7 +104,7 @@ class DilocoNode:
         self.followers: Followers | None = None  # the node's other processes (lead of a multi-process node)
 
     def _ring(self, ep: Epoch):
-        return self.net.ring(ep.members, ep.rank, epoch=ep.epoch_id, config=self.ring_cfg)
+        return self.net.ring(ep.members, ep.rank, epoch=ep.epoch_id, step=ep.outer_step, config=self.ring_cfg)
 
     def run(self) -> Outcome:
         d = self.cfg.diloco

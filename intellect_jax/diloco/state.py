@@ -28,6 +28,9 @@ import jax
 import numpy as np
 import optax
 
+from intellect_jax.diloco.guard import tree_norm
+from intellect_jax.net.evidence import seal
+
 Tree = Any
 
 
@@ -120,11 +123,20 @@ def outer_step(s: DilocoState, avg_pg: Tree, tx: optax.GradientTransformation, i
 
 def state_hash(s: DilocoState) -> str:
     """blake2b over the outer step, the recent average norms, the outer params and the outer
-    optimizer state (leaf paths and bytes): the part of the state every node holds bit for bit."""
+    optimizer state (leaf paths and bytes), sealed with the number of outer-param values and
+    their norm: the part of the state every node holds bit for bit. Its :func:`hash_opening`
+    lets a third party that knows the hash check that scale without the state (``net.evidence``)."""
+    o = hash_opening(s)
+    return seal(o["core"], o["numel"], o["scale"])
+
+
+def hash_opening(s: DilocoState) -> dict[str, Any]:
+    """What :func:`state_hash` seals: the digest of the rest (``core``), ``numel``, ``scale``."""
     h = hashlib.blake2b(digest_size=16)
     h.update(np.int64(s.outer_step).tobytes())
     h.update(np.asarray(s.norms, np.float64).tobytes())
     for path, leaf in jax.tree_util.tree_leaves_with_path((s.outer_params, s.outer_opt_state)):
         h.update(jax.tree_util.keystr(path).encode())
         h.update(np.ascontiguousarray(leaf, dtype=np.float32).tobytes())
-    return h.hexdigest()
+    return {"core": h.hexdigest(), "numel": int(sum(np.size(x) for x in jax.tree.leaves(s.outer_params))),
+            "scale": tree_norm(s.outer_params)}

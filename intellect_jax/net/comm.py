@@ -18,10 +18,11 @@ from typing import Annotated, Any, Callable, Protocol, Sequence, TypeVar, runtim
 import numpy as np
 from pydantic import Field
 
-from intellect_jax.net import quant, tree as treelib
+from intellect_jax.net import evidence, quant, tree as treelib
 from intellect_jax.net.errors import ConfigMismatch, PeerTimeout, RingClosed
+from intellect_jax.net.identity import verify
 from intellect_jax.net.schema import Nat, Wire, recv_model
-from intellect_jax.net.ring import Links, Workspace, ring_all_reduce
+from intellect_jax.net.ring import Finding, Links, Seal, Workspace, ring_all_reduce
 from intellect_jax.net.listener import Listener
 from intellect_jax.net.transport import (
     Address,
@@ -52,6 +53,10 @@ class RingConfig:
         quant.check_mode(self.mode, self.block_size)
         if self.streams < 1 or self.piece_numel < 1 or self.bucket_numel < 1 or self.deadline <= 0:
             raise ValueError(f"invalid ring config {self}")
+        if quant.encoded_nbytes(self.piece_numel, self.mode, self.block_size) > evidence.MAX_EVIDENCE_BYTES:
+            raise ValueError(f"a ring piece of {self.piece_numel} values in {self.mode} is larger than "
+                             f"{evidence.MAX_EVIDENCE_BYTES} bytes, the most a bad piece can be shown as evidence; "
+                             "lower piece_numel")
 
     def rng_seed(self, epoch: int) -> int | None:
         """Seed for stochastic rounding (None: round to nearest)."""
@@ -165,11 +170,11 @@ class NetNode:
         """Next connection on ``channel`` from identity ``peer`` (None: any identity of the run)."""
         return self.listener.accept(channel, timeout=timeout, peer=peer, name=name)
 
-    def ring(self, members: Sequence[tuple[str, Address | str]], rank: int, *, epoch: int = 0,
+    def ring(self, members: Sequence[tuple[str, Address | str]], rank: int, *, epoch: int = 0, step: int = 0,
              config: RingConfig | None = None) -> SocketCommunicator:
         """A communicator over ``members``, (identity, address) in ring order; ``members[rank]``
-        is this node."""
-        return SocketCommunicator(self, members, rank, epoch=epoch, config=config)
+        is this node; ``step``: the outer step its all-reduces belong to (in every signature)."""
+        return SocketCommunicator(self, members, rank, epoch=epoch, step=step, config=config)
 
     def close(self) -> None:
         """Stop listening."""
@@ -192,6 +197,7 @@ class RingMeta(Wire):
 
     v: Annotated[int, Field(ge=0, le=1 << 16)]
     call: Nat
+    step: Int64
     epoch: Int64
     world: Annotated[int, Field(ge=1, le=1 << 20)]
     peers: Short
@@ -214,8 +220,8 @@ class SocketCommunicator:
     """
 
     def __init__(self, node: NetNode, members: Sequence[tuple[str, Address | str]], rank: int, *, epoch: int = 0,
-                 config: RingConfig | None = None) -> None:
-        self.node, self.rank, self.epoch = node, rank, epoch
+                 step: int = 0, config: RingConfig | None = None) -> None:
+        self.node, self.rank, self.epoch, self.step = node, rank, epoch, step
         try:  # the member list comes from the coordinator, the addresses from each member
             if not all(isinstance(m, (tuple, list)) and len(m) == 2 and isinstance(m[0], str) for m in members):
                 raise ValueError(f"not a list of (identity, address): {str(members)[:120]}")
@@ -232,8 +238,9 @@ class SocketCommunicator:
             raise ValueError(f"a ring piece of {self.config.piece_numel} values is {piece_bytes} bytes, above "
                              f"max_frame_bytes={node.cfg.max_frame_bytes}; lower piece_numel")
         self._aborted = False
-        self.inspect: Any = None  # (theirs, ours) -> reason | None, shown the predecessor's own pieces
-        self.suspect: tuple[int, str] | None = None  # (predecessor rank, reason) after a call
+        self.inspect: Any = None  # theirs -> reason | None, shown the predecessor's own pieces
+        # after a call: (predecessor rank, reason, evidence: its signed piece, see net.evidence)
+        self.suspect: tuple[int, str, dict[str, Any]] | None = None
         self._links: Links | None = None
         self._workspace = Workspace()
         self._closed = False
@@ -321,23 +328,31 @@ class SocketCommunicator:
             sent0, recv0 = links.traffic()
 
             def before(info: dict[str, Any]) -> None:
-                meta = {"v": 1, "call": call, "epoch": self.epoch, "world": self.world_size,
+                meta = {"v": 2, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
                         "peers": self._peers_hash, **asdict(cfg), **info}
                 meta.pop("deadline")
                 self._check_meta(links, meta, deadline)
 
-            findings: list[str] = []
+            findings: list[tuple[int, Finding]] = []
 
             def flat_reduce(flat: np.ndarray, bi: int, o: np.ndarray | None) -> np.ndarray:
-                return ring_all_reduce(links, flat, self.rank, self.world_size, mode=cfg.mode,
-                                       block=cfg.block_size, piece_numel=cfg.piece_numel, seed=seed,
-                                       call=bucket_call(call, bi), deadline=deadline, out=o,
-                                       workspace=self._workspace, inspect=self.inspect, findings=findings)
+                found: list[Finding] = []
+                c = bucket_call(call, bi)
+                try:
+                    return ring_all_reduce(links, flat, self.rank, self.world_size, mode=cfg.mode,
+                                           block=cfg.block_size, piece_numel=cfg.piece_numel, seed=seed,
+                                           call=c, deadline=deadline, out=o, workspace=self._workspace,
+                                           inspect=self.inspect, findings=found, seal=self._seal(c, links))
+                finally:
+                    findings.extend((c, f) for f in found)
 
             self.suspect = None
             result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out)
             if findings:
-                self.suspect = ((self.rank - 1) % self.world_size, findings[0])
+                c, f = findings[0]
+                self.suspect = ((self.rank - 1) % self.world_size, f.why, evidence.evidence(
+                    step=self.step, epoch=self.epoch, call=c, segment=f.segment, piece=f.piece, numel=f.numel,
+                    mode=cfg.mode, block=cfg.block_size, payload=f.payload, signature=f.signature))
         except BaseException:
             self._teardown()  # neighbours see the connections close and fail fast too
             raise
@@ -345,6 +360,25 @@ class SocketCommunicator:
         self._stats = CommStats(sent - sent0, recv - recv0, time.monotonic() - t0, numel, self.world_size, cfg.mode)
         self._calls += 1
         return result
+
+    def _seal(self, call: int, links: Links) -> Seal:
+        """Signatures of call ``call``: ours over our own pieces, the predecessor's checked with
+        the certificate its connection presented."""
+        cfg, run_id, me = self.config, self.node.cfg.run_id, self.ids[self.rank]
+        nxt, prv = self.ids[(self.rank + 1) % self.world_size], self.ids[(self.rank - 1) % self.world_size]
+        cert = links.inn[0].cert
+
+        def said(sender: str, receiver: str, seg: int, j: int, n: int, payload: Any) -> bytes:
+            return evidence.statement(run_id, self.step, self.epoch, call, sender, receiver, seg, j, n, cfg.mode,
+                                      cfg.block_size, payload)
+
+        def sign(seg: int, j: int, n: int, payload: Any) -> bytes:
+            return evidence.raw_signature(self.node.cfg.identity.sign(said(me, nxt, seg, j, n, payload)))
+
+        def check(seg: int, j: int, n: int, payload: bytes, sig: bytes) -> bool:
+            return verify(cert, said(prv, me, seg, j, n, payload), evidence.der_signature(sig))
+
+        return Seal(sign, check)
 
     def abort(self) -> None:
         """From another thread: fail the all-reduce in progress now (every socket of the ring is

@@ -11,6 +11,10 @@ encoding, hashing, sending and receiving overlap.
 On any error (peer gone, stalled, garbage) the first exception is kept, every socket of
 the ring is shut down so all threads stop (and neighbours notice at once), and the
 exception is raised. The caller's input is only ever read.
+
+With a :class:`Seal`, each of a rank's own pieces (step 0) is followed by a frame holding its
+signature (:mod:`.evidence`); the successor shows every such piece to ``inspect`` and keeps a
+bad one, with its signature checked, as a :class:`Finding`: evidence against its sender.
 """
 
 from __future__ import annotations
@@ -23,10 +27,33 @@ from typing import Callable
 import numpy as np
 
 from intellect_jax.net import quant
-from intellect_jax.net.errors import NetError, PeerTimeout
+from intellect_jax.net.errors import FrameError, NetError, PeerTimeout
+from intellect_jax.net.evidence import SIG_BYTES
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import RingPlan, finish, make_plan, piece_rng, rs_hop
 from intellect_jax.net.transport import Connection
+
+
+@dataclass(frozen=True)
+class Seal:
+    """How one call signs this rank's own pieces and checks its predecessor's:
+    ``sign(segment, piece, numel, payload) -> signature`` and ``verify(segment, piece, numel,
+    payload, signature) -> bool``."""
+
+    sign: Callable[[int, int, int, bytes], bytes]
+    verify: Callable[[int, int, int, bytes, bytes], bool]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A predecessor's own piece that ``inspect`` found bad, as it arrived (signature checked)."""
+
+    why: str
+    segment: int
+    piece: int
+    numel: int
+    payload: bytes
+    signature: bytes | None
 
 
 @dataclass
@@ -93,9 +120,10 @@ class _RingRun:
 
     def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str,
                  block: int, piece_numel: int, seed: int | None, call: int, deadline: float,
-                 ws: Workspace, inspect: Inspect | None = None) -> None:
+                 ws: Workspace, inspect: Inspect | None = None, seal: Seal | None = None) -> None:
         self.links, self.x, self.out, self.rank, self.world = links, x, out, rank, world
-        self.inspect, self.findings = inspect, []  # what inspect() said of the predecessor's own pieces
+        self.inspect, self.seal = inspect, seal
+        self.findings: list[Finding] = []  # the predecessor's own pieces inspect() found bad
         self.mode, self.block, self.seed, self.call, self.deadline = mode, block, seed, call, deadline
         self.plan: RingPlan = make_plan(x.shape[0], world, block, piece_numel)
         self.ws = ws
@@ -168,11 +196,15 @@ class _RingRun:
 
     def sender(self, k: int) -> None:
         conn = self.links.out[k]
+        seg = self.plan.send_segment(self.rank, 0)
         for m in range(k, self.plan.messages, self.streams):
             item = self.take(m)
             if item is None:
                 return
             conn.send(MsgType.DATA, item[0], deadline=self.deadline, ptag=item[1])
+            if m < self.plan.pieces and self.seal is not None:  # our own piece: its signature follows
+                a, b = self.plan.piece(seg, m)
+                conn.send(MsgType.DATA, self.seal.sign(seg, m, b - a, item[0]), deadline=self.deadline)
             if item[2] is not None:
                 self.ws.release(item[2])
 
@@ -199,13 +231,13 @@ class _RingRun:
                 if mode == "fp32":  # receive straight into the accumulator that is sent on
                     acc = pooled[:nbytes].view(np.float32)
                     conn.recv_payload_into(hdr, acc, deadline=self.deadline)
-                    if s == 0 and self.inspect is not None:
-                        self._inspect(acc, a, b)
+                    if s == 0:
+                        self._inspect(conn, acc, acc.view(np.uint8), seg, j)
                     np.add(acc, self.x[a:b], out=acc)
                 else:
                     conn.recv_payload_into(hdr, rbuf[:nbytes], deadline=self.deadline)
-                    if s == 0 and self.inspect is not None:  # the predecessor's own values, unsummed
-                        self._inspect(quant.decode(rbuf[:nbytes], n, mode, block), a, b)
+                    if s == 0:  # the predecessor's own values, unsummed
+                        self._inspect(conn, None, rbuf[:nbytes], seg, j)
                     acc = rs_hop(rbuf[:nbytes], self.x[a:b], mode, block, acc_buf)
                 if s < world - 2:
                     rng = piece_rng(self.seed, self.call, seg, j, s + 1)
@@ -234,11 +266,29 @@ class _RingRun:
                 elif pooled is not None:
                     ws.release(pooled)
 
-    def _inspect(self, theirs: np.ndarray, a: int, b: int) -> None:
-        why = self.inspect(theirs, self.x[a:b])  # type: ignore[misc]
-        if why:
-            with self.cond:
-                self.findings.append(why)
+    def _inspect(self, conn: Connection, theirs: np.ndarray | None, wire: np.ndarray, seg: int, j: int) -> None:
+        """The predecessor's own piece ``j`` of segment ``seg`` arrived as ``wire`` (``theirs``:
+        already decoded): read its signature, show it to ``inspect``, keep it if found bad."""
+        sig = None
+        if self.seal is not None:
+            hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=SIG_BYTES)
+            sig_buf = bytearray(SIG_BYTES)
+            conn.recv_payload_into(hdr, sig_buf, deadline=self.deadline)
+            sig = bytes(sig_buf)
+        if self.inspect is None:
+            return
+        a, b = self.plan.piece(seg, j)
+        if theirs is None:
+            theirs = quant.decode(wire, b - a, self.mode, self.block)
+        why = self.inspect(theirs)
+        if not why:
+            return
+        payload = wire.tobytes()
+        if self.seal is not None and not self.seal.verify(seg, j, b - a, payload, sig):  # type: ignore[arg-type]
+            raise FrameError(f"{conn.peer}: its own piece {j} of segment {seg} has {why}, and its signature "
+                             "does not verify")
+        with self.cond:
+            self.findings.append(Finding(why, seg, j, b - a, payload, sig))
 
     def run(self) -> np.ndarray:
         threads = [threading.Thread(target=self.guarded(self.encoder), name="ring-enc", daemon=True)]
@@ -259,18 +309,20 @@ class _RingRun:
         return self.out
 
 
-Inspect = Callable[[np.ndarray, np.ndarray], "str | None"]
+Inspect = Callable[[np.ndarray], "str | None"]
 
 
 def ring_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, mode: str, block: int,
                     piece_numel: int, seed: int | None, call: int, deadline: float,
                     out: np.ndarray | None = None, workspace: Workspace | None = None,
-                    inspect: Inspect | None = None, findings: list[str] | None = None) -> np.ndarray:
+                    inspect: Inspect | None = None, findings: list[Finding] | None = None,
+                    seal: Seal | None = None) -> np.ndarray:
     """Mean of ``x`` (flat float32) over the ring, bit-identical on every rank.
 
-    Written to ``out`` (flat float32, must not overlap ``x``) or a new array. ``inspect(theirs,
-    ours)`` is shown each piece of the predecessor's own contribution (its first messages,
-    before any sum) next to ours; what it returns (a reason, or None) goes to ``findings``.
+    Written to ``out`` (flat float32, must not overlap ``x``) or a new array. ``inspect(theirs)``
+    is shown each piece of the predecessor's own contribution (its first messages, before any
+    sum); a piece it finds bad (it returns a reason) goes to ``findings``. ``seal``: sign our
+    own pieces and check the predecessor's (both ends must agree on having one).
     """
     out = np.empty(x.shape[0], np.float32) if out is None else out
     if out.shape != x.shape or out.dtype != np.float32:
@@ -281,7 +333,7 @@ def ring_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, mode:
         np.copyto(out, x)
         return out
     ws = workspace or Workspace()
-    run = _RingRun(links, x, out, rank, world, mode, block, piece_numel, seed, call, deadline, ws, inspect)
+    run = _RingRun(links, x, out, rank, world, mode, block, piece_numel, seed, call, deadline, ws, inspect, seal)
     try:
         return run.run()
     finally:

@@ -140,7 +140,8 @@ class LocalRing:
     def __call__(self, ep: Epoch) -> LocalCommunicator:
         with self._lock:
             g = self._groups.setdefault((ep.epoch_id, ep.outer_step),
-                                        LocalGroup(ep.world_size, self.config, epoch=ep.epoch_id))
+                                        LocalGroup(ep.world_size, self.config, epoch=ep.epoch_id,
+                                                   step=ep.outer_step))
         return g.communicator(ep.rank)
 
 

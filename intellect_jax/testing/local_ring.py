@@ -20,6 +20,7 @@ import numpy as np
 from intellect_jax.net import plan, tree as treelib
 from intellect_jax.net.comm import CommStats, RingConfig, bucket_call
 from intellect_jax.net.errors import PeerClosed, PeerTimeout
+from intellect_jax.net.evidence import unsigned_evidence
 from intellect_jax.net.frames import HEADER_LEN
 from intellect_jax.net.quant import encoded_nbytes
 
@@ -42,10 +43,10 @@ def ring_bytes(numel: int, world: int, rank: int, cfg: RingConfig) -> int:
 class LocalGroup:
     """``world`` ranks in one process sharing the ring's arithmetic."""
 
-    def __init__(self, world: int, config: RingConfig | None = None, *, epoch: int = 0) -> None:
+    def __init__(self, world: int, config: RingConfig | None = None, *, epoch: int = 0, step: int = 0) -> None:
         if world < 1:
             raise ValueError("world must be >= 1")
-        self.world, self.config, self.epoch = world, config or RingConfig(), epoch
+        self.world, self.config, self.epoch, self.step = world, config or RingConfig(), epoch, step
         self._cond = threading.Condition()
         self._inputs: dict[int, Any] = {}
         self._results: list[Any] | None = None
@@ -121,7 +122,7 @@ class LocalCommunicator:
         self.group, self.rank, self.world_size = group, rank, group.world
         self._stats = CommStats(world_size=group.world, mode=group.config.mode)
         self.inspect: Any = None  # as SocketCommunicator.inspect, shown the predecessor's whole input
-        self.suspect: tuple[int, str] | None = None
+        self.suspect: tuple[int, str, dict[str, Any]] | None = None  # as SocketCommunicator.suspect (unsigned)
 
     @property
     def last_stats(self) -> CommStats:
@@ -137,9 +138,9 @@ class LocalCommunicator:
         if self.inspect is not None and self.world_size > 1:
             prev = (self.rank - 1) % self.world_size
             theirs = np.concatenate([x.reshape(-1) for x in treelib.flatten(self.group.last_inputs[prev])[0]])
-            ours = np.concatenate([x.reshape(-1) for x in treelib.flatten(tree)[0]])
-            why = self.inspect(theirs, ours)
-            self.suspect = (prev, why) if why else None
+            found = unsigned_evidence(theirs, self.inspect, step=self.group.step, epoch=self.group.epoch,
+                                      piece_numel=cfg.piece_numel)
+            self.suspect = (prev, *found) if found else None
         if out is not None:
             for o, r in zip(treelib.flatten(out)[0], treelib.flatten(result)[0]):
                 np.copyto(o, r)

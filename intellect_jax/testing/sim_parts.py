@@ -16,6 +16,7 @@ from intellect_jax.diloco.parts import TransferFailed
 from intellect_jax.diloco.state import DilocoState
 from intellect_jax.net.comm import CommStats
 from intellect_jax.net.errors import PeerClosed, PeerTimeout
+from intellect_jax.net.evidence import unsigned_evidence
 from intellect_jax.testing.local import NumpyInner
 from intellect_jax.testing.local_ring import LocalGroup
 from intellect_jax.testing.sim_plan import Fault, Script, SimParams
@@ -153,7 +154,7 @@ class _Comm:
         self.group = sim.groups.setdefault((ep.epoch_id, ep.outer_step), Group(ep.world_size))
         self.last_stats = CommStats(world_size=ep.world_size, mode="int8")
         self.inspect: Any = None  # as the socket ring's: shown the predecessor's own contribution
-        self.suspect: tuple[int, str] | None = None
+        self.suspect: tuple[int, str, dict[str, Any]] | None = None
 
     def all_reduce_mean(self, tree: Any) -> Any:
         sim, g, clock = self.sim, self.group, self.sim.clock
@@ -194,8 +195,9 @@ class _Comm:
         sim.gate(self.proc, "allreduce", "after")
         if self.inspect is not None and self.world_size > 1:
             prev = (self.rank - 1) % self.world_size
-            why = self.inspect(_flat(g.inputs[prev]), _flat(tree))
-            self.suspect = (prev, why) if why else None
+            found = unsigned_evidence(_flat(g.inputs[prev]), self.inspect, step=self.step - 1, epoch=self.epoch,
+                                      piece_numel=self.sim.ring_cfg.piece_numel)
+            self.suspect = (prev, *found) if found else None
         return copy.deepcopy(g.results[self.rank])
 
     def abort(self) -> None:

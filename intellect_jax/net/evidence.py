@@ -1,0 +1,119 @@
+"""Signed pieces: a ring contribution that can be shown to a third party (numpy only, no jax).
+
+In the ring all-reduce a rank's first messages to its successor are its own contribution,
+unsummed. The sender signs each of them: an ECDSA signature (64 raw bytes, ``r || s``) of a
+:func:`statement` that binds the run, the outer step, the epoch, the call, sender and
+receiver, the piece's place and codec, and the SHA-256 of its bytes. The receiver looks at
+each piece (:func:`verdict`); a piece it finds bad becomes :func:`evidence` that travels with
+its next barrier report, and the coordinator, holding the sender's certificate, re-checks the
+signature and re-runs the same verdict on the same bytes (``coordinator.policing``): an
+accusation stands on what the accused itself signed, never on the accuser's word.
+
+The verdict needs a scale that neither side chooses: the RMS of the outer params themselves
+(their norm over the square root of their number of values), which every node holds bit for
+bit. No sane contribution moves the weights by many times their own size in one round, whatever
+the data (a scale from recent averages would not do: with heterogeneous data the average is far
+smaller than any one contribution). The state hash commits to both numbers (:func:`seal`), so
+the coordinator checks them against the hash the run recorded for that outer step.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+from typing import Any, Callable
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature, encode_dss_signature
+
+from intellect_jax.net import quant
+
+SIG_BYTES = 64  # a P-256 signature as r || s, 32 bytes each
+SUSPECT_FACTOR = 10.0  # a piece whose RMS is this many times the outer params' RMS is bad
+MAX_EVIDENCE_BYTES = 1 << 20  # a piece larger than this on the wire cannot be shown (piece_numel caps it)
+
+
+def statement(run_id: str, step: int, epoch: int, call: int, sender: str, receiver: str, segment: int, piece: int,
+              numel: int, mode: str, block: int, payload: bytes | memoryview) -> bytes:
+    """What a ring sender signs for one of its own pieces."""
+    digest = hashlib.sha256(payload).hexdigest()
+    return (f"intellect_jax piece\nrun {run_id}\nouter step {step}\nepoch {epoch}\ncall {call}\nfrom {sender}\n"
+            f"to {receiver}\nsegment {segment}\npiece {piece}\nnumel {numel}\nmode {mode}\nblock {block}\n"
+            f"sha256 {digest}").encode()
+
+
+def raw_signature(der: bytes) -> bytes:
+    """A DER ECDSA signature as the fixed 64 bytes sent on the wire."""
+    r, s = decode_dss_signature(der)
+    return r.to_bytes(32, "big") + s.to_bytes(32, "big")
+
+
+def der_signature(raw: bytes) -> bytes:
+    """The DER form of 64 raw signature bytes (``identity.verify`` takes DER)."""
+    if len(raw) != SIG_BYTES:
+        raise ValueError(f"a signature is {SIG_BYTES} bytes, not {len(raw)}")
+    return encode_dss_signature(int.from_bytes(raw[:32], "big"), int.from_bytes(raw[32:], "big"))
+
+
+# ---- the verdict and its scale ---------------------------------------------------------------------
+def seal(core: str, numel: int, scale: float) -> str:
+    """The state hash from its opening: the digest of everything else (``core``, hex), the
+    number of values of the outer params and their norm (``scale``)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(bytes.fromhex(core))
+    h.update(np.int64(numel).tobytes())
+    h.update(np.float64(scale).tobytes())
+    return h.hexdigest()
+
+
+def reference_rms(scale: float, numel: int) -> float | None:
+    """The outer params' RMS from their norm and number of values (None: no usable scale)."""
+    if not math.isfinite(scale) or scale <= 0 or numel <= 0:
+        return None
+    return scale / math.sqrt(numel)
+
+
+def verdict(theirs: np.ndarray, ref: float | None, factor: float = SUSPECT_FACTOR) -> str | None:
+    """Why a predecessor's own piece is bad (None: it is not): non-finite values, or an RMS
+    above ``factor`` x ``ref`` (no magnitude verdict without a reference)."""
+    if not np.isfinite(theirs).all():
+        return "non-finite values"
+    if ref is None or ref <= 0 or theirs.size == 0:
+        return None
+    rms = float(np.sqrt(np.mean(np.square(theirs, dtype=np.float64))))
+    if rms > factor * ref:
+        return f"an RMS {rms / ref:.0f}x the outer params'"
+    return None
+
+
+# ---- evidence ----------------------------------------------------------------------------------
+def evidence(*, step: int, epoch: int, call: int, segment: int, piece: int, numel: int, mode: str, block: int,
+             payload: bytes, signature: bytes | None) -> dict[str, Any]:
+    """A bad piece as a report carries it (the accuser adds the state ``opening``)."""
+    return {"step": step, "epoch": epoch, "call": call, "segment": segment, "piece": piece, "numel": numel,
+            "mode": mode, "block": block, "payload": base64.b64encode(payload).decode(),
+            "signature": None if signature is None else signature.hex()}
+
+
+def unsigned_evidence(theirs: np.ndarray, inspect: Callable[[np.ndarray], str | None], *, step: int, epoch: int,
+                      piece_numel: int) -> tuple[str, dict[str, Any]] | None:
+    """(verdict, evidence) for the first ``piece_numel`` window of a predecessor's flat input
+    that ``inspect`` finds bad, or None: what an in-process ring, which sends no pieces,
+    shows (fp32, unsigned: an in-process run has no identities)."""
+    for j, a in enumerate(range(0, theirs.shape[0], piece_numel)):
+        part = np.ascontiguousarray(theirs[a: a + piece_numel], np.float32)
+        why = inspect(part)
+        if why:
+            return why, evidence(step=step, epoch=epoch, call=0, segment=0, piece=j, numel=part.size, mode="fp32",
+                                 block=1, payload=part.tobytes(), signature=None)
+    return None
+
+
+def decode_payload(ev: Any) -> np.ndarray:
+    """The values of an evidence's piece; ValueError if its bytes do not fit its codec."""
+    quant.check_mode(ev.mode, ev.block)
+    raw = base64.b64decode(ev.payload, validate=True)
+    if len(raw) != quant.encoded_nbytes(ev.numel, ev.mode, ev.block):
+        raise ValueError(f"{len(raw)} bytes for {ev.numel} values in {ev.mode}")
+    return quant.decode(np.frombuffer(raw, np.uint8).copy(), ev.numel, ev.mode, ev.block)
