@@ -102,9 +102,12 @@ class Police:
             a_vote, n_vote = by_id[accused].arrival.vote, n.arrival.vote  # type: ignore[union-attr]
             if a_vote is None and n_vote is not None:
                 continue  # a signed run, and no certificate of the accused's at hand: nothing can be checked
-            guilty, flaw = weigh(r.evidence, run_id=run_id, step=step - 1, epoch_id=epoch_id, accuser=n.node_id,
-                                 accused=accused, cert=bytes.fromhex(a_vote[1]) if a_vote else None,
-                                 recorded=recorded)
+            try:
+                guilty, flaw = weigh(r.evidence, run_id=run_id, step=step - 1, epoch_id=epoch_id, accuser=n.node_id,
+                                     accused=accused, cert=bytes.fromhex(a_vote[1]) if a_vote else None,
+                                     recorded=recorded)
+            except Exception as e:  # noqa: BLE001 - whatever a peer sent, the barrier goes on
+                guilty, flaw = None, f"it could not be checked ({type(e).__name__})"
             if guilty is None:
                 self._false(n, accused, why, f"its evidence does not hold: {flaw}")
                 continue

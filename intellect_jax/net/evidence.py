@@ -101,6 +101,7 @@ def unsigned_evidence(theirs: np.ndarray, inspect: Callable[[np.ndarray], str | 
     """(verdict, evidence) for the first ``piece_numel`` window of a predecessor's flat input
     that ``inspect`` finds bad, or None: what an in-process ring, which sends no pieces,
     shows (fp32, unsigned: an in-process run has no identities)."""
+    piece_numel = min(piece_numel, MAX_EVIDENCE_BYTES // 4)  # fp32 evidence must fit, whatever the ring's codec
     for j, a in enumerate(range(0, theirs.shape[0], piece_numel)):
         part = np.ascontiguousarray(theirs[a: a + piece_numel], np.float32)
         why = inspect(part)
