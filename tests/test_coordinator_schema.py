@@ -269,3 +269,27 @@ def test_fuzzed_requests_over_sockets_then_a_three_node_run_keeps_one_history(co
     finally:
         for c in cs:
             c.close()
+
+
+def test_a_ring_address_nobody_can_dial_is_refused_at_registration(coordinator: Any) -> None:
+    """Every member builds its rings from the others' addresses: one that is no host:port would
+    fail every ring of the run, so the socket coordinator refuses it at registration (one line)
+    and nobody is registered."""
+    from intellect_jax.coordinator.wire import SocketWire
+    from intellect_jax.net import recv_msg
+    from intellect_jax.net.frames import MsgType
+    from helpers import coord_transport
+
+    coord = coordinator(min_nodes=2)
+    wire = SocketWire(coord.address, coord_transport("mallory"))
+    for addr in ("sim://x", "garbage", "10.0.0.1:99999", "10.0.0.1:", "[::1]:8x"):
+        conn = wire._connect(5.0)
+        try:
+            req = {**_templates({"a": "-"})["register"], "op": "register", "node": "mallory", "addr": addr}
+            conn.send(MsgType.META, json.dumps(req).encode())
+            reply = recv_msg(conn, time.monotonic() + 5.0)
+        finally:
+            conn.close()
+        assert reply["ok"] is False and reply["reason"] == "malformed", reply
+        assert reply["message"].startswith("malformed 'register' request: addr: not a") and "\n" not in reply["message"]
+    assert coord.status()["nodes"] == []

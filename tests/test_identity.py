@@ -4,6 +4,7 @@ revocation, channels only their owner may open, and the listener's budgets."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import stat
 import subprocess
@@ -346,3 +347,54 @@ def test_unclaimed_connections_are_capped_per_channel_prefix() -> None:
         assert lst._per_kind == {"state": 6, "ring": 1}
         for c in (*held, other, more):
             c.close()
+
+
+def _own_dir(auth_dir: Path, dest: Path, name: str) -> Path:
+    """A machine's keys directory: the authority's certificate and list, and ``name``'s key."""
+    dest.mkdir()
+    for f in ("ca.crt", "crl.pem", f"{name}.crt", f"{name}.key"):
+        shutil.copy2(auth_dir / f, dest / f)
+    return dest
+
+
+def test_a_revocation_reaches_every_member_through_the_coordinator(tmp_path: Path) -> None:
+    """Each machine holds its own keys directory. The operator revokes mallory and copies the
+    list to the coordinator's machine only: the coordinator hands it to its members with their
+    next heartbeat, node a checks the authority's signature, takes it and refuses mallory at
+    once (and keeps it in its own crl.pem). A list the authority did not sign, or an older one,
+    changes nothing."""
+    from intellect_jax.coordinator.client import CoordinatorClient
+    from intellect_jax.coordinator.server import Coordinator
+    from helpers import coord_config
+
+    auth_dir = tmp_path / "authority"
+    auth = Authority.init(auth_dir, "crl-run")
+    for n in ("a", "mallory"):
+        auth.issue(n)
+    mine = {n: _own_dir(auth_dir, tmp_path / n, n) for n in ("coordinator", "a", "mallory")}
+    cfg = {n: TransportConfig("crl-run", Credentials.load(d, n)) for n, d in mine.items()}
+    old_list = (auth_dir / "crl.pem").read_bytes()
+    coord = Coordinator(cfg["coordinator"], config=coord_config(min_nodes=2)).start()
+    node_a = NetNode(cfg["a"])
+    client = CoordinatorClient(coord.address, cfg["a"], "a", f"127.0.0.1:{node_a.address[1]}", devices=1,
+                               fingerprint="fp", heartbeat_interval=0.2, reconnect_timeout=5.0)
+    try:
+        client.register()
+        connect(cfg["mallory"], node_a.address, "c", timeout=5).close()  # a member, for now
+        auth.revoke("mallory")
+        shutil.copy2(auth_dir / "crl.pem", mine["coordinator"] / "crl.pem")  # the operator's one copy
+        serial = int(str(auth.index()["mallory"][0]["serial"]), 16)
+        wait_for(lambda: cfg["a"].identity.revocations.revoked(serial), 10.0, "the list at node a")
+        with pytest.raises(AuthError, match="identity mallory is revoked"):
+            connect(cfg["mallory"], node_a.address, "c", timeout=5)  # (its own machine has the old list)
+        assert (mine["a"] / "crl.pem").read_bytes() == (auth_dir / "crl.pem").read_bytes()
+        rev = cfg["a"].identity.revocations
+        assert rev.install(old_list, "test") is False and rev.revoked(serial)  # an older list: kept the one in force
+        Authority.init(tmp_path / "foreign", "crl-run")
+        with pytest.raises(IdentityError, match="not signed by this run's authority"):
+            rev.install((tmp_path / "foreign" / "crl.pem").read_bytes(), "test")
+        assert rev.revoked(serial)
+    finally:
+        client.close()
+        node_a.close()
+        coord.stop()

@@ -37,7 +37,7 @@ from intellect_jax.coordinator.schema import (AdmissionOk, EpochOk, Ok, Received
                                               parse_reply)
 from intellect_jax.coordinator.wire import TRANSIENT, SocketWire, Wire, coordinator_status, reply_error
 from intellect_jax.net import Address, AuthError, PeerTimeout, TransportConfig
-from intellect_jax.net.identity import vote
+from intellect_jax.net.identity import IdentityError, vote
 
 __all__ = ["Admission", "CoordinatorClient", "CoordinatorError", "CoordinatorUnavailable", "Epoch", "Evicted",
            "ProtocolError", "RegisterReply", "RegistrationRefused", "RunCompleted", "SocketWire",
@@ -316,10 +316,18 @@ class CoordinatorClient:
 
     def _beat(self, conn: Any) -> None:
         with self._io_lock:  # a coordinator that is alive but stalled is waited for, session kept
-            reply = self.wire.beat(conn, {"op": "hb"}, self.reconnect_timeout)
+            revocations = self._signer.identity.revocations if self._signer is not None else None
+            held = revocations.current() if revocations is not None else None
+            reply = self.wire.beat(conn, {"op": "hb", "crl": held[0] if held else None}, self.reconnect_timeout)
         if reply.get("ok") is not True:
             raise reply_error(reply, self._name)
-        self._view = parse_reply(ViewOk, reply, "hb", self._name).view.model_dump()
+        ok = parse_reply(ViewOk, reply, "hb", self._name)
+        if ok.crl is not None and revocations is not None:
+            try:  # the authority's signature decides, not the coordinator's word
+                revocations.install(ok.crl.encode(), f"the coordinator {self._name}")
+            except IdentityError as e:
+                log.warning("node %s: %s; ignored", self.node_id, e)
+        self._view = ok.view.model_dump()
         self._view_seq += 1
 
     def _heartbeat_loop(self) -> None:

@@ -61,6 +61,7 @@ class Register(Msg):
 
 class Heartbeat(Msg):
     op: Literal["hb"]
+    crl: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")] | None = None  # digest of the node's revocation list
 
 
 class Opening(Msg):
@@ -221,6 +222,7 @@ class View(Msg):
 
 class ViewOk(Ok):
     view: View
+    crl: Annotated[str, Field(max_length=1 << 20)] | None = None  # the run's revocation list (PEM), if newer
 
 
 class ReceivedOk(Ok):

@@ -31,6 +31,7 @@ from intellect_jax.net import (
     NetError,
     PeerTimeout,
     TransportConfig,
+    parse_address,
     recv_msg,
     send_msg,
 )
@@ -82,7 +83,8 @@ class Coordinator:
                  config: CoordinatorConfig | None = None, journal: str | None = None) -> None:
         self.cfg, self.host, self.port = cfg, host, port
         self.config = config or CoordinatorConfig()
-        self.service = CoordinatorService(self.config, run_id=cfg.run_id,
+        self.service = CoordinatorService(self.config, run_id=cfg.run_id, check_addr=parse_address,
+                                          crl=cfg.identity.revocations.current,
                                           journal=Journal(journal) if journal else None)
         self.membership = self.service.membership
         self._lock = threading.Lock()

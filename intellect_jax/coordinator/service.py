@@ -45,8 +45,12 @@ class CoordinatorService:
 
     def __init__(self, config: CoordinatorConfig | None = None, *, run_id: str = "", clock: Clock = REAL,
                  journal: Journal | None = None, instance: str | None = None,
-                 on_event: Callable[[str], None] | None = None) -> None:
+                 on_event: Callable[[str], None] | None = None,
+                 check_addr: Callable[[str], object] | None = None,
+                 crl: Callable[[], tuple[str, bytes] | None] | None = None) -> None:
         self.config = config or CoordinatorConfig()
+        self._check_addr = check_addr  # raises ValueError for a ring address nobody could dial
+        self._crl = crl  # (digest, PEM) of the run's revocation list in force, handed to members
         self.clock, self.journal = clock, journal
         record = journal.load(run_id) if journal is not None else RunRecord(run_id=run_id)
         self.membership = Membership(self.config, instance or os.urandom(4).hex(), record)
@@ -187,7 +191,11 @@ class CoordinatorService:
             case Register() if session is None:
                 return self._register(msg)
             case Heartbeat() if session is not None:
-                return {"ok": True, "view": self.locked(lambda now: m.heartbeat(*session, now))}
+                reply = {"ok": True, "view": self.locked(lambda now: m.heartbeat(*session, now))}
+                crl = self._crl() if self._crl is not None else None
+                if crl is not None and crl[0] != msg.crl:  # a member that does not hold it yet gets it
+                    reply["crl"] = crl[1].decode()
+                return reply
             case Sync() | Admit():
                 return self._blocking(msg, keepalive, deadline, vote)
             case Received():
@@ -199,6 +207,11 @@ class CoordinatorService:
         raise ProtocolError(f"{msg.op!r} on a connection that {'already' if session else 'never'} registered")
 
     def _register(self, msg: Register) -> dict[str, Any]:
+        if self._check_addr is not None:  # every member builds rings from it: one bad address fails them all
+            try:
+                self._check_addr(msg.addr)
+            except ValueError as e:
+                raise ProtocolError(f"malformed 'register' request: addr: {e}", "malformed") from None
         r = msg.resume
         resume = None if r is None else Resume(r.outer_step, r.epoch_id, r.rank, r.state_hash, tuple(r.members))
         reply = self.locked(lambda now: self.membership.register(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -100,13 +101,19 @@ def common_name(cert: x509.Certificate) -> str:
 class Revocations:
     """The authority's revocation list (``crl.pem``), re-read when the file changes; a list that
     is missing means nothing is revoked, one that is not signed by the authority is an error at
-    start, and later (a damaged or half-copied file) a warning that keeps the last good list."""
+    start, and later (a damaged or half-copied file) a warning that keeps the last good list.
+    A list can also arrive from the coordinator (:meth:`install`): checked against the authority
+    the same way, and written to ``crl.pem``. A revocation is for good (the authority never lifts
+    one), so a list is taken only if it revokes more than the one in force, whichever way each
+    came: an old copy never brings a revoked identity back."""
 
     def __init__(self, path: Path | None, ca: x509.Certificate) -> None:
         self.path, self._ca = path, ca
         self._lock = threading.Lock()
         self._stamp: tuple[int, int] | None = None
         self._serials: frozenset[int] = frozenset()
+        self._crl: x509.CertificateRevocationList | None = None
+        self._pem: bytes | None = None
         self.refresh()
 
     def refresh(self) -> frozenset[int]:
@@ -117,12 +124,14 @@ class Revocations:
             try:
                 st = self.path.stat()
             except FileNotFoundError:
-                self._stamp, self._serials = None, frozenset()
+                if self._crl is None:
+                    self._stamp, self._serials = None, frozenset()
                 return self._serials
             stamp = (st.st_mtime_ns, st.st_size)
             if stamp != self._stamp:
                 try:
-                    self._serials = self._parse()
+                    pem = _read(self.path, "revocation list")
+                    self._adopt(self._parse(pem, str(self.path)), pem)
                 except IdentityError as e:
                     if self._stamp is None:  # never read a good one (at start): fail
                         raise
@@ -132,15 +141,44 @@ class Revocations:
                 self._stamp = stamp
             return self._serials
 
-    def _parse(self) -> frozenset[int]:
-        assert self.path is not None
+    def install(self, pem: bytes, source: str) -> bool:
+        """Take a revocation list that came from ``source``: IdentityError if the authority did
+        not sign it; False if it revokes nothing more than the one in force; else it is in force (and
+        written to ``crl.pem``, so a restart keeps it)."""
+        crl = self._parse(pem, source)
+        with self._lock:
+            if not self._adopt(crl, pem):
+                return False
+            if self.path is not None:
+                atomic_write(self.path, pem)
+                st = self.path.stat()
+                self._stamp = (st.st_mtime_ns, st.st_size)
+        logging.getLogger("intellect_jax.net").warning("revocation list from %s in force: %d identities revoked",
+                                                       source, len(self._serials))
+        return True
+
+    def current(self) -> tuple[str, bytes] | None:
+        """(digest, PEM) of the list in force (the file re-read if it changed), or None: what the
+        coordinator hands its members."""
+        self.refresh()
+        pem = self._pem
+        return None if pem is None else (hashlib.sha256(pem).hexdigest()[:32], pem)
+
+    def _adopt(self, crl: x509.CertificateRevocationList, pem: bytes) -> bool:
+        serials = frozenset(r.serial_number for r in crl)
+        if self._crl is not None and not serials > self._serials:
+            return False  # revokes nothing more: an old copy, or the same list again
+        self._crl, self._pem, self._serials = crl, pem, serials
+        return True
+
+    def _parse(self, pem: bytes, source: str) -> x509.CertificateRevocationList:
         try:
-            crl = x509.load_pem_x509_crl(_read(self.path, "revocation list"))
+            crl = x509.load_pem_x509_crl(pem)
         except ValueError:
-            raise IdentityError(f"{self.path}: not a PEM revocation list") from None
+            raise IdentityError(f"{source}: not a PEM revocation list") from None
         if not crl.is_signature_valid(self._ca.public_key()):  # type: ignore[arg-type]
-            raise IdentityError(f"{self.path}: revocation list not signed by this run's authority")
-        return frozenset(r.serial_number for r in crl)
+            raise IdentityError(f"{source}: revocation list not signed by this run's authority")
+        return crl
 
     def revoked(self, serial: int) -> bool:
         return serial in self.refresh()
