@@ -411,5 +411,6 @@ def test_seeded_fault_schedules(overlap: bool) -> None:
     for kind in ("coordinator pause (short)", "coordinator pause (long)", "start while coordinator paused",
                  "start while coordinator down", "node and coordinator killed together", "outage (all but one)",
                  "outage (all)", "kill@register/before", "stall@register/after", "donor let go",
+                 "frame (an honest piece as evidence)",
                  *(() if overlap else ("rollback (automatic)",))):  # (about 1 in 100 seeds)
         assert kinds.get(kind, 0) > 0, (kind, kinds)  # every new kind of fault really happens

@@ -1,7 +1,8 @@
 """The invariants a fault simulation (:mod:`.sim`) checks, as functions of what it recorded:
 never two hashes for one outer step (:func:`forks`), every process ends cleanly (:func:`ends`),
-no eviction that only the coordinator's own stall explains (:func:`stall_evictions`), and no
-process that lingers long after the run completed (:func:`late_ends`). Each returns the
+no eviction that only the coordinator's own stall explains (:func:`stall_evictions`), nobody
+evicted as a poisoner on a false accusation (:func:`framed`), and no process that lingers long
+after the run completed (:func:`late_ends`). Each returns the
 violations as lines; :meth:`.Sim.check` gathers them."""
 
 from __future__ import annotations
@@ -45,6 +46,18 @@ def ends(procs: list[Proc]) -> list[str]:
             out.append(f"{q.name} ended because of a transient coordinator fault: {q.error}")
         elif q.error:
             out.append(f"{q.name}: unhandled {q.error}")
+    return out
+
+
+def framed(coord_events: list[tuple[float, str]], procs: list[Proc]) -> list[str]:
+    """Evictions for poisoned contributions of a node none of whose processes sent poison: a
+    false accusation (``frame`` faults show honest pieces as evidence) got it evicted."""
+    poisoners = {q.node_id for q in procs for f in q.faults if f.hook == "poison" and f.when == "wire"}
+    out = []
+    for t, line in coord_events:
+        m = re.match(r"evicted (\S+): poisoned contributions", line)
+        if m and m.group(1) not in poisoners:
+            out.append(f"{m.group(1)} evicted at {t:.1f}s as a poisoner, but it never sent poison (framed)")
     return out
 
 

@@ -14,6 +14,8 @@ import re
 import time
 from typing import Any
 
+import numpy as np
+
 from intellect_jax.coordinator.client import CoordinatorClient
 from intellect_jax.coordinator.journal import MemoryJournal
 from intellect_jax.coordinator.protocol import CoordinatorConfig
@@ -24,7 +26,7 @@ from intellect_jax.diloco.state import DilocoState, state_hash
 from intellect_jax.testing import sim_checks
 from intellect_jax.testing.local_coordinator import LocalCoordinator
 from intellect_jax.testing.sim_parts import SimInner, _Comm, _Disk, _Gated, _StallWire, _Transport
-from intellect_jax.testing.sim_plan import Fault, Script, SimParams, draw_faults, draw_schedule
+from intellect_jax.testing.sim_plan import Fault, Script, SimParams, draw_faults, draw_frames, draw_schedule
 from intellect_jax.testing.sim_world import Killed, Proc, World
 
 __all__ = ["Sim"]
@@ -37,6 +39,7 @@ class Sim(World):
                  verbose: bool = False) -> None:
         super().__init__(seed, params)
         self.script, self.verbose = script, verbose
+        self.frame_rng = np.random.default_rng([seed, 21])  # its own stream: a seed's other draws stay put
         p = self.p
         self.coord_cfg = CoordinatorConfig(heartbeat_timeout=p.heartbeat_timeout, boundary_timeout=60.0,
                                            join_window=p.join_window, min_nodes=p.nodes, keepalive_interval=0.2,
@@ -93,7 +96,8 @@ class Sim(World):
         number = sum(1 for q in self.procs if q.node_id == node_id)
         if faults is None:
             faults = (list(self.script.faults.get(f"{node_id}#{number}", [])) if self.script
-                      else draw_faults(self.rng, self.p, joining=start_from != "fresh" or self.clock.now() > 0))
+                      else draw_faults(self.rng, self.p, joining=start_from != "fresh" or self.clock.now() > 0)
+                      + draw_frames(self.frame_rng, self.p))
         proc = Proc(node_id, number, faults, disk, start_from, started_at=self.clock.now())
         self.procs.append(proc)
         self.by_addr[proc.addr] = proc
@@ -404,6 +408,7 @@ class Sim(World):
                 problems.append(f"run not completed: high-water mark {rec.hwm_step}, completed {rec.completed}")
             problems += sim_checks.ends(self.procs)
             problems += self.stall_evictions()
+            problems += sim_checks.framed(self.coord_events, self.procs)
             problems += self.late_ends()
         if problems and not final:
             self.say("driver", "INVARIANT " + "; ".join(problems))

@@ -20,7 +20,7 @@ from intellect_jax.net.evidence import unsigned_evidence
 from intellect_jax.testing.local import NumpyInner
 from intellect_jax.testing.local_ring import LocalGroup
 from intellect_jax.testing.sim_plan import Fault, Script, SimParams
-from intellect_jax.testing.sim_world import Group, Killed, Proc, World
+from intellect_jax.testing.sim_world import Group, Killed, Proc, World, corrupt
 
 # re-exported: tests (test_overlap, test_security) import the schedule types from here
 __all__ = ["Fault", "Killed", "Proc", "Script", "SimInner", "SimParams"]
@@ -166,6 +166,8 @@ class _Comm:
             if len(g.inputs) == g.world and g.results is None and g.error is None:
                 ordered = [g.inputs[r] for r in range(g.world)]
                 g.results = LocalGroup(g.world, sim.ring_cfg, epoch=self.epoch).all_reduce_mean_all(ordered)
+                if any(sim.framing(q, self.step) for q in g.members.values()):  # a framer's poisoned partial
+                    g.results = [corrupt(r, "nan") for r in g.results]  # sums: nobody can see whose they are
                 if f is not None and f.kind.startswith("partial") and g.world > 2:
                     others = [r for r in range(g.world) if r != self.rank]
                     g.fail_ranks = set(others[: int(sim.rng.integers(1, len(others)))])
@@ -198,6 +200,10 @@ class _Comm:
             found = unsigned_evidence(_flat(g.inputs[prev]), self.inspect, step=self.step - 1, epoch=self.epoch,
                                       piece_numel=self.sim.ring_cfg.piece_numel)
             self.suspect = (prev, *found) if found else None
+            if sim.frames(self.proc, self.step):  # a malicious successor: the honest piece as its evidence
+                self.suspect = (prev, "framed", unsigned_evidence(_flat(g.inputs[prev]), lambda _: "framed",
+                                                                  step=self.step - 1, epoch=self.epoch,
+                                                                  piece_numel=sim.ring_cfg.piece_numel)[1])
         return copy.deepcopy(g.results[self.rank])
 
     def abort(self) -> None:

@@ -49,11 +49,13 @@ class SimParams:
     late_joiners: int = 1  # at most
     overlap: bool = False  # overlapped rounds (diloco/overlap.py)
     overlap_delay: int | None = 0  # their tau; 0: drawn from the seed (when ready, or 1..inner_steps)
+    frame_prob: float = 0.15  # chance that an incarnation accuses its ring predecessor falsely (1-2 rounds)
 
 
 @dataclass(frozen=True)
 class Fault:
-    hook: str  # one of HOOKS, or "poison" (nth = the outer step's all-reduce to poison)
+    hook: str  # one of HOOKS, "poison" (nth = the outer step's all-reduce to poison) or "frame" (nth =
+    #            the outer step whose all-reduce it reports its honest predecessor for, showing its real piece)
     nth: int  # on this node process's nth call of that hook
     kind: str  # "kill" | "stall" | "partial" (allreduce: some ranks finish, the victim dies) | "poison"
     when: str = "before"  # "before" | "during" | "after"; poison: "own" (a broken host: its own
@@ -95,6 +97,15 @@ def draw_faults(rng: np.random.Generator, p: SimParams, joining: bool) -> list[F
     seconds = float(rng.uniform(1.5, 30.0) if long else rng.uniform(0.05, 0.5))
     rare = hook in ("serve", "receive", "admit", "register")  # a process calls these once or twice
     return [Fault(hook, int(rng.integers(0, 2 if rare else 6)), kind, when, seconds)]
+
+
+def draw_frames(rng: np.random.Generator, p: SimParams) -> list[Fault]:
+    """A malicious successor's false accusations (drawn from their own stream, so the other
+    draws of a seed stay as they were): the predecessor's honest piece shown as evidence."""
+    if rng.random() >= p.frame_prob:
+        return []
+    steps = rng.choice(np.arange(1, p.outer_steps + 1), size=int(rng.integers(1, 3)), replace=False)
+    return [Fault("frame", int(s), "frame") for s in sorted(steps)]
 
 
 def draw_schedule(rng: np.random.Generator, p: SimParams) -> list[tuple[float, str, str]]:

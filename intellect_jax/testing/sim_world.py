@@ -135,6 +135,20 @@ class World:
                 return corrupt(tree, f.value)
         return tree
 
+    def framing(self, proc: Proc, step: int) -> bool:
+        """Whether the node frames its ring predecessor in outer step ``step``: it poisons the
+        partial sums it forwards (the round fails for everyone, and nobody can see whose doing it
+        is), then accuses the predecessor, showing its honest piece as evidence."""
+        return any(f.hook == "frame" and f.nth == step for f in proc.faults)
+
+    def frames(self, proc: Proc, step: int) -> bool:
+        """:meth:`framing`, counted and logged (at the accusation)."""
+        if not self.framing(proc, step):
+            return False
+        self.injected["frame (an honest piece as evidence)"] += 1
+        self.say(proc.name, f"FAULT frame: poisoned sums in outer step {step}, accusing its predecessor")
+        return True
+
     def wait_unstalled(self, proc: Proc) -> None:
         """A stopped process's thread resumes when the stop ends (or dies with it)."""
         left = proc.stalled_until - self.clock.now()
