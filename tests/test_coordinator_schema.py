@@ -282,7 +282,7 @@ def test_a_ring_address_nobody_can_dial_is_refused_at_registration(coordinator: 
 
     coord = coordinator(min_nodes=2)
     wire = SocketWire(coord.address, coord_transport("mallory"))
-    for addr in ("sim://x", "garbage", "10.0.0.1:99999", "10.0.0.1:", "[::1]:8x"):
+    for addr in ("sim://x", "garbage", "10.0.0.1:99999", "10.0.0.1:", "[::1]:8x", "10.0.0.1:0", ":5"):
         conn = wire._connect(5.0)
         try:
             req = {**_templates({"a": "-"})["register"], "op": "register", "node": "mallory", "addr": addr}

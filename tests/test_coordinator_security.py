@@ -189,14 +189,15 @@ def test_an_accusation_is_judged_in_the_ring_whose_all_reduce_it_reports() -> No
 
 def _signed(signer: str | None, values: np.ndarray, *, run_id: str, step: int, epoch: int,
             opening: dict[str, Any] | None) -> dict[str, Any]:
-    """Evidence of ``values`` as a's own piece sent to b, signed by ``signer`` (None: unsigned)."""
+    """Evidence of ``values`` as a's own piece sent to b, signed by ``signer`` with its own
+    certificate (None: unsigned)."""
     payload = values.astype(np.float32).tobytes()
-    sig = None
+    sig = cert = None
     if signer is not None:
         said = statement(run_id, step, epoch, 0, "a", "b", 2, 0, values.size, "fp32", 1, payload)
-        sig = raw_signature(credentials(signer).sign(said))
+        sig, cert = raw_signature(credentials(signer).sign(said)), credentials(signer).cert_der
     return {**evidence(step=step, epoch=epoch, call=0, segment=2, piece=0, numel=values.size, mode="fp32", block=1,
-                       payload=payload, signature=sig), "opening": opening}
+                       payload=payload, signature=sig, cert=cert), "opening": opening}
 
 
 OPENING = {"core": "ab" * 16, "numel": 1000, "scale": 10.0}  # the outer params' RMS: 10 / sqrt(1000) = 0.316
@@ -221,16 +222,16 @@ def test_an_accusation_stands_only_on_the_accused_s_own_signed_piece(case: str) 
     accusation counts against b."""
     signer, values, step, opening, guilty = EVIDENCE[case]
     r = Run(min_nodes=3, strikes=2)
+    r.m.police.ca = credentials("a").ca_der  # a run with identities: pieces must be signed under its authority
     for n in "abc":
         r.reg(n)
     r.barrier(0, list("abc"), seal(OPENING["core"], OPENING["numel"], OPENING["scale"]))  # ring [a, b, c]
     epoch, run_id = r.m._last.epoch_id, r.m.record.run_id  # type: ignore[union-attr]
     ev = None if values is None else _signed(signer, values, run_id=run_id, step=step, epoch=epoch, opening=opening)
-    for n in "abc":
-        vote = ("00" * 8, credentials(n).cert_der.hex())  # the coordinator checked it; the certificate is kept
+    for n in "abc":  # (a sends no hash and no vote: evidence does not depend on them)
         report = Report.model_validate({"avg_failed": True, "accused": ["a", "its piece"] if n == "b" else None,
                                         "evidence": ev if n == "b" else None})
-        r.m.arrive(n, r.s[n], 1, r.now, "h1", None, None, report, vote)
+        r.m.arrive(n, r.s[n], 1, r.now, None if n == "a" else "h1", None, None, report)
     assert r.result("b") is not None
     a, b = r.m._nodes["a"], r.m._nodes["b"]
     assert (a.strikes, b.false_accusations) == ((1, 0) if guilty else (0, 1))

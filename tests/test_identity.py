@@ -398,3 +398,22 @@ def test_a_revocation_reaches_every_member_through_the_coordinator(tmp_path: Pat
         client.close()
         node_a.close()
         coord.stop()
+
+
+def test_a_revocation_list_gone_bad_later_or_unwritable_is_never_fatal(tmp_path: Path) -> None:
+    """Started without a list, a damaged one later is a warning (nothing revoked yet), not an
+    error on every connection; a list that cannot be written to the keys directory is in force
+    all the same."""
+    auth = Authority.init(tmp_path / "auth", "r")
+    auth.issue("m1")
+    mine = _own_dir(tmp_path / "auth", tmp_path / "m1", "m1")
+    (mine / "crl.pem").unlink()
+    creds = Credentials.load(mine, "m1")
+    rev = creds.revocations
+    (mine / "crl.pem").write_bytes(b"-----BEGIN X509 CRL-----\nhalf a copy")
+    assert rev.refresh() == frozenset() and rev.current() is None  # a warning, nothing raised
+    auth.revoke("m1")
+    rev.path = tmp_path / "auth" / "crl.pem" / "not-a-dir"  # where nothing can be written
+    assert rev.install((tmp_path / "auth" / "crl.pem").read_bytes(), "test") is True
+    serial = int(str(auth.index()["m1"][0]["serial"]), 16)
+    assert rev.revoked(serial) and rev.current()[0] == 1  # type: ignore[index]

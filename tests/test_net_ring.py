@@ -295,17 +295,23 @@ def test_rejects_non_float32() -> None:
         LocalGroup(2).all_reduce_mean_all([np.zeros(3), np.zeros(3)])
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp32"])
-def test_a_bad_own_piece_is_kept_with_its_sender_s_signature(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "streams", "bucket", "at", "piece", "call"), [
+    ("int8", 1, 1 << 26, 300, 1, 0),  # one bucket: rank 0's own segment is the first third
+    ("fp32", 2, 1000, 1100, 0, 1)])  # three leaves in buckets of 1,000: the second one's first third
+def test_a_bad_own_piece_is_kept_with_its_sender_s_signature(mode: str, streams: int, bucket: int, at: int,
+                                                             piece: int, call: int) -> None:
     """Rank 0's own contribution holds a NaN: its successor keeps that piece, signed by rank 0,
-    as evidence; the coordinator's check accepts it with rank 0's certificate, and refuses it
-    altered, held against another node, or told by another accuser."""
+    with rank 0's certificate, as evidence; the coordinator's check accepts it under the run's
+    authority, and refuses it altered, held against another node, told by another accuser,
+    under another certificate, or for another round."""
     nodes = _nodes(3, first=20)
     try:
-        cfg = RingConfig(mode=mode, piece_numel=256, deadline=30)
+        cfg = RingConfig(mode=mode, piece_numel=256, streams=streams, bucket_numel=bucket, deadline=30)
         comms = [n.ring(_members(nodes), r, epoch=7, step=4, config=cfg) for r, n in enumerate(nodes)]
         xs = _inputs(3, 3000)
-        xs[0][300] = np.nan  # in rank 0's own segment (the first third), its second piece
+        xs[0][at] = np.nan
+        if bucket < 3000:  # a pytree of three leaves, one bucket each
+            xs = [[x[:1000], x[1000:2000], x[2000:]] for x in xs]
         for c in comms:
             c.inspect = lambda theirs: verdict(theirs, None)
         _, errs = _run(comms, xs)
@@ -314,18 +320,19 @@ def test_a_bad_own_piece_is_kept_with_its_sender_s_signature(mode: str) -> None:
         prev, why, ev = comms[1].suspect
         assert (prev, why) == (0, "non-finite values")
         e = Evidence.model_validate(ev)
-        assert (e.step, e.epoch, e.mode, e.piece, e.numel) == (4, 7, mode, 1, 256) and e.signature
-        kw: dict[str, Any] = dict(run_id="ring-test", step=4, epoch_id=7, recorded=None)
-        cert = credentials("r20").cert_der
-        assert weigh(e, accuser="r21", accused="r20", cert=cert, **kw) == ("non-finite values", "")
+        assert (e.step, e.epoch, e.mode, e.piece, e.call) == (4, 7, mode, piece, call) and e.signature
+        assert e.cert == credentials("r20").cert_der.hex()
+        kw: dict[str, Any] = dict(run_id="ring-test", step=4, epoch_id=7, recorded=None, ca=credentials("r20").ca_der)
+        assert weigh(e, accuser="r21", accused="r20", **kw) == ("non-finite values", "")
         raw = bytearray(base64.b64decode(e.payload))
         raw[-1] ^= 1
         altered = e.model_copy(update={"payload": base64.b64encode(bytes(raw)).decode()})
-        for bad, who in ((altered, ("r21", "r20", cert)), (e, ("r21", "r22", credentials("r22").cert_der)),
-                         (e, ("r22", "r20", cert))):
-            guilty, flaw = weigh(bad, accuser=who[0], accused=who[1], cert=who[2], **kw)
+        other_cert = e.model_copy(update={"cert": credentials("r22").cert_der.hex()})
+        for bad, accuser, accused in ((altered, "r21", "r20"), (e, "r21", "r22"), (e, "r22", "r20"),
+                                      (other_cert, "r21", "r20"), (other_cert, "r21", "r22")):
+            guilty, flaw = weigh(bad, accuser=accuser, accused=accused, **kw)
             assert guilty is None and "signature" in flaw, flaw
-        assert weigh(e, accuser="r21", accused="r20", cert=cert, **{**kw, "step": 5})[0] is None  # another round
+        assert weigh(e, accuser="r21", accused="r20", **{**kw, "step": 5})[0] is None  # another round
     finally:
         for n in nodes:
             n.close()

@@ -325,7 +325,7 @@ class CoordinatorClient:
         if ok.crl is not None and revocations is not None:
             try:  # the authority's signature decides, not the coordinator's word
                 revocations.install(ok.crl.encode(), f"the coordinator {self._name}")
-            except IdentityError as e:
+            except IdentityError as e:  # (never fatal: the node goes on with the list it holds)
                 log.warning("node %s: %s; ignored", self.node_id, e)
         self._view = ok.view.model_dump()
         self._view_seq += 1

@@ -24,7 +24,7 @@ from intellect_jax.coordinator.roster import Node
 from intellect_jax.coordinator.schema import Evidence
 from intellect_jax.net import quant
 from intellect_jax.net.evidence import SUSPECT_FACTOR, der_signature, reference_rms, seal, statement, verdict
-from intellect_jax.net.identity import verify
+from intellect_jax.net.identity import vouched
 
 # the coordinator's verdict allows for float sums done in another order on the accuser's machine
 LENIENCY = 0.999
@@ -36,10 +36,11 @@ def follows(ring: tuple[str, ...], accuser: str, accused: str) -> bool:
 
 
 def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser: str, accused: str,
-          cert: bytes | None, recorded: str | None) -> tuple[str | None, str]:
+          ca: bytes | None, recorded: str | None) -> tuple[str | None, str]:
     """Whether ``ev`` shows ``accused``'s own piece in outer step ``step``'s all-reduce (epoch
     ``epoch_id``, received by ``accuser``) bad: (verdict, "") or (None, why it does not).
-    ``cert``: the accused's certificate (None: an in-process run, nothing is signed);
+    ``ca``: the run authority's certificate (DER), which must have issued to ``accused`` the
+    certificate that signed the piece (None: an in-process run, nothing is signed);
     ``recorded``: the hash the run recorded for ``step``, which the scale must open."""
     if ev is None:
         return None, "no evidence"
@@ -51,10 +52,11 @@ def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser
         return None, "the evidence's piece is not base64"
     if len(raw) != quant.encoded_nbytes(ev.numel, ev.mode, ev.block):
         return None, f"the evidence's piece is {len(raw)} bytes, not {ev.numel} values in {ev.mode}"
-    if cert is not None:
+    if ca is not None:
         said = statement(run_id, ev.step, ev.epoch, ev.call, accused, accuser, ev.segment, ev.piece, ev.numel,
                          ev.mode, ev.block, raw)
-        if ev.signature is None or not verify(cert, said, der_signature(bytes.fromhex(ev.signature))):
+        if ev.signature is None or ev.cert is None or not vouched(
+                ca, ev.cert, accused, said, der_signature(bytes.fromhex(ev.signature)).hex()):
             return None, f"the evidence's piece does not carry {accused}'s signature"
     ref = None
     if ev.opening is not None:
@@ -72,8 +74,9 @@ class Police:
     each of the last two barriers: a report at barrier k is on the all-reduce of barrier k-1's
     epoch (after a coordinator restart that ring is unknown, and accusations are ignored)."""
 
-    def __init__(self, config: CoordinatorConfig, say: Callable[[str], None]) -> None:
+    def __init__(self, config: CoordinatorConfig, say: Callable[[str], None], ca: bytes | None = None) -> None:
         self.config, self._say = config, say
+        self.ca = ca  # the run authority's certificate (DER): evidence must be signed (None: in process)
         self._rings: dict[int, tuple[int, tuple[str, ...]]] = {}  # barrier step -> (epoch id, ring order)
 
     def formed(self, step: int, epoch_id: int, ring: tuple[str, ...]) -> None:
@@ -99,13 +102,9 @@ class Police:
                 continue
             if accused not in by_id:
                 continue  # gone already: nothing to weigh it against
-            a_vote, n_vote = by_id[accused].arrival.vote, n.arrival.vote  # type: ignore[union-attr]
-            if a_vote is None and n_vote is not None:
-                continue  # a signed run, and no certificate of the accused's at hand: nothing can be checked
             try:
                 guilty, flaw = weigh(r.evidence, run_id=run_id, step=step - 1, epoch_id=epoch_id, accuser=n.node_id,
-                                     accused=accused, cert=bytes.fromhex(a_vote[1]) if a_vote else None,
-                                     recorded=recorded)
+                                     accused=accused, ca=self.ca, recorded=recorded)
             except Exception as e:  # noqa: BLE001 - whatever a peer sent, the barrier goes on
                 guilty, flaw = None, f"it could not be checked ({type(e).__name__})"
             if guilty is None:

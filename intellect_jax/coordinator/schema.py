@@ -61,7 +61,7 @@ class Register(Msg):
 
 class Heartbeat(Msg):
     op: Literal["hb"]
-    crl: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")] | None = None  # digest of the node's revocation list
+    crl: Annotated[int, Field(ge=0, le=1 << 40)] | None = None  # identities the node's revocation list revokes
 
 
 class Opening(Msg):
@@ -86,6 +86,7 @@ class Evidence(Msg):
     block: Annotated[int, Field(ge=1, le=1 << 16)]
     payload: Annotated[str, Field(max_length=-(-MAX_EVIDENCE_BYTES // 3) * 4)]  # base64
     signature: Annotated[str, Field(pattern=r"^[0-9a-f]{128}$")] | None = None  # r || s, hex
+    cert: Annotated[str, Field(pattern=r"^(?:[0-9a-f]{2}){16,4096}$")] | None = None  # the signer's (DER, hex)
     opening: Opening | None = None  # of the recorded hash of outer step ``step``
 
 

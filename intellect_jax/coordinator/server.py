@@ -41,6 +41,13 @@ MAX_MSG = 2 << 20  # a sync carries at most one piece of evidence (net.evidence.
 log = logging.getLogger("intellect_jax.coordinator")
 
 
+def dialable(addr: str) -> None:
+    """ValueError unless ``addr`` is a ``host:port`` another member could dial (a host, a port > 0)."""
+    host, port = parse_address(addr)
+    if not host or port == 0:
+        raise ValueError(f"not a host:port others can dial: {addr[:80]!r}")
+
+
 class HandlerCaps:
     """Counts the connections being served, in all and per identity, and refuses one past
     ``max_handlers`` or ``handlers_per_identity`` (each identity refused is logged once;
@@ -83,8 +90,8 @@ class Coordinator:
                  config: CoordinatorConfig | None = None, journal: str | None = None) -> None:
         self.cfg, self.host, self.port = cfg, host, port
         self.config = config or CoordinatorConfig()
-        self.service = CoordinatorService(self.config, run_id=cfg.run_id, check_addr=parse_address,
-                                          crl=cfg.identity.revocations.current,
+        self.service = CoordinatorService(self.config, run_id=cfg.run_id, check_addr=dialable,
+                                          crl=cfg.identity.revocations.current, ca=cfg.identity.ca_der,
                                           journal=Journal(journal) if journal else None)
         self.membership = self.service.membership
         self._lock = threading.Lock()

@@ -47,13 +47,14 @@ class CoordinatorService:
                  journal: Journal | None = None, instance: str | None = None,
                  on_event: Callable[[str], None] | None = None,
                  check_addr: Callable[[str], object] | None = None,
-                 crl: Callable[[], tuple[str, bytes] | None] | None = None) -> None:
+                 crl: Callable[[], tuple[int, bytes] | None] | None = None, ca: bytes | None = None) -> None:
         self.config = config or CoordinatorConfig()
         self._check_addr = check_addr  # raises ValueError for a ring address nobody could dial
-        self._crl = crl  # (digest, PEM) of the run's revocation list in force, handed to members
+        self._crl = crl  # (identities revoked, PEM) of the run's revocation list in force, handed to members
         self.clock, self.journal = clock, journal
         record = journal.load(run_id) if journal is not None else RunRecord(run_id=run_id)
         self.membership = Membership(self.config, instance or os.urandom(4).hex(), record)
+        self.membership.police.ca = ca  # accusations must show pieces signed under this authority
         self._on_event = on_event
         self._cond = clock.Condition()
         self._stopped = False
@@ -193,7 +194,7 @@ class CoordinatorService:
             case Heartbeat() if session is not None:
                 reply = {"ok": True, "view": self.locked(lambda now: m.heartbeat(*session, now))}
                 crl = self._crl() if self._crl is not None else None
-                if crl is not None and crl[0] != msg.crl:  # a member that does not hold it yet gets it
+                if crl is not None and crl[0] > (msg.crl or 0):  # a member whose list revokes fewer gets it
                     reply["crl"] = crl[1].decode()
                 return reply
             case Sync() | Admit():

@@ -13,8 +13,8 @@ Three lines of defence, all cheap next to the all-reduce:
   so every node reaches the same verdict; a failing round is skipped (outer params and
   momentum unchanged), never applied.
 * **Blame** (``net.evidence``): in a ring, a rank's first messages to its successor are its own
-  contribution, unsummed and signed; the successor judges each against the RMS of a recent
-  average (from these norms) and reports a bad one, signed piece and all, with its next
+  contribution, unsummed and signed; the successor judges each against the outer params' RMS
+  (non-finite, or above 10x) and reports a bad one, signed piece and all, with its next
   barrier. The coordinator re-checks the evidence and evicts a node found guilty in rounds
   whose average failed (see ``docs/security.md``).
 

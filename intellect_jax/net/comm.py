@@ -53,10 +53,12 @@ class RingConfig:
         quant.check_mode(self.mode, self.block_size)
         if self.streams < 1 or self.piece_numel < 1 or self.bucket_numel < 1 or self.deadline <= 0:
             raise ValueError(f"invalid ring config {self}")
-        if quant.encoded_nbytes(self.piece_numel, self.mode, self.block_size) > evidence.MAX_EVIDENCE_BYTES:
-            raise ValueError(f"a ring piece of {self.piece_numel} values in {self.mode} is larger than "
-                             f"{evidence.MAX_EVIDENCE_BYTES} bytes, the most a bad piece can be shown as evidence; "
-                             "lower piece_numel")
+        piece = max(1, self.piece_numel // self.block_size) * self.block_size  # pieces are whole blocks
+        if self.block_size > 1 << 16 or quant.encoded_nbytes(piece, self.mode, self.block_size) > \
+                evidence.MAX_EVIDENCE_BYTES:
+            raise ValueError(f"a ring piece of up to {piece} values in {self.mode} (blocks of {self.block_size}) is "
+                             f"larger than {evidence.MAX_EVIDENCE_BYTES} bytes, the most a bad piece can be shown "
+                             "as evidence; lower piece_numel (and block_size to at most 65536)")
 
     def rng_seed(self, epoch: int) -> int | None:
         """Seed for stochastic rounding (None: round to nearest)."""
@@ -352,7 +354,8 @@ class SocketCommunicator:
                 c, f = findings[0]
                 self.suspect = ((self.rank - 1) % self.world_size, f.why, evidence.evidence(
                     step=self.step, epoch=self.epoch, call=c, segment=f.segment, piece=f.piece, numel=f.numel,
-                    mode=cfg.mode, block=cfg.block_size, payload=f.payload, signature=f.signature))
+                    mode=cfg.mode, block=cfg.block_size, payload=f.payload, signature=f.signature,
+                    cert=links.inn[0].cert))
         except BaseException:
             self._teardown()  # neighbours see the connections close and fail fast too
             raise

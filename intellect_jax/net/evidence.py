@@ -27,7 +27,6 @@ from typing import Any, Callable
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature, encode_dss_signature
 
-from intellect_jax.net import quant
 
 SIG_BYTES = 64  # a P-256 signature as r || s, 32 bytes each
 SUSPECT_FACTOR = 10.0  # a piece whose RMS is this many times the outer params' RMS is bad
@@ -89,11 +88,12 @@ def verdict(theirs: np.ndarray, ref: float | None, factor: float = SUSPECT_FACTO
 
 # ---- evidence ----------------------------------------------------------------------------------
 def evidence(*, step: int, epoch: int, call: int, segment: int, piece: int, numel: int, mode: str, block: int,
-             payload: bytes, signature: bytes | None) -> dict[str, Any]:
-    """A bad piece as a report carries it (the accuser adds the state ``opening``)."""
+             payload: bytes, signature: bytes | None, cert: bytes | None = None) -> dict[str, Any]:
+    """A bad piece as a report carries it, with the signature and the certificate (DER) the
+    sender presented on the ring link (the accuser adds the state ``opening``)."""
     return {"step": step, "epoch": epoch, "call": call, "segment": segment, "piece": piece, "numel": numel,
             "mode": mode, "block": block, "payload": base64.b64encode(payload).decode(),
-            "signature": None if signature is None else signature.hex()}
+            "signature": None if signature is None else signature.hex(), "cert": None if cert is None else cert.hex()}
 
 
 def unsigned_evidence(theirs: np.ndarray, inspect: Callable[[np.ndarray], str | None], *, step: int, epoch: int,
@@ -109,12 +109,3 @@ def unsigned_evidence(theirs: np.ndarray, inspect: Callable[[np.ndarray], str | 
             return why, evidence(step=step, epoch=epoch, call=0, segment=0, piece=j, numel=part.size, mode="fp32",
                                  block=1, payload=part.tobytes(), signature=None)
     return None
-
-
-def decode_payload(ev: Any) -> np.ndarray:
-    """The values of an evidence's piece; ValueError if its bytes do not fit its codec."""
-    quant.check_mode(ev.mode, ev.block)
-    raw = base64.b64decode(ev.payload, validate=True)
-    if len(raw) != quant.encoded_nbytes(ev.numel, ev.mode, ev.block):
-        raise ValueError(f"{len(raw)} bytes for {ev.numel} values in {ev.mode}")
-    return quant.decode(np.frombuffer(raw, np.uint8).copy(), ev.numel, ev.mode, ev.block)

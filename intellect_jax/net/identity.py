@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -114,7 +113,9 @@ class Revocations:
         self._serials: frozenset[int] = frozenset()
         self._crl: x509.CertificateRevocationList | None = None
         self._pem: bytes | None = None
+        self._starting = True  # a bad list is an error at start only; later a warning
         self.refresh()
+        self._starting = False
 
     def refresh(self) -> frozenset[int]:
         """Revoked serial numbers (re-reads the file if its size or mtime changed)."""
@@ -123,7 +124,7 @@ class Revocations:
         with self._lock:
             try:
                 st = self.path.stat()
-            except FileNotFoundError:
+            except OSError:  # no file (or no way to it): nothing revoked, or the list held already
                 if self._crl is None:
                     self._stamp, self._serials = None, frozenset()
                 return self._serials
@@ -133,7 +134,7 @@ class Revocations:
                     pem = _read(self.path, "revocation list")
                     self._adopt(self._parse(pem, str(self.path)), pem)
                 except IdentityError as e:
-                    if self._stamp is None:  # never read a good one (at start): fail
+                    if self._starting:
                         raise
                     # a damaged or half-copied list while running: keep the last good one
                     logging.getLogger("intellect_jax.net").warning("%s; keeping the revocation list read "
@@ -150,19 +151,27 @@ class Revocations:
             if not self._adopt(crl, pem):
                 return False
             if self.path is not None:
-                atomic_write(self.path, pem)
-                st = self.path.stat()
-                self._stamp = (st.st_mtime_ns, st.st_size)
+                try:
+                    atomic_write(self.path, pem)
+                    st = self.path.stat()
+                    self._stamp = (st.st_mtime_ns, st.st_size)
+                except OSError as e:  # e.g. a read-only keys directory: in force in memory all the same
+                    logging.getLogger("intellect_jax.net").warning("cannot keep the revocation list in %s (%s); "
+                                                                   "it is in force until this process ends",
+                                                                   self.path, e)
         logging.getLogger("intellect_jax.net").warning("revocation list from %s in force: %d identities revoked",
                                                        source, len(self._serials))
         return True
 
-    def current(self) -> tuple[str, bytes] | None:
-        """(digest, PEM) of the list in force (the file re-read if it changed), or None: what the
-        coordinator hands its members."""
-        self.refresh()
-        pem = self._pem
-        return None if pem is None else (hashlib.sha256(pem).hexdigest()[:32], pem)
+    def current(self) -> tuple[int, bytes] | None:
+        """(identities revoked, PEM) of the list in force (the file re-read if it changed), or
+        None: what the coordinator hands its members."""
+        try:
+            self.refresh()
+        except IdentityError:  # (a file read at start that is gone bad: the last good list)
+            pass
+        with self._lock:
+            return None if self._pem is None else (len(self._serials), self._pem)
 
     def _adopt(self, crl: x509.CertificateRevocationList, pem: bytes) -> bool:
         serials = frozenset(r.serial_number for r in crl)
@@ -239,6 +248,11 @@ class Credentials:
     @functools.cached_property
     def _private_key(self) -> ec.EllipticCurvePrivateKey:
         return _load_key(self.key)
+
+    @functools.cached_property
+    def ca_der(self) -> bytes:
+        """The run authority's certificate (DER)."""
+        return _load_cert(self.ca).public_bytes(serialization.Encoding.DER)
 
     @functools.cached_property
     def cert_der(self) -> bytes:

@@ -20,7 +20,7 @@ import numpy as np
 from intellect_jax.net import plan, tree as treelib
 from intellect_jax.net.comm import CommStats, RingConfig, bucket_call
 from intellect_jax.net.errors import PeerClosed, PeerTimeout
-from intellect_jax.net.evidence import unsigned_evidence
+from intellect_jax.net.evidence import SIG_BYTES, unsigned_evidence
 from intellect_jax.net.frames import HEADER_LEN
 from intellect_jax.net.quant import encoded_nbytes
 
@@ -28,7 +28,8 @@ T = TypeVar("T")
 
 
 def ring_bytes(numel: int, world: int, rank: int, cfg: RingConfig) -> int:
-    """Data-frame bytes (headers included) one rank sends in a socket ring all-reduce."""
+    """Data-frame bytes (headers included) one rank sends in a socket ring all-reduce, the
+    signature frame after each of its own pieces included."""
     if world == 1 or numel == 0:
         return 0
     p = plan.make_plan(numel, world, cfg.block_size, cfg.piece_numel)
@@ -37,7 +38,7 @@ def ring_bytes(numel: int, world: int, rank: int, cfg: RingConfig) -> int:
         s, j = divmod(m, p.pieces)
         a, b = p.piece(p.send_segment(rank, s), j)
         total += HEADER_LEN + encoded_nbytes(b - a, cfg.mode, cfg.block_size)
-    return total
+    return total + p.pieces * (HEADER_LEN + SIG_BYTES)
 
 
 class LocalGroup:
