@@ -1,5 +1,5 @@
 """A DiLoCo node of several processes: the shard plumbing and the lead's stop() in process, and
-real runs of a node of 2 processes x 4 CPU devices beside a node of 1 process x 8 devices."""
+a real run of a node of 2 processes x 4 CPU devices beside a node of 1 process x 8 devices."""
 
 import subprocess
 import sys
@@ -146,38 +146,29 @@ def test_a_follower_refuses_lead_messages_of_the_wrong_form():
 TINY = [*TINY_ARGS, "--data.batch_size", "8", "--run.log_every", "1", "--run.no-progress"]
 
 
-def _run(tmp_path, nodes, *, min_nodes, H, outer, more=()):
-    """A coordinator and the given nodes ({name: (processes, devices each, extra args)}) to the end;
-    returns every process's output by "name" / "name.i"."""
-    port = free_port()
-    env = dict(coord_env(*nodes), JAX_PLATFORMS="cpu")
-    coord = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
-                              str(port), "--min-nodes", str(min_nodes), "--heartbeat-timeout", "60",
-                              "--journal", str(tmp_path / "coordinator.journal")], cwd=ROOT,
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = [sys.executable, "-m", "intellect_jax.train", "--config", "configs/debug_diloco.toml", *TINY,
-            "--run.out_dir", str(tmp_path / "runs"), "--data.cache_dir", str(tmp_path / "cache"),
-            "--run.steps", str(H * outer), "--diloco.inner_steps", str(H), "--diloco.coordinator",
-            f"127.0.0.1:{port}", "--diloco.data_ranks", str(len(nodes)), *more]
-    procs = {}
-    for rank, (name, (n, devices, extra)) in enumerate(nodes.items()):
-        cmd = [*base, "--run.name", name, "--diloco.node_id", name, "--diloco.data_rank", str(rank), *extra]
-        dist = str(free_port())
-        for i in range(n):
-            d = ["--dist.coordinator_address", f"127.0.0.1:{dist}", "--dist.num_processes", str(n),
-                 "--dist.process_id", str(i)] if n > 1 else []
-            procs[f"{name}.{i}" if n > 1 else name] = subprocess.Popen(
-                [*cmd, *d], cwd=ROOT, env=dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        outs = {k: p.communicate(timeout=540)[0] for k, p in procs.items()}
-    finally:
-        for p in [*procs.values(), coord]:
-            p.kill()
-        coord.communicate()
-    bad = {k: o[-2500:] for k, o in outs.items() if procs[k].returncode != 0}
-    assert not bad, bad
-    return outs
+def _node(base, env, node, rank, *, run, n=1, more=()):
+    """Node ``node``'s processes under run name ``run``: 1 process x 8 CPU devices, or ``n``
+    processes x 4 (one JAX runtime) named "run.i"; each one's output on its stdout pipe."""
+    cmd = [*base, "--run.name", run, "--diloco.node_id", node, "--diloco.data_rank", str(rank), *more]
+    if n == 1:
+        dist, names = [[]], [run]
+    else:
+        port = free_port()
+        dist = [["--dist.coordinator_address", f"127.0.0.1:{port}", "--dist.num_processes", str(n),
+                 "--dist.process_id", str(i)] for i in range(n)]
+        names = [f"{run}.{i}" for i in range(n)]
+    penv = dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // n}")
+    return {k: subprocess.Popen([*cmd, *d], cwd=ROOT, env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True) for k, d in zip(names, dist)}
+
+
+def _until(proc, text, seen="", times=1):
+    """``proc``'s output read up to its ``times``-th line holding ``text``; all of it so far."""
+    while seen.count(text) < times:
+        line = proc.stdout.readline()
+        assert line, seen[-2000:]
+        seen += line
+    return seen
 
 
 def _rows(tmp_path, name):
@@ -185,93 +176,91 @@ def _rows(tmp_path, name):
 
 
 @pytest.mark.slow
-def test_two_process_node_and_one_process_node_share_one_history(tmp_path):
-    """Node a: 2 processes x 4 devices (jax.distributed); node b: 1 process x 8 devices. Every outer
-    step has one hash on both, the loss falls, a's lead checkpoints and evaluates for the node."""
-    H, outer = 4, 6
-    outs = _run(tmp_path, {"a": (2, 4, []), "b": (1, 8, [])}, min_nodes=2, H=H, outer=outer,
-                more=["--run.eval_every", str(3 * H), "--ckpt.every", str(3 * H)])
-    assert "pseudo-gradient made on the devices" in outs["a.0"] and "followed" in outs["a.1"], outs["a.1"][-500:]
-    ra, rb = _rows(tmp_path, "a"), _rows(tmp_path, "b")
-    ha, hb = hashes(ra), hashes(rb)
-    assert sorted(ha) == list(range(1, outer + 1)) and ha == hb == one_history([ra, rb]), (ha, hb)
-    for r in (ra, rb):
-        loss = [x["loss"] for x in r if "loss" in x]
-        assert np.mean(loss[-H:]) < np.mean(loss[:H]) - 0.3, loss
-    assert {r["outer_step"] for r in ra if "val_loss" in r} == {3, 6}
-    # the lead's checkpoint of the last outer step holds the run's final state, every process's data position
-    from intellect_jax.trainer.checkpoint import Checkpointer
+def test_a_two_process_node_shares_one_history_loses_a_process_and_joins_again_late(tmp_path):
+    """One run (`outer` outer steps of H inner steps) of node a, 2 processes x 4 CPU devices (one
+    jax.distributed runtime), and node b, 1 process x 8 devices, in two parts:
 
-    ck = Checkpointer(tmp_path / "runs" / "a" / "ckpt", every=0, keep=10)
-    try:
-        assert ck.all_steps() == [3 * H, 6 * H]
-        assert ck.restore_json("meta")["outer_hash"] == ha[outer]
-        assert len(ck.restore_json("data")["processes"]) == 2
-    finally:
-        ck.close()
+    1. a and b found the run together (the coordinator waits for 2 nodes) from the seeded state,
+       each of a's processes making its own shards. After two outer steps beside b, SIGKILL of
+       a's second process: a's lead exits non-zero within the runtime's heartbeat timeout (no
+       hang), and b carries on alone; b ends that job after outer step S.
+    2. a, started again with no state (run directory a2), registers while nobody holds the
+       state; then b resumes from its checkpoint, so a is admitted at b's first boundary
+       whatever the machine's speed: it receives b's state of outer step S + 1 (its lead
+       restores it and hands each process its slices, optimizer state included) and trains
+       beside b to the run's end; every process of this part exits 0.
 
-
-@pytest.mark.slow
-def test_a_late_two_process_node_takes_the_live_state_then_loses_a_process(tmp_path):
-    """b founds the run alone and ends that job after outer step 2; a (2 processes x 4 devices)
-    registers while nobody holds the state, then b resumes from its checkpoint, so a joins after
-    outer step 2 whatever the machine's speed:
-    it receives b's state (its lead restores it and hands each process its slices, optimizer
-    state included) and trains beside b with b's hashes. Then SIGKILL of a's second process:
-    a's lead exits non-zero within the runtime's heartbeat timeout (no hang), and b, alone
-    again, finishes the run."""
+    Shows: every outer step has one hash on every node that ran it (the 2-process node's from
+    the first step on), the loss falls on both nodes, and a's lead evaluates and checkpoints for
+    the node: its last checkpoint holds the run's final state and every process's data position."""
     import signal
     import time
 
-    H, outer = 4, 14
-    port, dist = free_port(), free_port()
-    env = dict(coord_env("a", "b"), JAX_PLATFORMS="cpu")
+    H, S, outer = 4, 4, 7
+    port, env = free_port(), dict(coord_env("a", "b"), JAX_PLATFORMS="cpu")
     coord = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
-                              str(port), "--min-nodes", "1", "--heartbeat-timeout", "5", "--boundary-timeout", "20",
+                              str(port), "--min-nodes", "2", "--heartbeat-timeout", "5", "--boundary-timeout", "20",
                               "--journal", str(tmp_path / "coordinator.journal")],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = [sys.executable, "-m", "intellect_jax.train", "--config", "configs/debug_diloco.toml", *TINY,
             "--run.out_dir", str(tmp_path / "runs"), "--data.cache_dir", str(tmp_path / "cache"),
             "--run.steps", str(H * outer), "--diloco.inner_steps", str(H), "--diloco.coordinator",
-            f"127.0.0.1:{port}", "--diloco.data_ranks", "2", "--diloco.heartbeat_interval", "1"]
-
-    def until(proc, text, seen="", times=1):
-        while seen.count(text) < times:
-            line = proc.stdout.readline()
-            assert line, seen[-2000:]
-            seen += line
-        return seen
-
-    b = [*base, "--run.name", "b", "--diloco.node_id", "b", "--diloco.data_rank", "1"]
-    b_env = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    first = subprocess.run([*b, "--run.stop_at", str(2 * H)], cwd=ROOT, env=b_env, capture_output=True, text=True,
-                           timeout=300)
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    procs = {f"a.{i}": subprocess.Popen(
-        [*base, "--run.name", "a", "--diloco.node_id", "a", "--diloco.data_rank", "0",
-         "--dist.coordinator_address", f"127.0.0.1:{dist}", "--dist.num_processes", "2", "--dist.process_id", str(i),
-         "--dist.heartbeat_timeout", "10"], cwd=ROOT, env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)}
-    try:
-        seen_a = until(procs["a.0"], "registered as joiner")
-        procs["b"] = subprocess.Popen([*b, "--ckpt.resume"], cwd=ROOT, env=b_env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)
-        seen_a = until(procs["a.0"], "nodes), loss", seen_a, times=2)  # joined, and two outer steps beside b
-        procs["a.1"].send_signal(signal.SIGKILL)
+            f"127.0.0.1:{port}", "--diloco.data_ranks", "2", "--diloco.heartbeat_interval", "1",
+            "--run.eval_every", str(3 * H), "--ckpt.every", str(3 * H), "--ckpt.keep", "10"]
+    # (a's JAX runtime ends its lead within 10 s of losing the follower)
+    first = _node(base, env, "a", 0, run="a", n=2, more=["--dist.heartbeat_timeout", "10"])
+    first |= _node(base, env, "b", 1, run="b", more=["--run.stop_at", str(S * H)])
+    late: dict[str, subprocess.Popen] = {}
+    try:  # 1. a and b from the seeded state; a loses a process
+        seen_a = _until(first["a.0"], "nodes), loss", times=2)  # two outer steps beside b
+        first["a.1"].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
-        out_a = seen_a + procs["a.0"].communicate(timeout=120)[0]
+        out_a = seen_a + first["a.0"].communicate(timeout=120)[0]
         a_exit_s = time.monotonic() - t0
-        out_b = procs["b"].communicate(timeout=300)[0]
+        out_b = first["b"].communicate(timeout=300)[0]
+        assert first["a.0"].returncode != 0 and a_exit_s < 60, (a_exit_s, out_a[-2000:])
+        assert first["b"].returncode == 0, out_b[-3000:]
+        # 2. a again, with no state: a joiner while nobody holds the state, until b resumes
+        late |= _node(base, env, "a", 0, run="a2", n=2)
+        seen_a = _until(late["a2.0"], "registered as joiner")
+        late |= _node(base, env, "b", 1, run="b", more=["--ckpt.resume"])
+        outs = {k: p.communicate(timeout=300)[0] for k, p in late.items()}
+        outs["a2.0"] = seen_a + outs["a2.0"]
     finally:
-        for p in [*procs.values(), coord]:
+        for p in [*first.values(), *late.values(), coord]:
             p.kill()
         coord.communicate()
-    assert "receiving the state of outer step" in out_a, out_a[-2000:]
-    assert procs["a.0"].returncode != 0 and a_exit_s < 60, (a_exit_s, out_a[-2000:])
-    assert procs["b"].returncode == 0, out_b[-3000:]
-    ha, hb = hashes(_rows(tmp_path, "a")), hashes(_rows(tmp_path, "b"))
-    assert sorted(hb) == list(range(1, outer + 1)) and ha and min(ha) >= 3, (ha, hb)  # rows land once the next barrier confirms them
-    assert all(hb[k] == h for k, h in ha.items()), (ha, hb)
+    bad = {k: o[-2500:] for k, o in outs.items() if late[k].returncode != 0}
+    assert not bad, bad
+    for out in (out_a, outs["a2.0"]):
+        assert "pseudo-gradient made on the devices" in out, out[-1000:]
+    assert f"receiving the state of outer step {S + 1} from b" in outs["a2.0"], outs["a2.0"][-2000:]
+    assert "followed" in outs["a2.1"], outs["a2.1"][-500:]
+    ra, ra2, rb = _rows(tmp_path, "a"), _rows(tmp_path, "a2"), _rows(tmp_path, "b")
+    ha, ha2, hb = hashes(ra), hashes(ra2), hashes(rb)
+    # b ran every outer step: with a, alone once a lost its process, with a again from S + 2 on
+    assert sorted(hb) == list(range(1, outer + 1)) and hb == one_history([ra, ra2, rb]), (ha, ha2, hb)
+    nodes = {r["outer_step"]: r["nodes"] for r in rb if "outer_hash" in r}
+    assert nodes[1] == nodes[2] == 2 and nodes[S] == nodes[S + 1] == 1, nodes
+    assert all(nodes[k] == 2 for k in range(S + 2, outer + 1)), nodes
+    # (rows land once the next barrier confirms them) a's first life from the first step on,
+    # its second from the step after the one it received on
+    assert ha and min(ha) == 1 and max(ha) < S and sorted(ha2) == list(range(S + 2, outer + 1)), (ha, ha2)
+    for r in (ra + ra2, rb):
+        loss = [x["loss"] for x in r if "loss" in x]
+        assert np.mean(loss[-H:]) < np.mean(loss[:H]) - 0.3, loss
+    assert {r["outer_step"] for r in ra2 if "val_loss" in r} == {6, outer}
+    # a's lead checkpointed the state it received, outer step 6 and the run's final state,
+    # with every process's data position
+    from intellect_jax.trainer.checkpoint import Checkpointer
+
+    ck = Checkpointer(tmp_path / "runs" / "a2" / "ckpt", every=0, keep=10)
+    try:
+        assert ck.all_steps() == [(S + 1) * H, 6 * H, outer * H]
+        assert ck.restore_json("meta")["outer_hash"] == hb[outer]
+        assert len(ck.restore_json("data")["processes"]) == 2
+    finally:
+        ck.close()
 
 
 class Steps:
