@@ -242,6 +242,34 @@ def test_an_accusation_stands_only_on_the_accused_s_own_signed_piece(case: str) 
 # ---------------------------------------------------------------------------------------------
 # history by quorum
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("honest", [1, 2])
+def test_a_joiner_s_received_state_is_checked_by_the_members_quorum_not_counted_in_it(honest: int) -> None:
+    """Donor a serves joiner j a bogus state X and claims X itself at the next barrier: j's
+    hash is no vote (it holds a state it received), so with one honest member the barrier ties
+    and waits, evicting nobody; with two, the honest hash is recorded and a and j are evicted
+    as diverged. Counted as votes, a and j would have outvoted the honest member."""
+    names = "abc"[: honest + 1]
+    r = Run(min_nodes=len(names))
+    for n in names:
+        r.reg(n)
+    r.barrier(0, list(names), "h0")
+    r.reg("j")
+    r.barrier(1, list(names), "h1")  # admits j, donor a
+    assert r.m.admission_for("j", r.s["j"]).donor_id == "a"  # type: ignore[union-attr]
+    assert r.m.state_received("j", r.s["j"], 2, r.now)
+    for n in ["j", *names]:
+        r.arrive(n, 2, "X" if n in "aj" else "h2")
+    status = r.m.status(r.now)
+    if honest == 1:
+        assert r.result("b") is None and status["evictions"] == []
+        assert "no quorum for outer step 2" in status["waiting"] and "of 2 members" in status["waiting"]
+        assert 2 not in r.m.record.hashes
+    else:
+        assert r.m.record.hashes[2] == "h2" and r.result("b").node_ids == ["b", "c"]  # type: ignore[union-attr]
+        assert sorted(e["node_id"] for e in status["evictions"]) == ["a", "j"]
+        assert all(e["reason"].startswith("diverged") for e in status["evictions"])
+
+
 def test_a_two_node_tie_records_nothing_evicts_nobody_and_waits_until_one_leaves() -> None:
     r = Run(min_nodes=2)
     r.reg("a"), r.reg("b")

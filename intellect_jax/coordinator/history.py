@@ -21,7 +21,7 @@ from typing import Any
 
 from intellect_jax.coordinator.journal import RunRecord
 from intellect_jax.coordinator.protocol import CoordinatorConfig, Peer, Resume
-from intellect_jax.coordinator.roster import Node
+from intellect_jax.coordinator.roster import Node, Role
 
 
 class History:
@@ -62,17 +62,21 @@ class History:
         (a rollback first, if one is allowed down to ``step``). Returns (members kept, (member,
         why) to evict: those whose state differs, or all if they are behind the history; that
         hash or None if nobody sent one), or None: no quorum, the barrier waits (see
-        :attr:`waiting`)."""
+        :attr:`waiting`). A joiner at its first barrier holds a state it received, not one it
+        made: its hash is checked against the members' quorum but is no vote (else a donor that
+        served a bogus state would win a majority with its joiner's voice)."""
         hashes = {n.node_id: n.arrival.state_hash for n in members if n.arrival.state_hash}  # type: ignore[union-attr]
+        voters = [n for n in members if n.role is not Role.ADMITTED] or members
+        ballots = {n.node_id: hashes[n.node_id] for n in voters if n.node_id in hashes}
         rec = self.record
         if rec.hwm_step is not None and step < rec.hwm_step and (self.rollback is None or step < self.rollback):
             # (unreachable: arrivals below the floor are expelled) never rewrite history
             return [], [(n, f"behind: at outer step {step}, the run has reached {rec.hwm_step}") for n in members], None
-        recorded = rec.hashes.get(step) or _quorum(hashes, len(members))
-        if recorded is None and hashes:
-            votes = ", ".join(f"hash {h[:16]}.. by [{', '.join(n for n in hashes if hashes[n] == h)}]"
-                              for h in dict.fromkeys(hashes.values()))
-            self._wait(f"no quorum for outer step {step}: {votes} of {len(members)} members; waiting for a member "
+        recorded = rec.hashes.get(step) or _quorum(ballots, len(voters))
+        if recorded is None and ballots:
+            votes = ", ".join(f"hash {h[:16]}.. by [{', '.join(n for n in ballots if ballots[n] == h)}]"
+                              for h in dict.fromkeys(ballots.values()))
+            self._wait(f"no quorum for outer step {step}: {votes} of {len(voters)} members; waiting for a member "
                        "to arrive or leave, or for the operator")
             return None
         self.waiting = None
@@ -94,8 +98,8 @@ class History:
             rec.truncate(step)
             self.rollback = None
         rec.record(step, recorded, self.config.history)
-        rec.sign(step, len(members), {n.node_id: n.arrival.vote for n in members  # type: ignore[union-attr]
-                                      if n.arrival.vote and n.arrival.state_hash == recorded})  # type: ignore[union-attr]
+        rec.sign(step, len(voters), {n.node_id: n.arrival.vote for n in voters  # type: ignore[union-attr]
+                                     if n.arrival.vote and n.arrival.state_hash == recorded})  # type: ignore[union-attr]
         keep: list[Node] = []
         evict: list[tuple[Node, str]] = []
         for n in members:
