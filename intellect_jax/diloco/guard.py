@@ -46,13 +46,15 @@ def _round(x: float) -> float:
 
 def tree_norm(tree: Any) -> float:
     """L2 norm over every leaf (float64 sums), rounded to 6 significant digits; inf if any value
-    is not finite."""
+    is not finite. The sums are numpy's pairwise ones, whose order is fixed (BLAS's dot picks
+    its kernel, and so its order, by CPU): nodes on different CPUs get the same bits."""
     total = 0.0
     for leaf in jax.tree.leaves(tree):
         a = np.asarray(leaf, dtype=np.float32).reshape(-1)
         if not np.isfinite(a).all():
             return math.inf
-        total += float(np.dot(a.astype(np.float64), a.astype(np.float64)))
+        a64 = a.astype(np.float64)
+        total += float(np.add.reduce(np.square(a64, out=a64)))
     return _round(math.sqrt(total))
 
 

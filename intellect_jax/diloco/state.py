@@ -138,5 +138,7 @@ def hash_opening(s: DilocoState) -> dict[str, Any]:
     for path, leaf in jax.tree_util.tree_leaves_with_path((s.outer_params, s.outer_opt_state)):
         h.update(jax.tree_util.keystr(path).encode())
         h.update(np.ascontiguousarray(leaf, dtype=np.float32).tobytes())
+    # the scale to 3 significant digits: plenty for a threshold, and a float sum's last bits can
+    # never split the nodes' hashes
     return {"core": h.hexdigest(), "numel": int(sum(np.size(x) for x in jax.tree.leaves(s.outer_params))),
-            "scale": tree_norm(s.outer_params)}
+            "scale": float(f"{tree_norm(s.outer_params):.3g}")}
