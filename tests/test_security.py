@@ -213,7 +213,8 @@ def test_strangers_cannot_lock_members_out():
     assert hit["wall_s"] <= base["wall_s"] + 5.0
     opened, flooded, one_byte = hit["attack"]
     assert opened > 900 and flooded > 300  # the attack ran all along (two waves of 500 idle connections at least)
-    assert one_byte > 320  # more than one wave of 40 x 8 one-byte connections (a few connects may fail)
+    assert one_byte >= 300  # a whole wave of 40 x 8 one-byte connections, held (a few connects may fail; a
+    #                        second wave needs the run to outlast the first, which a fast run may not)
     for refused in (hit["refused"], hit["node_refused"]):
         assert refused.get("source over its handshake budget", 0) > 100, refused
         assert refused.get("network over its handshake budget", 0) > 100, refused
