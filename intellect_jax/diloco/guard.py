@@ -18,8 +18,9 @@ Three lines of defence, all cheap next to the all-reduce:
   barrier. The coordinator re-checks the evidence and evicts a node found guilty in rounds
   whose average failed (see ``docs/security.md``).
 
-Norms are rounded to 6 significant digits before they are compared or stored, so nodes whose
-CPUs sum in a different order still agree.
+Norms are summed in a fixed order (numpy's pairwise sum, not BLAS's CPU-dependent dot) and
+rounded to 6 significant digits before they are compared or stored: they enter the state hash,
+so every node must reach the same bits.
 """
 
 from __future__ import annotations
