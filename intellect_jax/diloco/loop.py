@@ -89,6 +89,7 @@ class NodeLoop:
         self.own = OwnGuard(cfg.guard)  # this node's own pseudo-gradient norms
         self.state: DilocoState | None = None  # the outer state this node holds
         self._pending: dict[str, Any] | None = None  # metrics of the newest outer step, until recorded
+        self._opened: tuple[DilocoState, dict[str, Any], str] | None = None  # the last state hashed
         self.t_first: float | None = None  # when this node's first round began (rows carry elapsed_s)
 
     @property
@@ -190,7 +191,7 @@ class NodeLoop:
         the new outer params at once and round r trains here afterwards."""
         p, cfg = self.p, self.cfg
         assert self.state is not None
-        k, h = self.state.outer_step, state_hash(self.state)
+        k, h = self.state.outer_step, self._hash(self.state)[1]
         p.client.hold(k, h)
         report = None  # on the last all-reduce, for the coordinator (sent with the next barrier)
         ended: Round | None = None  # the round that ended at this window, its outer step not applied
@@ -246,7 +247,7 @@ class NodeLoop:
         s = o.state
         if gate is None:  # nothing trains: the trainer takes the outer params now
             p.inner.set_params(s.outer_params)
-        self.state, h = s, state_hash(s)
+        self.state, h = s, self._hash(s)[1]
         p.client.hold(s.outer_step, h)
         sync_s = p.clock.now() - t1
         if gate is not None:
@@ -314,8 +315,8 @@ class NodeLoop:
         """Outer step ``s.outer_step`` -> +1 with this node's pseudo-gradient: own check, barrier and
         all-reduce (retried over new epochs), check of the average, Nesterov step."""
         p, H = self.p, self.cfg.inner_steps
-        opening = hash_opening(s)  # the state hash, opened: the scale pieces are judged by (net.evidence)
-        k, h = s.outer_step, seal(opening["core"], opening["numel"], opening["scale"])
+        opening, h = self._hash(s)  # opened: the scale pieces are judged by (net.evidence)
+        k = s.outer_step
         scale = opening["scale"] if len(s.norms) < self.guard.min_history else None
         pg_norm, sits_out = self.own.check(pg, scale)
         if sits_out:  # a broken contribution stays home: zeros, and the others are told
@@ -335,6 +336,15 @@ class NodeLoop:
         report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None,
                   "evidence": {**suspect[2], "opening": opening if ref is not None else None} if suspect else None}
         return OuterResult(s, ep, stats, tries, report, pg_norm, avg_norm, sits_out, skip, None if skip else avg)
+
+    def _hash(self, s: DilocoState) -> tuple[dict[str, Any], str]:
+        """(opening, hash) of ``s`` (:func:`~.state.hash_opening`), computed once per state: a
+        window hashes the new state, and the next outer step needs it again (a pass over
+        every outer param and momentum value). States are never changed in place."""
+        if self._opened is None or self._opened[0] is not s:
+            o = hash_opening(s)
+            self._opened = (s, o, seal(o["core"], o["numel"], o["scale"]))
+        return self._opened[1], self._opened[2]
 
     def _confirm(self, k: int, h: str) -> None:
         """Barrier ``k`` completed with us in it: the run recorded ``h`` for outer step ``k``."""
