@@ -5,8 +5,9 @@ unsummed. The sender signs each of them: an ECDSA signature (64 raw bytes, ``r |
 :func:`statement` that binds the run, the outer step, the epoch, the call, sender and
 receiver, the piece's place and codec, and the SHA-256 of its bytes. The receiver looks at
 each piece (:func:`verdict`); a piece it finds bad becomes :func:`evidence` that travels with
-its next barrier report, and the coordinator, holding the sender's certificate, re-checks the
-signature and re-runs the same verdict on the same bytes (``coordinator.policing``): an
+its next barrier report with the certificate the sender presented on the ring link; the
+coordinator checks that the run's authority issued it to the accused, re-checks the signature
+and re-runs the same verdict on the same bytes (``coordinator.policing``): an
 accusation stands on what the accused itself signed, never on the accuser's word.
 
 The verdict needs a scale that neither side chooses: the RMS of the outer params themselves
