@@ -28,13 +28,15 @@ tensors: ``TRITON_INTERPRET=1``, which the tests set). :func:`quantize` needs ja
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import triton
 import triton.language as tl
 
 ROWS = 16  # blocks per program
-_MAGIC = 12582912.0  # 1.5 * 2**23
-_MAGIC_BITS = 0x4B400000  # its float32 bit pattern
+# constexpr globals: a compiled (not interpreted) kernel may read no other kind of global
+_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
+_MAGIC_BITS = tl.constexpr(0x4B400000)  # its float32 bit pattern
 
 
 def _quantize(x_ptr, n, scale_ptr, q_ptr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
@@ -60,6 +62,51 @@ def _quantize(x_ptr, n, scale_ptr, q_ptr, BLOCK: tl.constexpr, ROWS: tl.constexp
 quantize_kernel = triton.jit(_quantize)  # interpreted when TRITON_INTERPRET=1 is set before import
 
 
+def compile_for(capability: int = 90, block: int = 64, fp_fusion: bool = False) -> Any:
+    """The kernel compiled ahead of time by Triton's own compiler for an NVIDIA GPU of compute
+    capability ``capability`` (90: Hopper, which Triton targets as sm_90a): Triton's front end
+    and passes, PTX, then ptxas (shipped in Triton's wheel) to a cubin. No GPU is needed, and
+    it compiles the source whatever ``TRITON_INTERPRET`` says. ``fp_fusion``: as the kernel is
+    never run (True lets ptxas contract ``x * inv + c`` into an FMA, which breaks exactness). Returns Triton's compiled kernel:
+    ``.asm`` holds ``ptx`` and ``cubin``, ``.metadata`` its name, warps and shared memory."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    sig = {"x_ptr": "*fp32", "n": "i32", "scale_ptr": "*fp32", "q_ptr": "*i8", "BLOCK": "constexpr", "ROWS": "constexpr"}
+    src = ASTSource(fn=JITFunction(_quantize), signature=sig, constexprs={"BLOCK": block, "ROWS": ROWS})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"enable_fp_fusion": fp_fusion})
+
+
+def compiled_report(capability: int = 90, block: int = 64, fp_fusion: bool = False) -> dict[str, Any]:
+    """What :func:`compile_for` made, and the PTX facts the kernel's exactness rests on: IEEE
+    divisions (``div.rn.f32``) and no fused multiply-add (``fma``) anywhere."""
+    k = compile_for(capability, block, fp_fusion)
+    ptx = k.asm["ptx"]
+    target = next(line.split()[1] for line in ptx.splitlines() if line.startswith(".target"))
+    return {"target": target, "cubin_bytes": len(k.asm["cubin"]), "num_warps": k.metadata.num_warps,
+            "shared_bytes": k.metadata.shared, "ieee_divisions": ptx.count("div.rn.f32"),
+            "fused_multiply_adds": ptx.count("fma.")}
+
+
+def report_in_subprocess(capability: int, block: int = 64, fp_fusion: bool = False,
+                         timeout: float = 300) -> dict[str, Any]:
+    """:func:`compiled_report` in a fresh interpreter: Triton's CPU interpreter, once switched on
+    in a process (``TRITON_INTERPRET=1``, as the tests do), cannot compile there."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", __name__, str(capability), str(block), str(int(fp_fusion))], env=env, capture_output=True,
+                       text=True, timeout=timeout, check=False)
+    if p.returncode:
+        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"compiling the quantize kernel for compute capability {capability} failed: {last}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 @functools.lru_cache(maxsize=64)
 def _call(n: int, block: int):
     import jax
@@ -83,3 +130,11 @@ def quantize(x, block: int):
     if block & (block - 1) or block < 16:
         raise ValueError(f"the Triton kernel needs a power-of-two block size >= 16, got {block}")
     return _call(int(x.shape[0]), block)(x)
+
+
+if __name__ == "__main__":  # python -m intellect_jax.kernels.quant_triton [capability] [block]: one JSON line
+    import json
+    import sys
+
+    cc, blk, fusion = (int(a) for a in (sys.argv[1:4] + ["90", "64", "0"][len(sys.argv) - 1:]))
+    print(json.dumps(compiled_report(cc, blk, bool(fusion))))
