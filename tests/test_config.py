@@ -12,7 +12,7 @@ MODEL = {
     "ffn_size": 200, "head_dim": 32, "rope_theta": 1e5, "rope_scaling": {"factor": 4.0},
     "max_seq_len": 512, "tie_embeddings": True, "norm_eps": 1e-6, "init_std": 0.01,
     "param_dtype": "bfloat16", "compute_dtype": "float32", "remat": True, "scan_unroll": 2,
-    "attention_impl": "xla",
+    "attention_impl": "xla", "head_chunk_logits": 65536,
 }
 
 

@@ -59,7 +59,13 @@ class ModelConfig(BaseModel):
     # layers per iteration of the scan over the blocks: 1 compiles one layer and keeps one
     # layer's temporaries (large models); a tiny model on CPU runs ~8% faster fully unrolled
     scan_unroll: PositiveInt = 1
+    # "auto": cuDNN's fused (flash) attention on GPUs where it takes the shape, XLA's elsewhere;
+    # resolved once per node by `on_platform`, before anything is traced
     attention_impl: Literal["auto", "xla", "cudnn"] = "auto"
+    # logits per chunk of the fused output projection + loss (trainer.loss); None: resolved by
+    # `on_platform` (HEAD_CHUNK_LOGITS: small on CPU, where cache matters; large on GPUs, where a
+    # small chunk re-reads the whole [D, V] weight and its fp32 gradient per chunk)
+    head_chunk_logits: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -80,6 +86,33 @@ class ModelConfig(BaseModel):
     @property
     def dim_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
+
+    def cudnn_attention_fits(self) -> str | None:
+        """Why cuDNN's fused attention cannot take this model's attention (None: it can).
+        Its conditions for a causal bf16/fp16 attention without bias (as jax checks them): the
+        head dim a multiple of 8 and at most 128 (256 on Hopper; 128 is what every GPU takes)."""
+        if self.compute_dtype not in ("bfloat16", "float16"):
+            return f"compute_dtype {self.compute_dtype} (cuDNN's fused attention takes bfloat16 or float16)"
+        if self.dim_head % 8 or self.dim_head > 128:
+            return f"head_dim {self.dim_head} (cuDNN's fused attention takes multiples of 8 up to 128)"
+        return None
+
+    def on_platform(self, platform: str) -> ModelConfig:
+        """This config with its per-platform choices resolved for the devices' platform, once per
+        node before anything is traced: ``attention_impl`` "auto" is "cudnn" on a GPU ("gpu" or
+        "cuda") where :meth:`cudnn_attention_fits`, else "xla" (an explicit "cudnn" that cannot
+        run here is an error naming it); an unset ``head_chunk_logits`` takes the platform's
+        :data:`HEAD_CHUNK_LOGITS`."""
+        gpu = platform in ("gpu", "cuda")
+        impl = self.attention_impl
+        if impl == "cudnn":
+            why = "the devices are " + platform if not gpu else self.cudnn_attention_fits()
+            if why:
+                raise ConfigError(f"model.attention_impl = \"cudnn\" cannot run here: {why}")
+        elif impl == "auto":
+            impl = "cudnn" if gpu and self.cudnn_attention_fits() is None else "xla"
+        chunk = self.head_chunk_logits or HEAD_CHUNK_LOGITS["gpu" if gpu else "cpu"]
+        return self.model_copy(update={"attention_impl": impl, "head_chunk_logits": chunk})
 
     @classmethod
     def create(cls, **kw: Any) -> ModelConfig:
@@ -125,7 +158,8 @@ class ModelConfig(BaseModel):
 
     def fingerprint(self) -> str:
         """Hash of the architecture (not of dtypes/remat), to refuse mismatched DiLoCo peers."""
-        arch = self.model_dump(exclude={"param_dtype", "compute_dtype", "remat", "scan_unroll", "attention_impl"})
+        arch = self.model_dump(exclude={"param_dtype", "compute_dtype", "remat", "scan_unroll", "attention_impl",
+                                        "head_chunk_logits"})
         return hashlib.blake2b(json.dumps(arch, sort_keys=True).encode(), digest_size=8).hexdigest()
 
     # ---- Hugging Face ---------------------------------------------------------------------
@@ -193,6 +227,12 @@ class ModelConfig(BaseModel):
             "torch_dtype": "float32",
         }
 
+
+# logits per chunk of the fused head + loss. CPU: 2^20 (4 MiB of fp32), measured fastest there.
+# GPU: 2^28 (1 GiB of fp32 over the node): every chunk reads the [D, V] head weight twice and
+# reads and writes its fp32 gradient, so a chunk needs about 2,000 tokens before its matmuls,
+# not that traffic, set its time on an H100; with 2^20 the 1b step ran at 7% MFU there.
+HEAD_CHUNK_LOGITS = {"cpu": 1 << 20, "gpu": 1 << 28}
 
 _LLAMA3 = dict(vocab_size=128_256, rope_theta=500_000.0, norm_eps=1e-5)
 

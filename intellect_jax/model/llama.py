@@ -97,7 +97,7 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, sin, cos), ("batch", "seq", "heads", "head_dim"))
         k = constrain(apply_rope(k, sin, cos), ("batch", "seq", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-        impl = None if c.attention_impl == "auto" else c.attention_impl
+        impl = "xla" if c.attention_impl == "auto" else c.attention_impl  # a node resolves "auto" (on_platform)
         o_BxLxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
         return _mm(o_BxLxNxH, self.wo_NxHxD[...], (c.hidden_size,))
 

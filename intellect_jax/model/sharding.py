@@ -55,6 +55,11 @@ def make_mesh(fsdp: int = -1, tp: int = 1, devices: Sequence[Any] | None = None)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
 
 
+def platform(mesh: Mesh) -> str:
+    """The platform of a mesh's devices ("cpu", "gpu"; "cuda" for a compile-only GPU topology)."""
+    return mesh.devices.flat[0].platform
+
+
 def logical_to_spec(
     axes: LogicalAxes, shape: Sequence[int], mesh_shape: Mapping[str, int]
 ) -> PartitionSpec:

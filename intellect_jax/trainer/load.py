@@ -42,9 +42,9 @@ def load_run(path: str | Path, step: int | None = None) -> LoadedRun:
             raise CheckpointError(f"--step {step}: not in {ckdir} (have {ck.all_steps()})")
         meta = ck.restore_json("meta", step)
         cfg = TrainConfig.model_validate(meta["config"])
-        mcfg = cfg.model.build()
         tok = tok_from_state(ck.restore_json("tokenizer", step))
         mesh = S.make_mesh(fsdp=-1, tp=1)
+        mcfg = cfg.model.build().on_platform(S.platform(mesh))
         tx = make_tx(cfg.optim)
         graphdef, abstract, _ = T.state_shardings(mcfg, tx, mesh)
         step = ck.latest_step() if step is None else step

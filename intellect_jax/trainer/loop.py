@@ -77,9 +77,9 @@ class Trainer:
                  devices: Sequence[Any] | None = None):
         self.cfg, self.role = cfg, role
         solo = role is Role.SOLO
-        self.mcfg = cfg.model.build()
         self.lead = jax.process_index() == 0
         self.mesh = S.make_mesh(cfg.mesh.fsdp, cfg.mesh.tp, devices)
+        self.mcfg = cfg.model.build().on_platform(S.platform(self.mesh))  # the attention kernel
         self.tok = toklib.load_tokenizer(cfg.data)
         toklib.check_vocab(self.tok, self.mcfg.vocab_size)
 

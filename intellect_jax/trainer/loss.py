@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-CHUNK_ELEMS = 1 << 20  # logits per chunk (4 MiB fp32): measured best on CPU, bounded memory on GPU
+CHUNK_ELEMS = 1 << 20  # default logits per chunk (4 MiB fp32): the CPU's (model.config.HEAD_CHUNK_LOGITS)
 
 
 def chunk_len(B: int, L: int, V: int, elems: int = CHUNK_ELEMS) -> int:
@@ -30,17 +30,18 @@ def chunk_len(B: int, L: int, V: int, elems: int = CHUNK_ELEMS) -> int:
 
 def head_loss(
     x_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array, z_weight: float = 0.0,
-    chunk: int | None = None,
+    chunk: int | None = None, elems: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean cross-entropy of ``x @ w`` against ``targets`` + ``z_weight`` x mean(max logit ** 2),
     returned as (total, {"ce": ..., "z": ...}), without materializing the logits.
 
     The matmul runs in x's dtype with fp32 accumulation and fp32 softmax, like `Llama.__call__`.
     Differentiable in x and w, through the total and through the aux values; the max-logit
-    term's gradient goes to the first maximal logit (ties have measure zero).
+    term's gradient goes to the first maximal logit (ties have measure zero). ``chunk``: tokens
+    per chunk; else the most that keep a chunk's logits within ``elems`` (default CHUNK_ELEMS).
     """
     B, L, _ = x_BxLxD.shape
-    c = chunk or chunk_len(B, L, w_DxV.shape[1])
+    c = chunk or chunk_len(B, L, w_DxV.shape[1], elems or CHUNK_ELEMS)
     if L % c:
         raise ValueError(f"head_loss: chunk {c} does not divide the sequence length {L}")
     total, ce, z = _head(x_BxLxD, w_DxV, targets_BxL, float(z_weight), c)
@@ -76,10 +77,11 @@ def _logit_stats(x_BxCxD, wc_DxV, t_BxC):
     return lg, m, e, s, iota, is_t, tgt
 
 
-def row_nll(x_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array, chunk: int | None = None) -> jax.Array:
+def row_nll(x_BxLxD: jax.Array, w_DxV: jax.Array, targets_BxL: jax.Array, chunk: int | None = None,
+            elems: int | None = None) -> jax.Array:
     """Summed next-token cross-entropy of each row, [B] float32, without the [B, L, V] logits."""
     B, L, _ = x_BxLxD.shape
-    c = chunk or chunk_len(B, L, w_DxV.shape[1])
+    c = chunk or chunk_len(B, L, w_DxV.shape[1], elems or CHUNK_ELEMS)
     wc = w_DxV.astype(x_BxLxD.dtype)
 
     def body(acc_B, inp):

@@ -91,8 +91,9 @@ def make_train_step(
     accumulate gradients in fp32 (B must divide by it)."""
 
     def loss_fn(params: Params, tok_BxL1: jax.Array):
-        x_BxLxD, w_DxV = nnx.merge(graphdef, params).features(tok_BxL1[:, :-1])
-        return head_loss(x_BxLxD, w_DxV, tok_BxL1[:, 1:], z_weight)
+        model = nnx.merge(graphdef, params)
+        x_BxLxD, w_DxV = model.features(tok_BxL1[:, :-1])
+        return head_loss(x_BxLxD, w_DxV, tok_BxL1[:, 1:], z_weight, elems=model.cfg.head_chunk_logits)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -133,8 +134,9 @@ def make_eval_step(graphdef: nnx.GraphDef, micro_steps: int = 1) -> Callable[[Pa
     train step's chunked head (no [B, L, V] logits), over `micro_steps` micro-batches like it."""
 
     def rows(params: Params, tok_BxL1: jax.Array) -> jax.Array:
-        x_BxLxD, w_DxV = nnx.merge(graphdef, params).features(tok_BxL1[:, :-1])
-        return row_nll(x_BxLxD, w_DxV, tok_BxL1[:, 1:])
+        model = nnx.merge(graphdef, params)
+        x_BxLxD, w_DxV = model.features(tok_BxL1[:, :-1])
+        return row_nll(x_BxLxD, w_DxV, tok_BxL1[:, 1:], elems=model.cfg.head_chunk_logits)
 
     def eval_step(params: Params, tok_BxL1: jax.Array) -> jax.Array:
         if micro_steps == 1:
