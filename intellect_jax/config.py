@@ -46,6 +46,10 @@ class RunConfig(BaseModel):
     progress: bool = True
     peak_tflops: PositiveFloat | None = None  # per device, for MFU; None: known GPUs only
     compile_cache: str | None = "~/.cache/intellect_jax/xla"  # persistent XLA cache (restarts)
+    # share of each GPU's memory JAX's allocator may take (XLA_PYTHON_CLIENT_MEM_FRACTION, when
+    # that is not set already); JAX's own default is 0.75. `python -m intellect_jax.memory`
+    # checks the compiled steps against this share less a reserve.
+    gpu_mem_fraction: float = Field(default=0.90, gt=0.0, le=1.0)
 
 
 class _ModelSection(BaseModel):

@@ -7,8 +7,13 @@ import jax
 from intellect_jax.config import DistConfig, RunConfig
 
 
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
 def setup_runtime(run: RunConfig, dist: DistConfig) -> None:
-    """Process-wide JAX setup, before any computation: compilation cache, multi-host runtime."""
+    """Process-wide JAX setup, before any computation: GPU allocator share, compilation cache,
+    multi-host runtime."""
+    set_mem_fraction(run.gpu_mem_fraction)
     if run.compile_cache and not jax.config.jax_compilation_cache_dir:
         import os
 
@@ -26,3 +31,18 @@ def maybe_initialize(cfg: DistConfig) -> None:
         raise ValueError(f"dist.process_id ({cfg.process_id}) must be < dist.num_processes ({cfg.num_processes})")
     jax.distributed.initialize(cfg.coordinator_address, num_processes=cfg.num_processes,
                                process_id=cfg.process_id, heartbeat_timeout_seconds=cfg.heartbeat_timeout)
+
+
+def set_mem_fraction(fraction: float) -> float:
+    """The share of each GPU's memory JAX's allocator takes when the GPU backend starts (it reads
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` then, so this must come before the first computation). A
+    value already in the environment wins (the operator's); returns the share in effect."""
+    import os
+
+    os.environ.setdefault(MEM_FRACTION_ENV, f"{fraction:g}")
+    try:
+        return float(os.environ[MEM_FRACTION_ENV])
+    except ValueError:
+        from intellect_jax.model.config import ConfigError
+
+        raise ConfigError(f"{MEM_FRACTION_ENV}={os.environ[MEM_FRACTION_ENV]!r} is not a number") from None
