@@ -11,6 +11,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Errors caused by the user's input (config, data, paths, checkpoints): no traceback."""
     from pydantic import ValidationError
 
+    from intellect_jax.aot.targets import AotUnavailable
     from intellect_jax.data.errors import DataError
     from intellect_jax.coordinator.journal import JournalError
     from intellect_jax.coordinator.protocol import CoordinatorUnavailable, RegistrationRefused
@@ -23,7 +24,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     return (ConfigError, DataError, HFFormatError, CheckpointError, RunDirError, ValidationError,
             RegistrationRefused, CoordinatorUnavailable, JournalError, AuthError, NetError, DilocoError,
-            FileNotFoundError, FileExistsError, PermissionError)
+            FileNotFoundError, FileExistsError, PermissionError, AotUnavailable)
 
 
 def run_main(main: Callable[[], Any]) -> int:

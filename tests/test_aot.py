@@ -1,0 +1,169 @@
+"""Compiling for GPUs without one: target specs, HLO reading, the attention choice, the Triton
+kernel for sm_90a, and (where the ``[aot]`` extra is installed: CI's own venv for it) the debug
+model's train step compiled for an H100 with cuDNN's fused attention.
+
+The real-GPU counterpart is ``benchmarks/gpu_check.py``; docs/results.md compares the two."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from intellect_jax.aot import hlo, targets
+from intellect_jax.model.config import HEAD_CHUNK_LOGITS, ConfigError, ModelConfig
+
+
+def _has(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+AOT = _has("jax_plugins.xla_cuda12") and _has("nvidia.cudnn")
+needs_aot = pytest.mark.skipif(not AOT, reason="the [aot] extra is not installed (CI runs these in its own venv)")
+DEBUG_BF16 = ["--config", "configs/debug.toml", "--model.compute_dtype", "bfloat16"]
+
+
+# ---- everywhere ----------------------------------------------------------------------------
+def test_every_target_renders_a_config_with_its_own_figures():
+    for name, s in targets.TARGETS.items():
+        text = targets.target_config(s, (12, 9, 0), (9, 28, 0))
+        assert f"core_count: {s.cores}\n" in text and f"device_memory_size: {s.memory_bytes}\n" in text, name
+        major, minor = s.compute_capability
+        assert f"cuda_compute_capability {{ major: {major} minor: {minor} }}" in text
+        assert "dnn_version_info { major: 9 minor: 28 patch: 0 }" in text and f'"{s.name}"' in text
+    h100 = targets.spec("h100")
+    assert (h100.cores, h100.memory_bytes, h100.compute_capability) == (132, 85017493504, (9, 0))
+    with pytest.raises(ConfigError, match="--target v100: unknown GPU"):
+        targets.spec("v100")
+
+
+def test_attention_resolves_per_platform():
+    m = ModelConfig.preset("debug", compute_dtype="bfloat16")
+    assert m.on_platform("gpu").attention_impl == "cudnn" and m.on_platform("cuda").attention_impl == "cudnn"
+    assert m.on_platform("cpu").attention_impl == "xla"
+    fp32 = ModelConfig.preset("debug", compute_dtype="float32")  # float32 compute: cuDNN's fused attention takes no fp32
+    assert fp32.on_platform("gpu").attention_impl == "xla" and "compute_dtype float32" in fp32.cudnn_attention_fits()
+    wide = ModelConfig.preset("debug", compute_dtype="bfloat16", head_dim=192)
+    assert wide.on_platform("gpu").attention_impl == "xla" and "head_dim 192" in wide.cudnn_attention_fits()
+    assert ModelConfig.preset("debug", compute_dtype="bfloat16", attention_impl="xla").on_platform("gpu").attention_impl == "xla"
+    with pytest.raises(ConfigError, match="attention_impl = \"cudnn\" cannot run here: the devices are cpu"):
+        ModelConfig.preset("debug", attention_impl="cudnn", compute_dtype="bfloat16").on_platform("cpu")
+    with pytest.raises(ConfigError, match="cannot run here: compute_dtype float32"):
+        ModelConfig.preset("debug", attention_impl="cudnn", compute_dtype="float32").on_platform("gpu")
+    # the head's chunk: the platform's unless set; neither choice changes the architecture
+    assert m.on_platform("gpu").head_chunk_logits == HEAD_CHUNK_LOGITS["gpu"] > HEAD_CHUNK_LOGITS["cpu"]
+    assert m.on_platform("cpu").head_chunk_logits == HEAD_CHUNK_LOGITS["cpu"]
+    assert ModelConfig.preset("debug", head_chunk_logits=4096).on_platform("gpu").head_chunk_logits == 4096
+    assert m.on_platform("gpu").fingerprint() == m.on_platform("cpu").fingerprint() == m.fingerprint()
+
+
+def test_the_allocator_share_is_set_unless_the_operator_set_it(monkeypatch):
+    from intellect_jax.trainer.distributed import MEM_FRACTION_ENV, set_mem_fraction
+
+    monkeypatch.delenv(MEM_FRACTION_ENV, raising=False)
+    assert set_mem_fraction(0.9) == 0.9 and __import__("os").environ[MEM_FRACTION_ENV] == "0.9"
+    monkeypatch.setenv(MEM_FRACTION_ENV, ".8")
+    assert set_mem_fraction(0.9) == 0.8  # the operator's value wins
+    monkeypatch.setenv(MEM_FRACTION_ENV, "most")
+    with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='most' is not a number"):
+        set_mem_fraction(0.9)
+
+
+SCHEDULED = """\
+HloModule jit_step, is_scheduled=true
+
+%wrapped_rs (p: f32[64]) -> f32[8] {
+  %p = f32[64]{0} parameter(0)
+  ROOT %rs = f32[8]{0} reduce-scatter(%p), dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (a: f32[8], b: f32[64]) -> f32[64] {
+  %a = f32[8]{0} parameter(0)
+  %b = f32[64]{0} parameter(1)
+  %all-gather-start = (f32[8]{0}, f32[64]{0}) all-gather-start(%a), dimensions={0}
+  %fusion.1 = f32[64]{0} fusion(%b), kind=kLoop, calls=%fused_computation
+  %all-gather-done = f32[64]{0} all-gather-done(%all-gather-start)
+  %all-reduce-start = f32[64]{0} all-reduce-start(%fusion.1), to_apply=%add
+  %bitcast.2 = f32[64]{0} bitcast(%b)
+  %all-reduce-done = f32[64]{0} all-reduce-done(%all-reduce-start)
+  %async-start = ((f32[64]{0}), f32[8]{0}) async-start(%all-reduce-done), calls=%wrapped_rs
+  %cudnn = (f32[64]{0}, u8[0]{0}) custom-call(%b), custom_call_target="__cudnn$fmhaSoftmax"
+  %async-done = f32[8]{0} async-done(%async-start)
+  %ar = f32[8]{0} all-reduce(%async-done), to_apply=%add
+  ROOT %out = f32[64]{0} add(%all-gather-done, %bitcast.2)
+}
+"""
+
+
+def test_hlo_collectives_and_their_overlap():
+    c = hlo.collectives(SCHEDULED).summary()
+    # the all-gather spans a fusion: overlapped; the all-reduce spans only a bitcast: not; the
+    # wrapped reduce-scatter spans a custom call: overlapped; the plain all-reduce is synchronous
+    assert c["all-gather"] == {"count": 1, "async": 1, "overlapped": 1}
+    assert c["all-reduce"] == {"count": 2, "async": 1, "overlapped": 0}
+    assert c["reduce-scatter"] == {"count": 1, "async": 1, "overlapped": 1}
+    assert "all-to-all" not in c
+    assert hlo.attention(SCHEDULED) == "cudnn" and hlo.cudnn_calls(SCHEDULED) == {"forward": 1, "backward": 0}
+    assert hlo.attention(SCHEDULED.replace("__cudnn$fmhaSoftmax", "__cublas$gemm")) == "xla"
+
+
+@pytest.mark.skipif(not _has("triton"), reason="triton is not installed")
+def test_the_quantize_kernel_compiles_for_hopper_without_fused_multiply_adds():
+    """Triton's compiler (not its interpreter) takes the kernel to PTX and ptxas to a cubin for
+    sm_90a; the PTX holds the IEEE divisions the kernel's exactness needs and no FMA. With fp
+    fusion allowed the same count finds FMAs: the check can fail."""
+    from intellect_jax.kernels.quant_triton import report_in_subprocess
+
+    k = report_in_subprocess(90, 64)
+    assert k["target"] == "sm_90a" and k["cubin_bytes"] > 1000
+    assert k["ieee_divisions"] > 0 and k["fused_multiply_adds"] == 0
+    assert report_in_subprocess(90, 64, fp_fusion=True)["fused_multiply_adds"] > 0
+    assert report_in_subprocess(80, 256)["target"] == "sm_80"
+
+
+@pytest.mark.skipif(AOT, reason="the [aot] extra is installed here")
+def test_without_the_extra_a_gpu_target_is_one_line_and_exit_2():
+    p = subprocess.run([sys.executable, "-m", "intellect_jax.memory", *DEBUG_BF16, "--target", "h100", "--devices", "1"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "error: compiling for a GPU needs the [aot] extra: pip install 'intellect-jax[aot]' "
+        "(jax-cuda12-plugin is missing)"]
+
+
+# ---- with the [aot] extra ------------------------------------------------------------------
+@needs_aot
+def test_debug_train_step_compiled_for_one_h100_calls_cudnn_attention():
+    from intellect_jax.memory import main
+
+    r = main([*DEBUG_BF16, "--target", "h100", "--devices", "1"])
+    assert r["platform"] == "gpu" and r["device_kind"] == "NVIDIA H100 80GB HBM3"
+    assert r["attention_impl"] == "cudnn"
+    tr, ev = r["train"], r["eval"]
+    assert tr["attention"] == "cudnn" and tr["cudnn_calls"]["forward"] >= 1 and tr["cudnn_calls"]["backward"] >= 1
+    assert ev["attention"] == "cudnn" and ev["cudnn_calls"] == {"forward": ev["cudnn_calls"]["forward"], "backward": 0}
+    assert tr["peak_bytes"] > tr["temporaries_bytes"] > 0 and tr["aliased_bytes"] > 0
+    assert tr["collectives"] == {}  # one device
+    assert r["margin_bytes"] > 0 and r["usable_bytes"] < targets.spec("h100").memory_bytes
+    if _has("triton"):
+        assert r["kernel"]["target"] == "sm_90a" and r["kernel"]["fused_multiply_adds"] == 0
+
+
+@needs_aot
+def test_eight_h100s_beside_fake_cpu_devices_in_one_run():
+    """One command, both targets: the GPU's step has asynchronous collectives the scheduler
+    overlaps with compute and cuDNN attention; XLA's attention (forced) holds no cuDNN call."""
+    from intellect_jax.memory import main
+
+    both = main([*DEBUG_BF16, "--target", "h100,cpu", "--devices", "8"])["targets"]
+    gpu, cpu = both
+    assert (gpu["target"], cpu["target"], gpu["devices"], cpu["devices"]) == ("h100", "cpu", 8, 8)
+    coll = gpu["train"]["collectives"]
+    assert coll["all-gather"]["async"] >= 1 and coll["reduce-scatter"]["count"] >= 1
+    assert sum(v["overlapped"] for v in coll.values()) >= 1
+    assert cpu["train"]["attention"] == "xla" and gpu["train"]["attention"] == "cudnn"
+    xla = main([*DEBUG_BF16, "--target", "h100", "--devices", "1", "--model.attention_impl", "xla"])
+    assert xla["train"]["cudnn_calls"] == {"forward": 0, "backward": 0} and xla["train"]["attention"] == "xla"
