@@ -37,6 +37,25 @@ def test_eval_prints_one_json_line(run_dir, tmp_path, capsys):
     assert early["step"] == 2 and early["loss"] != out["loss"]
 
 
+def test_a_run_trained_with_cudnn_attention_loads_on_a_cpu(run_dir, tmp_path):
+    """The attention kernel is the loading machine's choice: a checkpoint whose config forced
+    cuDNN (a GPU run) still loads here for eval and export."""
+    import shutil
+
+    from intellect_jax.trainer.load import load_run
+
+    copy = tmp_path / "gpu_run"
+    shutil.copytree(run_dir, copy)
+    patched = 0
+    for f in (copy / "ckpt").rglob("*"):
+        if f.is_file() and b'"attention_impl": null' in (raw := f.read_bytes()):
+            f.write_bytes(raw.replace(b'"attention_impl": null', b'"attention_impl": "cudnn"'))
+            patched += 1
+    assert patched  # the stored config was found and now forces cuDNN
+    run = load_run(copy)
+    assert run.cfg.model.attention_impl == "cudnn" and run.model_cfg.attention_impl == "xla"
+
+
 def _tree_bytes(root):
     return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, model_validator
@@ -97,20 +98,23 @@ class ModelConfig(BaseModel):
             return f"head_dim {self.dim_head} (cuDNN's fused attention takes multiples of 8 up to 128)"
         return None
 
-    def on_platform(self, platform: str) -> ModelConfig:
-        """This config with its per-platform choices resolved for the devices' platform, once per
-        node before anything is traced: ``attention_impl`` "auto" is "cudnn" on a GPU ("gpu" or
-        "cuda") where :meth:`cudnn_attention_fits`, else "xla" (an explicit "cudnn" that cannot
-        run here is an error naming it); an unset ``head_chunk_logits`` takes the platform's
-        :data:`HEAD_CHUNK_LOGITS`."""
+    def on_platform(self, platform: str, capability: str | None = None) -> ModelConfig:
+        """This config with its per-platform choices resolved for the devices, once per node
+        before anything is traced. ``platform``: "cpu", "gpu" or "cuda" (a compile-only GPU);
+        ``capability``: an NVIDIA GPU's compute capability ("9.0"; None elsewhere, ROCm too).
+        ``attention_impl`` "auto" is "cudnn" on an NVIDIA GPU of compute capability 8.0 or more
+        (cuDNN's flash attention needs Ampere) where :meth:`cudnn_attention_fits`, else "xla";
+        an explicit "cudnn" that cannot run here is an error naming why. An unset
+        ``head_chunk_logits`` takes the platform's :data:`HEAD_CHUNK_LOGITS`."""
         gpu = platform in ("gpu", "cuda")
+        why = (f"the devices are {platform}" if not gpu else
+               f"compute capability {capability or 'unknown'} (cuDNN's fused attention needs an NVIDIA GPU of 8.0 "
+               "or more)" if _capability(capability) < (8, 0) else self.cudnn_attention_fits())
         impl = self.attention_impl
-        if impl == "cudnn":
-            why = "the devices are " + platform if not gpu else self.cudnn_attention_fits()
-            if why:
-                raise ConfigError(f"model.attention_impl = \"cudnn\" cannot run here: {why}")
-        elif impl == "auto":
-            impl = "cudnn" if gpu and self.cudnn_attention_fits() is None else "xla"
+        if impl == "cudnn" and why:
+            raise ConfigError(f"model.attention_impl = \"cudnn\" cannot run here: {why}")
+        if impl == "auto":
+            impl = "xla" if why else "cudnn"
         chunk = self.head_chunk_logits or HEAD_CHUNK_LOGITS["gpu" if gpu else "cpu"]
         return self.model_copy(update={"attention_impl": impl, "head_chunk_logits": chunk})
 
@@ -226,6 +230,12 @@ class ModelConfig(BaseModel):
             "eos_token_id": eos_id,
             "torch_dtype": "float32",
         }
+
+
+def _capability(cc: str | None) -> tuple[int, int]:
+    """"9.0" -> (9, 0); anything else (None, a ROCm "gfx90a") -> (0, 0)."""
+    m = re.fullmatch(r"(\d+)\.(\d+)", cc or "")
+    return (int(m[1]), int(m[2])) if m else (0, 0)
 
 
 # logits per chunk of the fused head + loss. CPU: 2^20 (4 MiB of fp32), measured fastest there.

@@ -55,9 +55,12 @@ def make_mesh(fsdp: int = -1, tp: int = 1, devices: Sequence[Any] | None = None)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 2)
 
 
-def platform(mesh: Mesh) -> str:
-    """The platform of a mesh's devices ("cpu", "gpu"; "cuda" for a compile-only GPU topology)."""
-    return mesh.devices.flat[0].platform
+def platform(mesh: Mesh) -> tuple[str, str | None]:
+    """(platform, compute capability) of a mesh's devices: ("cpu", None), ("gpu", "9.0") for an
+    H100, real or compile-only; the capability is None where the device has none (ROCm's)."""
+    d = mesh.devices.flat[0]
+    cc = getattr(d, "compute_capability", None) if d.platform in ("gpu", "cuda") else None
+    return d.platform, cc if isinstance(cc, str) else None
 
 
 def logical_to_spec(

@@ -44,7 +44,8 @@ def load_run(path: str | Path, step: int | None = None) -> LoadedRun:
         cfg = TrainConfig.model_validate(meta["config"])
         tok = tok_from_state(ck.restore_json("tokenizer", step))
         mesh = S.make_mesh(fsdp=-1, tp=1)
-        mcfg = cfg.model.build().on_platform(S.platform(mesh))
+        mcfg = cfg.model.build()  # the machine that loads it picks its own attention kernel
+        mcfg = mcfg.model_copy(update={"attention_impl": "auto"}).on_platform(*S.platform(mesh))
         tx = make_tx(cfg.optim)
         graphdef, abstract, _ = T.state_shardings(mcfg, tx, mesh)
         step = ck.latest_step() if step is None else step

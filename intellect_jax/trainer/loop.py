@@ -79,7 +79,7 @@ class Trainer:
         solo = role is Role.SOLO
         self.lead = jax.process_index() == 0
         self.mesh = S.make_mesh(cfg.mesh.fsdp, cfg.mesh.tp, devices)
-        self.mcfg = cfg.model.build().on_platform(S.platform(self.mesh))  # the attention kernel
+        self.mcfg = cfg.model.build().on_platform(*S.platform(self.mesh))  # the attention kernel
         self.tok = toklib.load_tokenizer(cfg.data)
         toklib.check_vocab(self.tok, self.mcfg.vocab_size)
 
