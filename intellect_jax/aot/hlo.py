@@ -3,7 +3,8 @@ calls, its collectives, and whether the scheduler overlaps each asynchronous one
 
 The text is XLA's after every pass (``compiled.as_text()``); a scheduled module lists each
 computation's instructions in their run order, so an asynchronous collective overlaps compute
-when a fusion, a matrix product or a custom call sits between its ``-start`` and its ``-done``.
+when a fusion, a matrix product or a custom call (or a loop, call or conditional holding one)
+sits between its ``-start`` and its ``-done``. A start marked ``"is_sync":true`` is synchronous.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ _COMPUTE = ("fusion", "custom-call", "dot", "convolution")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<rest>.*)$")
 _OPCODE = re.compile(r"(?:^|[\s}\]])(?P<op>[a-z][a-z0-9\-]*)\(")
 _CALLS = re.compile(r"calls=%(?P<callee>[\w.\-]+)")
+# every computation an instruction runs: a while's body, a call's, a conditional's branches
+_CALLED = re.compile(r"(?:body|condition|to_apply|calls|true_computation|false_computation)=%(?P<c>[\w.\-]+)"
+                     r"|branch_computations=\{(?P<b>[^}]*)\}")
 
 
 @dataclass
@@ -80,8 +84,26 @@ def _kind(op: str, line: str, comps: dict[str, list]) -> str | None:
     return None
 
 
+def _computes(op: str, line: str, comps: dict[str, list], seen: dict[str, bool]) -> bool:
+    """Whether an instruction is compute: a fusion, matmul or custom call, or a while, call or
+    conditional whose computations hold one (a scanned layer loop between a start and its done)."""
+    if op in _COMPUTE:
+        return True
+    if op not in ("while", "call", "conditional"):
+        return False
+    for m in _CALLED.finditer(line):
+        for name in [m["c"]] if m["c"] else [b.strip().lstrip("%") for b in m["b"].split(",")]:
+            if name not in seen:
+                seen[name] = False  # a cycle cannot make itself compute
+                seen[name] = any(_computes(o, ln, comps, seen) for _, o, ln in comps.get(name, []))
+            if seen[name]:
+                return True
+    return False
+
+
 def collectives(text: str) -> Collectives:
     comps = _computations(text)
+    seen: dict[str, bool] = {}
     wrapped = {m["callee"] for instrs in comps.values() for _, op, line in instrs
                if op == "async-start" and (m := _CALLS.search(line))}  # their collective is the start's
     out = Collectives()
@@ -99,10 +121,11 @@ def collectives(text: str) -> Collectives:
             kind = _kind(op, line, comps)
             if kind:
                 out.count[kind] += 1
-                if op.endswith("-start"):
+                # XLA:GPU keeps start/done for a collective it made synchronous ("is_sync":true)
+                if op.endswith("-start") and '"is_sync":true' not in line:
                     opened[name] = (kind, 0)
                     out.asynchronous[kind] += 1
-            elif op in _COMPUTE:
+            elif _computes(op, line, comps, seen):
                 opened = {k: (kd, n + 1) for k, (kd, n) in opened.items()}
     return out
 
