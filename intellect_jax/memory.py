@@ -8,8 +8,8 @@ need not have (``h100``, ``h200``, ``a100``: XLA:GPU through JAX's compile-only 
 ``[aot]`` extra). Prints per device XLA's memory analysis of each program (arguments, outputs,
 what the donated state lets it reuse, temporaries, peak), what a DiLoCo node keeps on its
 devices beside the train step, the margin under the memory JAX lets the program use on the
-GPU (``run.gpu_mem_fraction`` of it, less ``--reserve-gb`` for the CUDA context, cuBLAS/cuDNN
-workspaces and NCCL buffers), the attention kernel, the collectives and whether the scheduler
+GPU (``run.gpu_mem_fraction`` of it, less ``--reserve-gb`` for what a compile without the GPU
+misses: its autotuning's choices; the CUDA context and NCCL live outside that share), the attention kernel, the collectives and whether the scheduler
 overlaps them with compute, and the FLOPs per step with the step time 40% MFU would give;
 then one JSON line. Data, tokenizer and checkpoints are never touched.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from typing import Any
@@ -37,7 +38,7 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--devices", type=int, default=None,
                     help="devices of one node (default: 8 for a GPU target; on CPU, all visible, or that many fake)")
     ap.add_argument("--reserve-gb", type=float, default=2.0,
-                    help="GiB of the allocator's share kept for what XLA's analysis does not count (default 2)")
+                    help="GiB of the allocator's share kept for what a compile-only analysis misses (default 2)")
     args, rest = ap.parse_known_args(argv)
     if args.devices is not None and not 1 <= args.devices <= 1024:
         ap.error(f"--devices {args.devices}: one node has 1 to 1024 devices")
@@ -147,7 +148,7 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
             raise ConfigError(f"--devices {n}: only {len(devices)} cpu devices here")
     ref = targets.spec(target if gpu else "h100")  # the GPU the margin and step time are for
     mesh = S.make_mesh(cfg.mesh.fsdp, cfg.mesh.tp, devices[:n])
-    mcfg = cfg.model.build().on_platform(S.platform(mesh))
+    mcfg = cfg.model.build().on_platform(*S.platform(mesh))
     B, L = cfg.data.batch_size, cfg.data.seq_len
     micro = cfg.run.micro_batch_size or B
     if B % micro:
@@ -161,7 +162,7 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
         T.make_eval_step(graphdef, B // micro), shardings, batch_sh)
     batch = jax.ShapeDtypeStruct((B, L + 1), np.int32, sharding=batch_sh)
     report = S.memory_report(lambda: Llama(mcfg, rngs=nnx.Rngs(0)), dict(mesh.shape))
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", cfg.run.gpu_mem_fraction))
+    fraction = _fraction(cfg.run.gpu_mem_fraction)
     usable = int(fraction * ref.memory_bytes - args.reserve_gb * GiB)
     step_flops = mcfg.flops_per_token(L) * B * L / n  # analytic: XLA:GPU gives no cost analysis
     peak = ref.peak_bf16_tflops * 1e12
@@ -174,8 +175,14 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
     out["train"] = _program(train, (abstract, batch), step_flops, peak)
     out["eval"] = _program(evaluate, (abstract.params, batch), step_flops / 3, peak)  # forward only
     out["diloco"] = _diloco(abstract, n, device_pg)
-    out["node_peak_bytes"] = out["train"]["peak_bytes"] + out["diloco"]["resident_bytes"]
-    out["margin_bytes"] = usable - max(out["node_peak_bytes"], out["eval"]["peak_bytes"])
+    held = out["diloco"]["resident_bytes"]
+    out["node_peak_bytes"] = out["train"]["peak_bytes"] + held
+    # evaluation runs at a window, beside the train state and what DiLoCo holds; a DiLoCo node
+    # evaluates its outer params, placed on the devices as one more copy (the eval's arguments)
+    ev = out["eval"]
+    out["eval_node_peak_bytes"] = (out["train"]["arguments_bytes"] + held + ev["arguments_bytes"]
+                                   + ev["outputs_bytes"] + ev["temporaries_bytes"])
+    out["margin_bytes"] = usable - max(out["node_peak_bytes"], out["eval_node_peak_bytes"])
     if gpu:
         out["kernel"] = _kernel(ref.compute_capability, cfg.diloco.block_size)
     return out
@@ -210,6 +217,7 @@ def _table(reports: list[dict]) -> None:
             ("train peak", lambda o: g(o["train"]["peak_bytes"])),
             ("eval peak", lambda o: g(o["eval"]["peak_bytes"])),
             ("node peak (+ DiLoCo held)", lambda o: g(o["node_peak_bytes"])),
+            ("node peak evaluating", lambda o: g(o["eval_node_peak_bytes"])),
             ("margin under usable", lambda o: f"{g(o['margin_bytes'])} of {g(o['usable_bytes'])}"),
             ("attention", lambda o: f"{o['train']['attention']} (eval {o['eval']['attention']})"),
             ("train collectives", lambda o: coll(o["train"]) or "none")]
@@ -217,6 +225,21 @@ def _table(reports: list[dict]) -> None:
     print(f"  {'':{width}} | " + " | ".join(r["target"] for r in reports))
     for name, f in rows:
         print(f"  {name:{width}} | " + " | ".join(f(r) for r in reports))
+
+
+def _fraction(default: float) -> float:
+    """The allocator share a node runs with: the environment's, as the trainer leaves it."""
+    from intellect_jax.model.config import ConfigError
+    from intellect_jax.trainer.distributed import MEM_FRACTION_ENV
+
+    raw = os.environ.get(MEM_FRACTION_ENV)
+    try:
+        f = default if raw is None else float(raw)
+    except ValueError:
+        raise ConfigError(f"{MEM_FRACTION_ENV}={raw!r} is not a number") from None
+    if not 0 < f <= 1:
+        raise ConfigError(f"{MEM_FRACTION_ENV}={raw!r}: a share between 0 and 1")
+    return f
 
 
 def _kernel(cc: tuple[int, int], block: int) -> dict[str, Any]:
@@ -228,8 +251,8 @@ def _kernel(cc: tuple[int, int], block: int) -> dict[str, Any]:
         return {"error": "triton is not installed (the [aot] extra brings it)"}
     try:
         return quant_triton.report_in_subprocess(cc[0] * 10 + cc[1], block)
-    except (RuntimeError, OSError, ValueError) as e:
-        return {"error": str(e)}
+    except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as e:
+        return {"error": str(e) or type(e).__name__}
 
 
 def _print(out: dict) -> None:
@@ -249,7 +272,8 @@ def _print(out: dict) -> None:
               f"{r['flops_per_device'] / 1e12:.1f} TFLOP per device, {r['step_s_at_40pct_mfu']:.2f} s at 40% MFU")
     d = out["diloco"]
     print("  DiLoCo held beside the train step: " + ", ".join(f"{k} {g(v):.2f}" for k, v in d["held_bytes"].items())
-          + f" GiB; node peak {g(out['node_peak_bytes']):.2f} GiB")
+          + f" GiB; node peak {g(out['node_peak_bytes']):.2f} GiB training, "
+          f"{g(out['eval_node_peak_bytes']):.2f} GiB evaluating")
     if "kernel" in out:
         k = out["kernel"]
         print("  int8 quantize kernel: " + (k["error"] if "error" in k else

@@ -20,6 +20,12 @@ def test_reports_the_compiled_steps_of_the_config():
     assert tr["aliased_bytes"] > 0.9 * r["analytic_params_and_opt_bytes"]  # the donated state is reused
     assert ev["arguments_bytes"] < 0.5 * tr["arguments_bytes"]  # eval takes the params only
     assert tr["peak_bytes"] > tr["temporaries_bytes"] > 0
+    # what a DiLoCo node holds beside the step, and the two phases the margin is taken over
+    d = r["diloco"]
+    assert d["held_bytes"]["pseudo_gradient"] == r["params"] * 4 // 8 and d["merge"]["peak_bytes"] > 0
+    assert r["node_peak_bytes"] == tr["peak_bytes"] + d["resident_bytes"]
+    assert r["eval_node_peak_bytes"] > tr["arguments_bytes"] + d["resident_bytes"] + ev["temporaries_bytes"]
+    assert r["margin_bytes"] == r["usable_bytes"] - max(r["node_peak_bytes"], r["eval_node_peak_bytes"])
 
 
 def test_smaller_micro_batches_need_fewer_temporaries():

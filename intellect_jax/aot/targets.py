@@ -89,6 +89,9 @@ def _versions() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     if not any(found(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
         raise AotUnavailable("compiling for a GPU needs the [aot] extra: pip install 'intellect-jax[aot]' "
                              "(jax-cuda12-plugin is missing)")
+    if not found("nvidia.cuda_nvcc"):
+        raise AotUnavailable("compiling for a GPU needs ptxas: pip install 'intellect-jax[aot]' "
+                             "(nvidia-cuda-nvcc-cu12 is missing)")
     from jax._src.lib import cuda_versions
     if cuda_versions is None:
         raise AotUnavailable("jax-cuda12-plugin is installed but its CUDA version helpers did not load")
@@ -138,6 +141,10 @@ def devices(target: str, n: int) -> list[Any]:
     from jax.experimental import topologies
 
     hosts, per_host = (n // 8, 8) if n > 8 else (1, n)
-    topo = topologies.get_topology_desc(platform="cuda", topology=f"1x{hosts}x{per_host}",
-                                        target_config=target_config(s, runtime, dnn))
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", topology=f"1x{hosts}x{per_host}",
+                                            target_config=target_config(s, runtime, dnn))
+    except Exception as e:  # noqa: BLE001 - XLA's errors are runtime errors of many kinds
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise AotUnavailable(f"XLA refused the {target} topology 1x{hosts}x{per_host}: {first}") from None
     return list(topo.devices)[:n]

@@ -104,7 +104,10 @@ def report_in_subprocess(capability: int, block: int = 64, fp_fusion: bool = Fal
     if p.returncode:
         last = (p.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"compiling the quantize kernel for compute capability {capability} failed: {last}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    lines = p.stdout.strip().splitlines()
+    if not lines:
+        raise RuntimeError(f"compiling the quantize kernel for compute capability {capability} printed nothing")
+    return json.loads(lines[-1])
 
 
 @functools.lru_cache(maxsize=64)
