@@ -91,7 +91,7 @@ def main() -> None:
             "run": {"name": "gpu-check", "out_dir": tmp, "steps": a.steps, "log_every": 1, "eval_every": 0,
                     "progress": False, "peak_tflops": a.peak_tflops if devs[0].platform == "gpu" else None},
             "model": {"preset": a.preset, "compute_dtype": "bfloat16", "attention_impl": a.attention,
-                      "remat": a.remat, **({"num_layers": a.layers} if a.layers else {}),
+                      **({"remat": True} if a.remat else {}), **({"num_layers": a.layers} if a.layers else {}),
                       **({"head_chunk_logits": a.head_chunk} if a.head_chunk else {})},
             "data": {"seq_len": a.seq, "batch_size": a.batch_per_device * len(devs), "cache_dir": f"{tmp}/cache"},
             "optim": {"lr": 3e-4, "warmup_steps": max(1, a.steps // 10), "decay_steps": max(1, a.steps // 5)},
