@@ -48,6 +48,15 @@ class NodeView:
     registered: bool = False  # its current process has registered with the coordinator
     lines: list[str] = field(default_factory=list)
 
+    def why(self) -> str:
+        """The last error line its processes printed ("error: ..." or a traceback's last line),
+        at most 200 characters: why a node that exited badly did."""
+        for line in reversed(self.lines[-200:]):
+            text = line.split("] ", 1)[-1] if line.startswith("[") else line
+            if text.startswith("error: ") or re.match(r"^[A-Za-z_.]+(Error|Exception|Refused|Unavailable): ", text):
+                return text[:200]
+        return ""
+
 
 def _event(spec: str, flag: str) -> tuple[str, int]:
     m = re.fullmatch(r"([\w.-]+)@(\d+)", spec)
@@ -232,7 +241,7 @@ class Launcher:
                 for v in self.nodes.values():
                     if v.proc is not None and v.status == "running" and v.proc.poll() is not None:
                         v.status = "done" if v.proc.returncode == 0 else f"exit {v.proc.returncode}"
-                        self.say("launch", f"{v.name} {v.status}")
+                        self.say("launch", f"{v.name} {v.status}" + (f" ({why})" if (why := v.why()) else ""))
                 if not self.running():
                     break
                 if self.args.table_every and time.monotonic() > t_table:

@@ -121,3 +121,15 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     donor, t0, t1 = m.group(1), float(m.group(2)), float(m.group(3))
     _, inner = run_rows(tmp_path, donor)
     assert [r["step"] for r in inner if t0 <= r["time"] <= t1 + 2.0], (t0, t1)
+
+
+def test_a_node_that_exits_badly_says_why():
+    """The launcher's table and the chaos summary carry the last error line of a node that
+    exited non-zero (a chaos failure in CI once showed only "exit 2")."""
+    from intellect_jax.launch import NodeView
+
+    v = NodeView("node2", lines=["[node2] outer step 3: epoch 1", "[node2] error: coordinator 127.0.0.1:9 unreachable",
+                                 "[node2] bye"])
+    assert v.why() == "error: coordinator 127.0.0.1:9 unreachable"
+    assert NodeView("n", lines=["[n] Traceback (most recent call last):", "[n] ValueError: bad"]).why() == "ValueError: bad"
+    assert NodeView("n", lines=["[n] outer step 1: fine"]).why() == ""

@@ -298,7 +298,8 @@ def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
     t0 = time.monotonic()
     L.run()  # (returns once no node is running, stopped or waiting for its restart)
     dropped = chaos.close()
-    statuses = {n: v.status for n, v in L.nodes.items()}
+    statuses = {n: v.status + (f" ({why})" if v.status != "done" and (why := v.why()) else "")
+                for n, v in L.nodes.items()}
     s = summarize(L.run_dir, n_outer)
     late_code = None
     if s["completed"]:  # one more node registers after the end: it is told so and exits 0
