@@ -159,6 +159,18 @@ def test_without_the_extra_a_gpu_target_is_one_line_and_exit_2():
 
 # ---- with the [aot] extra ------------------------------------------------------------------
 @needs_aot
+def test_every_target_gives_compile_only_devices():
+    """Every shipped spec parses in the installed XLA:GPU: one host of up to 8 GPUs, or hosts of 8."""
+    for name, s in targets.TARGETS.items():
+        for n in (1, 16):
+            devs = targets.devices(name, n)
+            assert len(devs) == n and {d.device_kind for d in devs} == {s.name}, name
+            assert devs[0].compute_capability == "{}.{}".format(*s.compute_capability)
+    with pytest.raises(ConfigError, match="--devices 12: a node of more than 8 GPUs has hosts of 8"):
+        targets.devices("h100", 12)
+
+
+@needs_aot
 def test_debug_train_step_compiled_for_one_h100_calls_cudnn_attention():
     from intellect_jax.memory import main
 
