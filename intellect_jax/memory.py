@@ -136,6 +136,7 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
     from intellect_jax.model.config import ConfigError
     from intellect_jax.model.llama import Llama
     from intellect_jax.trainer import step as T
+    from intellect_jax.trainer.distributed import set_mem_fraction
     from intellect_jax.trainer.optim import make_schedule, make_tx
 
     gpu = target != "cpu"
@@ -162,7 +163,7 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
         T.make_eval_step(graphdef, B // micro), shardings, batch_sh)
     batch = jax.ShapeDtypeStruct((B, L + 1), np.int32, sharding=batch_sh)
     report = S.memory_report(lambda: Llama(mcfg, rngs=nnx.Rngs(0)), dict(mesh.shape))
-    fraction = _fraction(cfg.run.gpu_mem_fraction)
+    fraction = set_mem_fraction(cfg.run.gpu_mem_fraction)  # the share a node runs with
     usable = int(fraction * ref.memory_bytes - args.reserve_gb * GiB)
     step_flops = mcfg.flops_per_token(L) * B * L / n  # analytic: XLA:GPU gives no cost analysis
     peak = ref.peak_bf16_tflops * 1e12
@@ -225,21 +226,6 @@ def _table(reports: list[dict]) -> None:
     print(f"  {'':{width}} | " + " | ".join(r["target"] for r in reports))
     for name, f in rows:
         print(f"  {name:{width}} | " + " | ".join(f(r) for r in reports))
-
-
-def _fraction(default: float) -> float:
-    """The allocator share a node runs with: the environment's, as the trainer leaves it."""
-    from intellect_jax.model.config import ConfigError
-    from intellect_jax.trainer.distributed import MEM_FRACTION_ENV
-
-    raw = os.environ.get(MEM_FRACTION_ENV)
-    try:
-        f = default if raw is None else float(raw)
-    except ValueError:
-        raise ConfigError(f"{MEM_FRACTION_ENV}={raw!r} is not a number") from None
-    if not 0 < f <= 1:
-        raise ConfigError(f"{MEM_FRACTION_ENV}={raw!r}: a share between 0 and 1")
-    return f
 
 
 def _kernel(cc: tuple[int, int], block: int) -> dict[str, Any]:

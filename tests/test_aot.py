@@ -79,6 +79,9 @@ def test_the_allocator_share_is_set_unless_the_operator_set_it(monkeypatch):
     monkeypatch.setenv(MEM_FRACTION_ENV, "most")
     with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='most' is not a number"):
         set_mem_fraction(0.9)
+    monkeypatch.setenv(MEM_FRACTION_ENV, "1.5")
+    with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='1.5': a share between 0 and 1"):
+        set_mem_fraction(0.9)
 
 
 SCHEDULED = """\

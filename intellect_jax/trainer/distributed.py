@@ -39,10 +39,13 @@ def set_mem_fraction(fraction: float) -> float:
     value already in the environment wins (the operator's); returns the share in effect."""
     import os
 
-    os.environ.setdefault(MEM_FRACTION_ENV, f"{fraction:g}")
-    try:
-        return float(os.environ[MEM_FRACTION_ENV])
-    except ValueError:
-        from intellect_jax.model.config import ConfigError
+    from intellect_jax.model.config import ConfigError
 
-        raise ConfigError(f"{MEM_FRACTION_ENV}={os.environ[MEM_FRACTION_ENV]!r} is not a number") from None
+    raw = os.environ.setdefault(MEM_FRACTION_ENV, f"{fraction:g}")
+    try:
+        f = float(raw)
+    except ValueError:
+        raise ConfigError(f"{MEM_FRACTION_ENV}={raw!r} is not a number") from None
+    if not 0 < f <= 1:
+        raise ConfigError(f"{MEM_FRACTION_ENV}={raw!r}: a share between 0 and 1")
+    return f
