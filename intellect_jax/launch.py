@@ -47,13 +47,15 @@ class NodeView:
     live_outer: int = 0  # newest outer step its current process logged (0 until its first)
     registered: bool = False  # its current process has registered with the coordinator
     lines: list[str] = field(default_factory=list)
+    first_line: int = 0  # where its current process's lines begin in `lines`
 
     def why(self) -> str:
-        """The last error line its processes printed ("error: ..." or a traceback's last line),
-        at most 200 characters: why a node that exited badly did."""
-        for line in reversed(self.lines[-200:]):
+        """The last error line its current process printed ("error: ..." or a traceback's last
+        line), at most 200 characters: why a node that exited badly did."""
+        for line in reversed(self.lines[max(self.first_line, len(self.lines) - 200):]):
             text = line.split("] ", 1)[-1] if line.startswith("[") else line
-            if text.startswith("error: ") or re.match(r"^[A-Za-z_.]+(Error|Exception|Refused|Unavailable): ", text):
+            if text.startswith("error: ") or re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Group|Refused|Unavailable)(: |$)",
+                                                     text):
                 return text[:200]
         return ""
 
@@ -214,6 +216,7 @@ class Launcher:
         view.proc = subprocess.Popen(cmd, env=dict(self.env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         view.status, view.starts, view.live_outer, view.registered = "running", view.starts + 1, 0, False
+        view.first_line = len(view.lines)
         threading.Thread(target=self._pump, args=(name, view.proc, view), daemon=True).start()
         self.say("launch", f"started {name} (pid {view.proc.pid}{', resuming' if resume else ''})")
 
@@ -241,7 +244,8 @@ class Launcher:
                 for v in self.nodes.values():
                     if v.proc is not None and v.status == "running" and v.proc.poll() is not None:
                         v.status = "done" if v.proc.returncode == 0 else f"exit {v.proc.returncode}"
-                        self.say("launch", f"{v.name} {v.status}" + (f" ({why})" if (why := v.why()) else ""))
+                        why = v.why() if v.status != "done" else ""
+                        self.say("launch", f"{v.name} {v.status}" + (f" ({why})" if why else ""))
                 if not self.running():
                     break
                 if self.args.table_every and time.monotonic() > t_table:

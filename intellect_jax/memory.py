@@ -136,7 +136,7 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
     from intellect_jax.model.config import ConfigError
     from intellect_jax.model.llama import Llama
     from intellect_jax.trainer import step as T
-    from intellect_jax.trainer.distributed import set_mem_fraction
+    from intellect_jax.trainer.distributed import mem_fraction
     from intellect_jax.trainer.optim import make_schedule, make_tx
 
     gpu = target != "cpu"
@@ -163,7 +163,7 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
         T.make_eval_step(graphdef, B // micro), shardings, batch_sh)
     batch = jax.ShapeDtypeStruct((B, L + 1), np.int32, sharding=batch_sh)
     report = S.memory_report(lambda: Llama(mcfg, rngs=nnx.Rngs(0)), dict(mesh.shape))
-    fraction = set_mem_fraction(cfg.run.gpu_mem_fraction)  # the share a node runs with
+    fraction = mem_fraction(cfg.run.gpu_mem_fraction)  # the share a node runs with
     usable = int(fraction * ref.memory_bytes - args.reserve_gb * GiB)
     step_flops = mcfg.flops_per_token(L) * B * L / n  # analytic: XLA:GPU gives no cost analysis
     peak = ref.peak_bf16_tflops * 1e12

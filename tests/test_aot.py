@@ -21,7 +21,7 @@ def _has(name: str) -> bool:
         return False
 
 
-AOT = (_has("jax_plugins.xla_cuda12") or _has("jax_plugins.xla_cuda13")) and _has("nvidia.cudnn")
+AOT = targets.unavailable() is None  # the plugin, ptxas and cuDNN, as the tool checks them
 needs_aot = pytest.mark.skipif(not AOT, reason="the [aot] extra is not installed (CI runs these in its own venv)")
 DEBUG_BF16 = ["--config", "configs/debug.toml", "--model.compute_dtype", "bfloat16"]
 
@@ -79,9 +79,11 @@ def test_the_allocator_share_is_set_unless_the_operator_set_it(monkeypatch):
     monkeypatch.setenv(MEM_FRACTION_ENV, "most")
     with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='most' is not a number"):
         set_mem_fraction(0.9)
-    monkeypatch.setenv(MEM_FRACTION_ENV, "1.5")
-    with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='1.5': a share between 0 and 1"):
+    monkeypatch.setenv(MEM_FRACTION_ENV, "0")
+    with pytest.raises(ConfigError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='0': a share above 0"):
         set_mem_fraction(0.9)
+    monkeypatch.setenv(MEM_FRACTION_ENV, "4.0")  # unified memory: the operator's to choose
+    assert set_mem_fraction(0.9) == 4.0
 
 
 SCHEDULED = """\

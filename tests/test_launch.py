@@ -133,3 +133,6 @@ def test_a_node_that_exits_badly_says_why():
     assert v.why() == "error: coordinator 127.0.0.1:9 unreachable"
     assert NodeView("n", lines=["[n] Traceback (most recent call last):", "[n] ValueError: bad"]).why() == "ValueError: bad"
     assert NodeView("n", lines=["[n] outer step 1: fine"]).why() == ""
+    assert NodeView("n", lines=["[n] Traceback (most recent call last):", "[n] AssertionError"]).why() == "AssertionError"
+    # a restarted process that died silently is not blamed on its predecessor's error
+    assert NodeView("n", lines=["[n] error: old", "[n] started again"], first_line=1).why() == ""

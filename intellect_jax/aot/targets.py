@@ -89,7 +89,10 @@ def _versions() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     if not any(found(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
         raise AotUnavailable("compiling for a GPU needs the [aot] extra: pip install 'intellect-jax[aot]' "
                              "(jax-cuda12-plugin is missing)")
-    if not found("nvidia.cuda_nvcc"):
+    import shutil
+
+    # where jax looks for ptxas: the CUDA wheels (12's nvcc wheel, 13's), else CUDA on the PATH
+    if not (found("nvidia.cuda_nvcc") or found("nvidia.cu13") or shutil.which("ptxas")):
         raise AotUnavailable("compiling for a GPU needs ptxas: pip install 'intellect-jax[aot]' "
                              "(nvidia-cuda-nvcc-cu12 is missing)")
     from jax._src.lib import cuda_versions
@@ -102,6 +105,15 @@ def _versions() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
                              "'intellect-jax[aot]' (nvidia-cudnn-cu12 is missing)") from None
     rt = cuda_versions.cuda_runtime_build_version()  # e.g. 12090
     return (rt // 1000, rt % 1000 // 10, 0), (dnn // 10000, dnn % 10000 // 100, dnn % 100)
+
+
+def unavailable() -> str | None:
+    """Why this environment cannot compile for a GPU (None: it can)."""
+    try:
+        _versions()
+    except AotUnavailable as e:
+        return str(e)
+    return None
 
 
 def target_config(s: GpuSpec, runtime: tuple[int, int, int], dnn: tuple[int, int, int]) -> str:

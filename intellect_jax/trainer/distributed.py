@@ -39,13 +39,23 @@ def set_mem_fraction(fraction: float) -> float:
     value already in the environment wins (the operator's); returns the share in effect."""
     import os
 
+    os.environ.setdefault(MEM_FRACTION_ENV, f"{fraction:g}")
+    return mem_fraction(fraction)
+
+
+def mem_fraction(default: float) -> float:
+    """The share in effect: the environment's, else ``default``; no side effect. Above 1 is the
+    operator's to choose (unified memory, ``TF_FORCE_UNIFIED_MEMORY``); 0 or less, or not a
+    number, is a one-line error."""
+    import os
+
     from intellect_jax.model.config import ConfigError
 
-    raw = os.environ.setdefault(MEM_FRACTION_ENV, f"{fraction:g}")
+    raw = os.environ.get(MEM_FRACTION_ENV)
     try:
-        f = float(raw)
+        f = default if raw is None else float(raw)
     except ValueError:
         raise ConfigError(f"{MEM_FRACTION_ENV}={raw!r} is not a number") from None
-    if not 0 < f <= 1:
-        raise ConfigError(f"{MEM_FRACTION_ENV}={raw!r}: a share between 0 and 1")
+    if not f > 0:
+        raise ConfigError(f"{MEM_FRACTION_ENV}={raw!r}: a share above 0")
     return f

@@ -11,7 +11,7 @@ import jax
 from intellect_jax.config import TrainConfig
 from intellect_jax.data.tokenizer import Tok, tok_from_state
 from intellect_jax.model import sharding as S
-from intellect_jax.model.config import ModelConfig
+from intellect_jax.model.config import ConfigError, ModelConfig
 from intellect_jax.trainer import step as T
 from intellect_jax.trainer.checkpoint import CheckpointError, Checkpointer
 from intellect_jax.trainer.optim import make_tx
@@ -44,8 +44,11 @@ def load_run(path: str | Path, step: int | None = None) -> LoadedRun:
         cfg = TrainConfig.model_validate(meta["config"])
         tok = tok_from_state(ck.restore_json("tokenizer", step))
         mesh = S.make_mesh(fsdp=-1, tp=1)
-        mcfg = cfg.model.build()  # the machine that loads it picks its own attention kernel
-        mcfg = mcfg.model_copy(update={"attention_impl": "auto"}).on_platform(*S.platform(mesh))
+        mcfg = cfg.model.build()
+        try:
+            mcfg = mcfg.on_platform(*S.platform(mesh))
+        except ConfigError:  # its kernel (cuDNN's, a GPU run) cannot run here: this machine's choice
+            mcfg = mcfg.model_copy(update={"attention_impl": "auto"}).on_platform(*S.platform(mesh))
         tx = make_tx(cfg.optim)
         graphdef, abstract, _ = T.state_shardings(mcfg, tx, mesh)
         step = ck.latest_step() if step is None else step
