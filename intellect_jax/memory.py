@@ -137,6 +137,7 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
     from intellect_jax.model.llama import Llama
     from intellect_jax.trainer import step as T
     from intellect_jax.trainer.distributed import mem_fraction
+    from intellect_jax.trainer.metrics import peak_flops
     from intellect_jax.trainer.optim import make_schedule, make_tx
 
     gpu = target != "cpu"
@@ -166,7 +167,7 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
     fraction = mem_fraction(cfg.run.gpu_mem_fraction)  # the share a node runs with
     usable = int(fraction * ref.memory_bytes - args.reserve_gb * GiB)
     step_flops = mcfg.flops_per_token(L) * B * L / n  # analytic: XLA:GPU gives no cost analysis
-    peak = ref.peak_bf16_tflops * 1e12
+    peak = peak_flops(ref.name, cfg.run.peak_tflops)  # the trainer's MFU table (dense bf16)
     out: dict = {"config": args.config, "target": target, "device_kind": devices[0].device_kind, "devices": n,
                  "platform": devices[0].platform, "mesh": dict(mesh.shape), "batch": [B, L], "micro_batch": micro,
                  "params": report["num_params"], "attention_impl": mcfg.attention_impl,

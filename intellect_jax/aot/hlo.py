@@ -38,7 +38,7 @@ class Collectives:
 
 
 def _computations(text: str) -> dict[str, list[tuple[str, str, str]]]:
-    """computation name -> its instructions as (name, opcode, line), in order."""
+    """computation name -> its instructions as (name, opcode, text after the shape), in order."""
     comps: dict[str, list[tuple[str, str, str]]] = {}
     cur: list[tuple[str, str, str]] | None = None
     for line in text.splitlines():
@@ -53,9 +53,9 @@ def _computations(text: str) -> dict[str, list[tuple[str, str, str]]]:
         m = _INSTR.match(line)
         if cur is None or not m:
             continue
-        rest = m["rest"]
-        op = _OPCODE.search(_strip_shape(rest))
-        cur.append((m["name"], op["op"] if op else "", rest))
+        after = _strip_shape(m["rest"])  # the opcode, operands and attributes
+        op = _OPCODE.search(after)
+        cur.append((m["name"], op["op"] if op else "", after))
     return comps
 
 
@@ -113,7 +113,7 @@ def collectives(text: str) -> Collectives:
         opened: dict[str, tuple[str, int]] = {}  # start name -> (kind, compute seen since)
         for name, op, line in instrs:
             if op.endswith("-done"):
-                src = re.search(r"\(%(?P<s>[\w.\-]+)", _strip_shape(line))
+                src = re.search(r"\(%(?P<s>[\w.\-]+)", line)
                 started = opened.pop(src["s"], None) if src else None
                 if started and started[1]:
                     out.overlapped[started[0]] += 1

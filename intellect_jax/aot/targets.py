@@ -42,7 +42,6 @@ class GpuSpec:
     clock_ghz: float
     memory_bytes: int  # what CUDA reports as total global memory
     bandwidth: int  # bytes/s: 2 x memory clock x bus width
-    peak_bf16_tflops: float  # dense, for the step time at a given MFU
 
 
 TARGETS: dict[str, GpuSpec] = {
@@ -50,21 +49,18 @@ TARGETS: dict[str, GpuSpec] = {
         "NVIDIA H100 80GB HBM3", "cudaGetDeviceProperties on an H100 SXM, driver 580.159.04 (2026-11-24)",
         (9, 0), cores=132, fpus_per_core=128, threads_per_core=2048, shared_per_block=49152,
         shared_per_block_optin=232448, shared_per_core=233472, registers_per_core=65536, registers_per_block=65536,
-        l2_bytes=52428800, clock_ghz=1.98, memory_bytes=85017493504, bandwidth=2 * 2_619_000_000 * 5120 // 8,
-        peak_bf16_tflops=989.0),
+        l2_bytes=52428800, clock_ghz=1.98, memory_bytes=85017493504, bandwidth=2 * 2_619_000_000 * 5120 // 8),
     "h200": GpuSpec(
         "NVIDIA H200", "the H100's SM figures (same GH100 die); memory 143771 MiB as nvidia-smi shows an H200 "
         "here, 4.8 TB/s (NVIDIA's datasheet)",
         (9, 0), cores=132, fpus_per_core=128, threads_per_core=2048, shared_per_block=49152,
         shared_per_block_optin=232448, shared_per_core=233472, registers_per_core=65536, registers_per_block=65536,
-        l2_bytes=52428800, clock_ghz=1.98, memory_bytes=143771 * 2**20, bandwidth=4_800_000_000_000,
-        peak_bf16_tflops=989.0),
+        l2_bytes=52428800, clock_ghz=1.98, memory_bytes=143771 * 2**20, bandwidth=4_800_000_000_000),
     "a100": GpuSpec(
         "NVIDIA A100-SXM4-80GB", "NVIDIA's A100 datasheet and CUDA's sm_80 limits; memory nominal (80 GiB)",
         (8, 0), cores=108, fpus_per_core=64, threads_per_core=2048, shared_per_block=49152,
         shared_per_block_optin=166912, shared_per_core=167936, registers_per_core=65536, registers_per_block=65536,
-        l2_bytes=41943040, clock_ghz=1.41, memory_bytes=80 * GiB, bandwidth=2_039_000_000_000,
-        peak_bf16_tflops=312.0),
+        l2_bytes=41943040, clock_ghz=1.41, memory_bytes=80 * GiB, bandwidth=2_039_000_000_000),
 }
 
 

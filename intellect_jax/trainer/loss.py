@@ -16,7 +16,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-CHUNK_ELEMS = 1 << 20  # default logits per chunk (4 MiB fp32): the CPU's (model.config.HEAD_CHUNK_LOGITS)
+from intellect_jax.model.config import HEAD_CHUNK_LOGITS
+
+CHUNK_ELEMS = HEAD_CHUNK_LOGITS["cpu"]  # default logits per chunk (4 MiB fp32): the CPU's
 
 
 def chunk_len(B: int, L: int, V: int, elems: int = CHUNK_ELEMS) -> int:
