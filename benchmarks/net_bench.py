@@ -35,11 +35,18 @@ from intellect_jax.net import quant
 PORT = 29400
 
 
+def _mode(m: str) -> str:
+    if m not in ("fp32", "bf16", "int8", "int4", "int2") and not m.startswith("topk"):
+        raise argparse.ArgumentTypeError(f"unknown wire mode {m!r}; expected one of {quant.MODES}")
+    return m
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmarks/net_bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--numel", type=int, default=25_000_000)
-    p.add_argument("--mode", choices=quant.MODES, default="int8")
+    p.add_argument("--mode", type=_mode, default="int8",
+                   help="wire codec: fp32, bf16, int8, int4 (ring); int2, topk<K> (all-gather; --block: chunk)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--shape-mbit", type=float, default=None, help="tbf rate of every link (needs root)")
     p.add_argument("--streams", type=int, default=1, help="parallel TCP streams per ring link")

@@ -106,7 +106,7 @@ def test_decode_rejects_wrong_size() -> None:
     with pytest.raises(ValueError, match="bytes"):
         quant.decode(np.zeros(10, np.uint8), 10, "int8", 64)
     with pytest.raises(ValueError, match="unknown wire mode"):
-        quant.check_mode("int4", 64)
+        quant.check_mode("int3", 64)
 
 
 def _pseudo_grads(world: int, n: int, seed: int = 0) -> list[np.ndarray]:

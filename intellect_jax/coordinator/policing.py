@@ -50,8 +50,12 @@ def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser
         raw = base64.b64decode(ev.payload, validate=True)
     except (binascii.Error, ValueError):
         return None, "the evidence's piece is not base64"
-    if len(raw) != quant.encoded_nbytes(ev.numel, ev.mode, ev.block):
-        return None, f"the evidence's piece is {len(raw)} bytes, not {ev.numel} values in {ev.mode}"
+    try:
+        quant.check_mode(ev.mode, ev.block)
+        if len(raw) != quant.encoded_nbytes(ev.numel, ev.mode, ev.block):
+            return None, f"the evidence's piece is {len(raw)} bytes, not {ev.numel} values in {ev.mode}"
+    except ValueError as e:
+        return None, f"the evidence's codec is not one ({e})"
     if ca is not None:
         said = statement(run_id, ev.step, ev.epoch, ev.call, accused, accuser, ev.segment, ev.piece, ev.numel,
                          ev.mode, ev.block, raw)
@@ -64,8 +68,11 @@ def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser
         if recorded is None or seal(o.core, o.numel, o.scale) != recorded:
             return None, f"the evidence's scale does not open the hash recorded for outer step {step}"
         ref = reference_rms(o.scale, o.numel)
-    why = verdict(quant.decode(np.frombuffer(raw, np.uint8).copy(), ev.numel, ev.mode, ev.block), ref,
-                  SUSPECT_FACTOR * LENIENCY)
+    try:
+        theirs = quant.decode(np.frombuffer(raw, np.uint8).copy(), ev.numel, ev.mode, ev.block)
+    except ValueError as e:  # signed (above) yet no payload of its codec: bad on its face
+        return f"an undecodable payload ({e})", ""
+    why = verdict(theirs, ref, SUSPECT_FACTOR * LENIENCY)
     return (why, "") if why else (None, "the evidence's piece is within bounds")
 
 

@@ -18,10 +18,11 @@ from typing import Annotated, Any, Callable, Protocol, Sequence, TypeVar, runtim
 import numpy as np
 from pydantic import Field
 
-from intellect_jax.net import evidence, quant, tree as treelib
+from intellect_jax.net import codecs, evidence, quant, tree as treelib
 from intellect_jax.net.errors import ConfigMismatch, PeerTimeout, RingClosed
 from intellect_jax.net.identity import verify
 from intellect_jax.net.schema import Nat, Wire, recv_model
+from intellect_jax.net.gather import ring_all_gather_mean
 from intellect_jax.net.ring import Finding, Links, Seal, Workspace, ring_all_reduce
 from intellect_jax.net.listener import Listener
 from intellect_jax.net.transport import (
@@ -40,8 +41,8 @@ T = TypeVar("T")
 class RingConfig:
     """How the ring all-reduce runs. Every rank of a ring must use the same values."""
 
-    mode: str = "int8"  # "fp32" | "bf16" | "int8"
-    block_size: int = 64  # int8: elements per float32 scale
+    mode: str = "int8"  # "fp32" | "bf16" | "int8" | "int4" (ring) | "int2" | "topk<K>" (gathered, net.gather)
+    block_size: int = 64  # int8, int4, int2: elements per float32 scale; topk<K>: values per chunk
     streams: int = 1  # parallel TCP connections per ring link
     piece_numel: int = 1 << 18  # pipeline piece (elements)
     bucket_numel: int = 1 << 26  # pytree leaves are reduced in buckets of this many elements
@@ -53,6 +54,8 @@ class RingConfig:
         quant.check_mode(self.mode, self.block_size)
         if self.streams < 1 or self.piece_numel < 1 or self.bucket_numel < 1 or self.deadline <= 0:
             raise ValueError(f"invalid ring config {self}")
+        if self.stochastic_rounding and self.mode != "int8":
+            raise ValueError(f"stochastic rounding is for int8, not {self.mode}")
         piece = max(1, self.piece_numel // self.block_size) * self.block_size  # pieces are whole blocks
         if self.block_size > 1 << 16 or quant.encoded_nbytes(piece, self.mode, self.block_size) > \
                 evidence.MAX_EVIDENCE_BYTES:
@@ -84,11 +87,14 @@ class Communicator(Protocol):
     rank: int
     world_size: int
 
-    def all_reduce_mean(self, tree: T, *, out: T | None = None) -> T:
+    def all_reduce_mean(self, tree: T, *, out: T | None = None, dropped: T | None = None) -> T:
         """Elementwise mean over ranks, bit-identical on every rank; the input is never modified.
 
-        Returns new arrays, or writes into ``out`` (same structure) and returns it.
-        Raises a :class:`~intellect_jax.net.errors.NetError` subclass if the collective fails.
+        Returns new arrays, or writes into ``out`` (same structure) and returns it. With a
+        gathered codec (``int2``, ``topk<K>``: every rank's contribution reaches every rank as
+        this rank encoded it) ``dropped`` (same structure, writable) receives what the encoding
+        of this rank's contribution lost, ``tree - decode(encode(tree))``: error feedback. Raises
+        a :class:`~intellect_jax.net.errors.NetError` subclass if the collective fails.
         """
         ...
 
@@ -107,18 +113,33 @@ def bucket_call(call: int, bucket: int) -> int:
     return call * 4096 + bucket
 
 
-def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Callable[[np.ndarray, int, np.ndarray | None], np.ndarray],
-                before: Callable[[dict[str, Any]], None] | None = None, out: T | None = None) -> tuple[T, int]:
-    """Flatten, bucket, reduce every bucket with ``reduce_flat(flat, bucket, out_flat)``, rebuild.
+Reduce = Callable[[np.ndarray, int, "np.ndarray | None", "np.ndarray | None"], np.ndarray]
 
-    With ``out`` (same structure, C-contiguous float32 leaves) results are written there.
+
+def leaves_like(what: str, tree: Any, sig: str) -> list[np.ndarray]:
+    leaves, _, osig = treelib.flatten(tree)
+    if osig != sig or not all(o.flags.c_contiguous and o.flags.writeable for o in leaves):
+        raise ValueError(f"{what} must match the input's structure and shapes, with writable C-contiguous leaves")
+    return leaves
+
+
+def check_dropped(cfg: RingConfig, dropped: Any) -> None:
+    """``dropped`` is for the gathered codecs only (a ring's re-encoded sums lose what no rank owns)."""
+    if dropped is not None and not codecs.gathered(cfg.mode):
+        raise ValueError(f"dropped (error feedback) needs a gathered codec (int2, topk<K>), not {cfg.mode}")
+
+
+def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Reduce, before: Callable[[dict[str, Any]], None] | None = None,
+                out: T | None = None, dropped: T | None = None) -> tuple[T, int]:
+    """Flatten, bucket, reduce every bucket with ``reduce_flat(flat, bucket, out_flat, dropped_flat)``,
+    rebuild.
+
+    With ``out`` (same structure, C-contiguous float32 leaves) results are written there; with
+    ``dropped`` (the same), what ``reduce_flat`` writes to ``dropped_flat`` lands there.
     """
     leaves, rebuild, sig = treelib.flatten(tree)
-    outs = None
-    if out is not None:
-        outs, _, osig = treelib.flatten(out)
-        if osig != sig or not all(o.flags.c_contiguous and o.flags.writeable for o in outs):
-            raise ValueError("out must match the input's structure and shapes, with writable C-contiguous leaves")
+    outs = None if out is None else leaves_like("out", out, sig)
+    drops = None if dropped is None else leaves_like("dropped", dropped, sig)
     sizes = [leaf.size for leaf in leaves]
     buckets = treelib.make_buckets(sizes, cfg.bucket_numel)
     if before is not None:
@@ -127,7 +148,11 @@ def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Callable[[np.ndarray, int
     for bi, idx in enumerate(buckets):
         flat = treelib.gather(leaves, idx)
         direct = outs[idx[0]].reshape(-1) if outs is not None and len(idx) == 1 else None
-        res = reduce_flat(flat, bi, direct) if flat.size else np.empty(0, np.float32)
+        d = None if drops is None else (drops[idx[0]].reshape(-1) if len(idx) == 1 else np.empty(flat.size, np.float32))
+        res = reduce_flat(flat, bi, direct, d) if flat.size else np.empty(0, np.float32)
+        if drops is not None and flat.size and len(idx) > 1:
+            for o, r in zip((drops[i] for i in idx), treelib.scatter(d, leaves, idx)):
+                np.copyto(o, r)
         if outs is None:
             result.extend(treelib.scatter(res, leaves, idx))
             continue
@@ -138,7 +163,10 @@ def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Callable[[np.ndarray, int
     return rebuild(result), sum(sizes)
 
 
-def _copy_into(flat: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+def _alone(flat: np.ndarray, _: int, out: np.ndarray | None, dropped: np.ndarray | None) -> np.ndarray:
+    """A ring of one: an exact copy (nothing is sent, so nothing is dropped)."""
+    if dropped is not None:
+        dropped[...] = 0
     if out is None:
         return np.array(flat, np.float32, copy=True)
     np.copyto(out, flat)
@@ -309,8 +337,10 @@ class SocketCommunicator:
             detail = ", ".join(f"{k}: theirs={repr(theirs[k])[:40]} ours={repr(ours[k])[:40]}" for k in diff)
             raise ConfigMismatch(f"{self._name(prv)} disagrees on this all-reduce: {detail}")
 
-    def all_reduce_mean(self, tree: T, *, out: T | None = None) -> T:
-        """Mean over the ring, bit-identical on every rank, as new arrays (or written to ``out``).
+    def all_reduce_mean(self, tree: T, *, out: T | None = None, dropped: T | None = None) -> T:
+        """Mean over the ring, bit-identical on every rank, as new arrays (or written to ``out``);
+        ``dropped``: see :meth:`Communicator.all_reduce_mean` (gathered codecs,
+        :mod:`.gather`).
 
         On failure every rank raises within ``config.deadline``, the connections are closed
         (this communicator is then unusable: build a new ring) and ``tree`` is untouched.
@@ -318,10 +348,11 @@ class SocketCommunicator:
         if self._closed:
             raise RingClosed(f"ring epoch {self.epoch} is closed (after a failure or close()); build a new one")
         cfg, t0 = self.config, time.monotonic()
+        check_dropped(cfg, dropped)
         deadline = t0 + cfg.deadline
         call, seed = self._calls, cfg.rng_seed(self.epoch)
         if self.world_size == 1:
-            result, numel = reduce_tree(tree, cfg, lambda flat, _, o: _copy_into(flat, o), out=out)
+            result, numel = reduce_tree(tree, cfg, _alone, out=out, dropped=dropped)
             self._stats = CommStats(0, 0, time.monotonic() - t0, numel, 1, cfg.mode)
             self._calls += 1
             return result
@@ -337,10 +368,15 @@ class SocketCommunicator:
 
             findings: list[tuple[int, Finding]] = []
 
-            def flat_reduce(flat: np.ndarray, bi: int, o: np.ndarray | None) -> np.ndarray:
+            def flat_reduce(flat: np.ndarray, bi: int, o: np.ndarray | None, d: np.ndarray | None) -> np.ndarray:
                 found: list[Finding] = []
                 c = bucket_call(call, bi)
                 try:
+                    if codecs.gathered(cfg.mode):
+                        return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
+                                                    block=cfg.block_size, piece_numel=cfg.piece_numel,
+                                                    deadline=deadline, out=o, dropped=d, inspect=self.inspect,
+                                                    findings=found, seal=self._seal(c, links))
                     return ring_all_reduce(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                            block=cfg.block_size, piece_numel=cfg.piece_numel, seed=seed,
                                            call=c, deadline=deadline, out=o, workspace=self._workspace,
@@ -349,7 +385,7 @@ class SocketCommunicator:
                     findings.extend((c, f) for f in found)
 
             self.suspect = None
-            result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out)
+            result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out, dropped=dropped)
             if findings:
                 c, f = findings[0]
                 self.suspect = ((self.rank - 1) % self.world_size, f.why, evidence.evidence(

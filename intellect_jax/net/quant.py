@@ -1,4 +1,6 @@
-"""Wire codecs for the ring all-reduce: fp32, bf16 and blockwise int8 (numpy only).
+"""Wire codecs for the ring all-reduce: fp32, bf16 and blockwise int8 (numpy only), and the
+entry point to the low-bit codecs of :mod:`.codecs` (int4, int2, top-k), which share
+:func:`encode`, :func:`decode` and :func:`encoded_nbytes`.
 
 Blockwise int8: the input is cut into blocks of ``block`` elements (the last block may be
 shorter); each block stores one float32 scale ``amax / 127`` and ``round(x * 127 / amax)``
@@ -17,16 +19,19 @@ import contextlib
 
 import numpy as np
 
-MODES = ("fp32", "bf16", "int8")
+from intellect_jax.net import codecs
+
+MODES = ("fp32", "bf16", "int8", "int4", "int2", "topk<K>")
 _QMAX = np.float32(127.0)
 
 
 def check_mode(mode: str, block: int) -> None:
     """Raise ValueError for an unknown mode or a non-positive block size."""
-    if mode not in MODES:
+    if mode not in MODES[:3] and codecs.family(mode) is None:
         raise ValueError(f"unknown wire mode {mode!r}; expected one of {MODES}")
     if block < 1:
         raise ValueError(f"block size must be >= 1, got {block}")
+    codecs.check(mode, block)
 
 
 def num_blocks(n: int, block: int) -> int:
@@ -40,6 +45,8 @@ def encoded_nbytes(n: int, mode: str, block: int) -> int:
         return 4 * n
     if mode == "bf16":
         return 2 * n
+    if mode != "int8":
+        return codecs.nbytes(n, mode, block)
     return n + 4 * num_blocks(n, block)
 
 
@@ -166,12 +173,17 @@ def encode(
 ) -> np.ndarray:
     """Encode a flat float32 array into wire bytes (uint8). fp32 returns a view of ``x``.
 
-    ``divisor`` (int8 only) encodes ``x / divisor`` for free (folded into the scales).
+    ``divisor`` (int8 only) encodes ``x / divisor`` for free (folded into the scales);
+    ``rng`` (stochastic rounding) applies to int8 only.
     """
     n = x.shape[0]
     if mode == "fp32":
         return x.view(np.uint8)
     out = np.empty(encoded_nbytes(n, mode, block), np.uint8) if out is None else out
+    if mode not in ("bf16", "int8"):
+        if divisor != 1:
+            raise ValueError(f"divisor is for int8, not {mode}")
+        return codecs.encode(x, mode, block, out)
     if mode == "bf16":
         to_bf16(x, out.view(np.uint16), scratch)
     else:
@@ -181,7 +193,8 @@ def encode(
 
 
 def decode(buf: np.ndarray, n: int, mode: str, block: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Decode ``n`` values from wire bytes into float32 (``out`` if given)."""
+    """Decode ``n`` values from wire bytes into float32 (``out`` if given); ValueError for a
+    payload of the wrong length or one its codec rejects (:mod:`.codecs`)."""
     expect = encoded_nbytes(n, mode, block)
     if buf.nbytes != expect:
         raise ValueError(f"{mode} payload for {n} values must be {expect} bytes, got {buf.nbytes}")
@@ -191,6 +204,8 @@ def decode(buf: np.ndarray, n: int, mode: str, block: int, out: np.ndarray | Non
         np.copyto(out, raw.view(np.float32))
     elif mode == "bf16":
         from_bf16(raw.view(np.uint16), out)
+    elif mode != "int8":
+        codecs.decode(raw, n, mode, block, out)
     else:
         scale, q = _int8_views(raw, n, block)
         dequantize_int8(scale, q, block, out)

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from intellect_jax.net import plan, tree as treelib
-from intellect_jax.net.comm import CommStats, RingConfig, bucket_call
+from intellect_jax.net import codecs, gather, plan, tree as treelib
+from intellect_jax.net.comm import CommStats, RingConfig, bucket_call, check_dropped, leaves_like
 from intellect_jax.net.errors import PeerClosed, PeerTimeout
 from intellect_jax.net.evidence import SIG_BYTES, unsigned_evidence
 from intellect_jax.net.frames import HEADER_LEN
@@ -32,6 +32,11 @@ def ring_bytes(numel: int, world: int, rank: int, cfg: RingConfig) -> int:
     signature frame after each of its own pieces included."""
     if world == 1 or numel == 0:
         return 0
+    if codecs.gathered(cfg.mode):  # N - 1 whole contributions, our own pieces signed
+        p = gather.gather_plan(numel, cfg.block_size, cfg.piece_numel)
+        one = sum(HEADER_LEN + encoded_nbytes(b - a, cfg.mode, cfg.block_size)
+                  for a, b in (p.piece(0, j) for j in range(p.pieces)))
+        return (world - 1) * one + p.pieces * (HEADER_LEN + SIG_BYTES)
     p = plan.make_plan(numel, world, cfg.block_size, cfg.piece_numel)
     total = 0
     for m in range(p.messages):
@@ -66,8 +71,9 @@ class LocalGroup:
         """Make the next collective raise :class:`PeerClosed` on every rank."""
         self._fail = reason
 
-    def all_reduce_mean_all(self, trees: list[T]) -> list[T]:
-        """Every rank's result for every rank's input, computed in the calling thread."""
+    def all_reduce_mean_all(self, trees: list[T], dropped: list[T | None] | None = None) -> list[T]:
+        """Every rank's result for every rank's input, computed in the calling thread
+        (``dropped[r]``: rank r's error feedback, as ``Communicator.all_reduce_mean``'s)."""
         if len(trees) != self.world:
             raise ValueError(f"expected {self.world} trees, got {len(trees)}")
         call = self._calls
@@ -80,25 +86,40 @@ class LocalGroup:
         if len({sig for _, _, sig in flat}) != 1:
             raise ValueError("ranks passed pytrees of different structure or shapes")
         leaves0 = flat[0][0]
+        drops = [None if d is None else leaves_like("dropped", d, flat[0][2]) for d in (dropped or [None] * self.world)]
         out: list[np.ndarray] = []
         for bi, idx in enumerate(treelib.make_buckets([x.size for x in leaves0], cfg.bucket_numel)):
             inputs = [treelib.gather(leaves, idx) for leaves, _, _ in flat]
-            res = (plan.simulate(inputs, cfg.mode, cfg.block_size, cfg.piece_numel, seed=seed,
-                                 call=bucket_call(call, bi)) if inputs[0].size else np.empty(0, np.float32))
+            if not inputs[0].size:
+                res = np.empty(0, np.float32)
+            elif codecs.gathered(cfg.mode) and self.world > 1:
+                ds = [None if d is None else np.empty(inputs[0].size, np.float32) for d in drops]
+                res = gather.simulate(inputs, cfg.mode, cfg.block_size, cfg.piece_numel, ds)
+                for d_leaves, d in zip(drops, ds):
+                    if d_leaves is not None:
+                        for o, v in zip((d_leaves[i] for i in idx), treelib.scatter(d, leaves0, idx)):
+                            np.copyto(o, v)
+            else:
+                res = plan.simulate(inputs, cfg.mode, cfg.block_size, cfg.piece_numel, seed=seed,
+                                    call=bucket_call(call, bi))
+                for d_leaves in drops:  # a gathered codec's ring of one: nothing sent, nothing lost
+                    for i in idx if d_leaves is not None else ():
+                        d_leaves[i][...] = 0
             out.extend(treelib.scatter(res, leaves0, idx))
         result = flat[0][1](out)
         return [result] + [_copy_tree(result) for _ in range(self.world - 1)]
 
-    def _submit(self, rank: int, tree: Any, timeout: float) -> Any:
+    def _submit(self, rank: int, tree: Any, timeout: float, dropped: Any = None) -> Any:
         deadline = time.monotonic() + timeout
         with self._cond:
             gen = self._generation
-            self._inputs[rank] = tree
+            self._inputs[rank] = (tree, dropped)
             if len(self._inputs) == self.world:
-                inputs, self._inputs = [self._inputs[r] for r in range(self.world)], {}
+                got, self._inputs = [self._inputs[r] for r in range(self.world)], {}
+                inputs = [t for t, _ in got]
                 self.last_inputs = inputs
                 try:
-                    self._results, self._error = self.all_reduce_mean_all(inputs), None
+                    self._results, self._error = self.all_reduce_mean_all(inputs, [d for _, d in got]), None
                 except Exception as e:  # noqa: BLE001 - re-raised on every rank
                     self._results, self._error = None, e
                 self._generation += 1
@@ -130,11 +151,12 @@ class LocalCommunicator:
         """Traffic the socket ring would have sent (data frames) and the time spent here."""
         return self._stats
 
-    def all_reduce_mean(self, tree: T, *, out: T | None = None) -> T:
+    def all_reduce_mean(self, tree: T, *, out: T | None = None, dropped: T | None = None) -> T:
         """Blocks until every rank of the group has called, then returns the mean."""
         t0 = time.monotonic()
         cfg = self.group.config
-        result = self.group._submit(self.rank, tree, cfg.deadline)
+        check_dropped(cfg, dropped)
+        result = self.group._submit(self.rank, tree, cfg.deadline, dropped)
         self.suspect = None
         if self.inspect is not None and self.world_size > 1:
             prev = (self.rank - 1) % self.world_size

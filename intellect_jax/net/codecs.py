@@ -1,0 +1,308 @@
+"""Low-bit wire codecs for pseudo-gradients: int4 and 2-bit blockwise, top-k with 2-bit values.
+
+Each codec is a fixed sequence of numpy operations on a flat float32 piece of ``n`` values,
+with a payload whose size depends only on ``n`` and the codec's parameters (so a receiver
+knows every frame's length in advance). ``block`` is the codec's parameter: values per scale
+for the blockwise codecs, values per chunk for top-k. Wire layouts, little-endian:
+
+* ``int4`` (blockwise, ring): ``[float32 scales (ceil(n/block))][codes, two per byte]``; a code
+  is ``round(x * 7 / amax)`` in [-7, 7], stored as ``code + 8`` (low nibble first).
+* ``int2`` (blockwise, gathered): ``[float32 scales][codes, four per byte]``; code ``c`` in 0..3
+  stands for ``(c - 1.5) * scale`` with ``scale`` the block's RMS: levels at +-0.5 and +-1.5
+  RMS, next to the Lloyd-Max quantizer of a Gaussian (+-0.45, +-1.51); larger values are
+  clipped and error feedback carries the rest (an absmax scale would put a block's every
+  value on one outlier's grid).
+* ``topk<K>`` (gathered): the ``K`` values of largest magnitude in each chunk of ``block``
+  values (``min(K, r)`` in a last chunk of ``r``), each sent as a sign and one magnitude bit:
+  ``[float32 (lo, hi) per chunk][indices][codes, four per byte]``. ``lo`` and ``hi`` are the
+  mean magnitudes of the chunk's kept values below and at or above the midpoint of their
+  range; indices are positions within the chunk, strictly increasing, packed 12 bits each
+  (two per three bytes, padded to an even count) when ``block <= 4096``, else uint16; a code
+  is ``2 * negative + high``.
+
+Decoding a peer's payload checks what decoding relies on (the length, done by the caller; a
+top-k payload's indices in range and increasing) and raises ValueError otherwise; any other bit
+pattern decodes to some values (e.g. an int4 nibble 0 to -8 scales, a negative scale), which the
+checks above the codec judge like any contribution. A block or chunk holding NaN or Inf decodes
+to non-finite values, so those checks see it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+RING = ("int4",)  # summed hop by hop in the ring like int8
+GATHERED = ("int2", "topk")  # every contribution sent whole to every rank (error feedback)
+_TOPK = re.compile(r"^topk([1-9][0-9]{0,4})$")
+_F32 = np.float32
+
+
+def topk_of(mode: str) -> int | None:
+    """K of a ``topk<K>`` mode (None for any other mode)."""
+    m = _TOPK.match(mode)
+    return int(m.group(1)) if m else None
+
+
+def family(mode: str) -> str | None:
+    """"int4", "int2", "topk" or None (not a codec of this module)."""
+    if mode in RING or mode == "int2":
+        return mode
+    return "topk" if topk_of(mode) is not None else None
+
+
+def gathered(mode: str) -> bool:
+    """Whether ``mode`` is exchanged by an all-gather of whole contributions."""
+    return family(mode) in GATHERED
+
+
+def check(mode: str, block: int) -> None:
+    """ValueError for a top-k K above its chunk, or a chunk too large to index."""
+    k = topk_of(mode)
+    if k is not None and not (k <= block <= 1 << 16):
+        raise ValueError(f"{mode}: {k} values per chunk of {block} (need K <= chunk <= 65536)")
+
+
+# ---- blockwise int4 / int2 ------------------------------------------------------------------
+_LEVELS = {"int4": (7.0, 4), "int2": (1.5, 2)}  # max |code|, bits per code
+
+
+def _nblocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def _packed(n: int, bits: int) -> int:
+    return -(-n * bits // 8)
+
+
+def _amax(x: np.ndarray, block: int) -> np.ndarray:
+    n, nb = x.shape[0], _nblocks(x.shape[0], block)
+    a = np.abs(x)
+    full = (n // block) * block
+    out = np.empty(nb, _F32)
+    if full:
+        np.max(a[:full].reshape(-1, block), axis=1, out=out[: full // block])
+    if full < n:
+        out[-1] = a[full:].max()
+    return out
+
+
+def _per_value(v: np.ndarray, n: int, block: int) -> np.ndarray:
+    return np.repeat(v, block)[:n]
+
+
+def _pack(codes: np.ndarray, bits: int, out: np.ndarray) -> None:
+    per = 8 // bits
+    c = np.zeros(out.shape[0] * per, np.uint8)
+    c[: codes.shape[0]] = codes
+    c = c.reshape(-1, per)
+    np.copyto(out, c[:, 0])
+    for i in range(1, per):
+        out |= c[:, i] << np.uint8(i * bits)
+
+
+def _unpack(raw: np.ndarray, n: int, bits: int) -> np.ndarray:
+    per, mask = 8 // bits, np.uint8((1 << bits) - 1)
+    c = np.empty((raw.shape[0], per), np.uint8)
+    for i in range(per):
+        c[:, i] = (raw >> np.uint8(i * bits)) & mask
+    return c.reshape(-1)[:n]
+
+
+def _rms(x: np.ndarray, block: int) -> np.ndarray:
+    """Per block ``amax * sqrt(mean((x / amax)^2))``: no overflow for any finite input."""
+    n, amax = x.shape[0], _amax(x, block)
+    inv = np.zeros_like(amax)
+    np.divide(_F32(1), amax, out=inv, where=amax > 0)
+    full = (n // block) * block
+    with np.errstate(invalid="ignore", over="ignore"):
+        sq = np.square(x * _per_value(inv, n, block))
+        parts = [sq[:full].reshape(-1, block).mean(axis=1, dtype=_F32)] if full else []
+        if full < n:
+            parts.append(sq[full:].mean(dtype=_F32, keepdims=True))
+        return (amax * np.sqrt(np.concatenate(parts))).astype(_F32)
+
+
+def _block_encode(x: np.ndarray, mode: str, block: int, out: np.ndarray) -> None:
+    qmax, bits = _LEVELS[mode]
+    n, nb = x.shape[0], _nblocks(x.shape[0], block)
+    scales = out[: 4 * nb].view(_F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if mode == "int4":
+            np.divide(_amax(x, block), _F32(qmax), out=scales)
+        else:
+            scales[...] = _rms(x, block)
+    inv = np.zeros(nb, _F32)
+    np.divide(_F32(1), scales, out=inv, where=scales > 0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = x * _per_value(inv, n, block)
+        if mode == "int4":  # nearest of -7..7, stored + 8
+            codes = np.clip(np.rint(y), -7, 7) + 8
+        else:  # nearest of (c - 1.5), c in 0..3 (clipped); ties away from zero on both sides
+            codes = np.where(y >= 0, 2 + (y >= 1), 1 - (y <= -1))
+        codes = np.nan_to_num(codes).astype(np.uint8)
+    _pack(codes, bits, out[4 * nb:])
+
+
+def _block_decode(raw: np.ndarray, n: int, mode: str, block: int, out: np.ndarray) -> np.ndarray:
+    _, bits = _LEVELS[mode]
+    nb = _nblocks(n, block)
+    scales = raw[: 4 * nb].view(_F32)
+    codes = _unpack(raw[4 * nb:], n, bits).astype(_F32)
+    codes -= _F32(8.0 if mode == "int4" else 1.5)
+    np.multiply(codes, _per_value(scales, n, block), out=out)
+    return out
+
+
+# ---- top-k ------------------------------------------------------------------------------------
+def _chunks(n: int, block: int, k: int) -> tuple[int, int, int]:
+    """(full chunks, values in the last partial chunk, values kept in it)."""
+    full, r = divmod(n, block)
+    return full, r, min(k, r)
+
+
+def _kept(n: int, block: int, k: int) -> int:
+    full, _, kr = _chunks(n, block, k)
+    return full * k + kr
+
+
+def _index_nbytes(count: int, block: int) -> int:
+    return 3 * (-(-count // 2)) if block <= 4096 else 2 * count
+
+
+def _pack12(idx: np.ndarray, out: np.ndarray) -> None:
+    v = np.zeros(-(-idx.shape[0] // 2) * 2, np.uint16)
+    v[: idx.shape[0]] = idx
+    a, b = v[0::2], v[1::2]
+    o = out.reshape(-1, 3)
+    o[:, 0] = a & 0xFF
+    o[:, 1] = (a >> 8) | ((b & 0xF) << 4)
+    o[:, 2] = b >> 4
+
+
+def _unpack12(raw: np.ndarray, count: int) -> np.ndarray:
+    o = raw.reshape(-1, 3).astype(np.int64)
+    v = np.empty(o.shape[0] * 2, np.int64)
+    v[0::2] = o[:, 0] | ((o[:, 1] & 0xF) << 8)
+    v[1::2] = (o[:, 1] >> 4) | (o[:, 2] << 4)
+    return v[:count]
+
+
+def _topk_rows(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row: sorted indices of its k largest magnitudes, (lo, hi) levels, 2-bit codes."""
+    a = np.abs(rows)
+    c = rows.shape[1]
+    idx = np.argpartition(a, c - k, axis=1)[:, c - k:] if k < c else np.broadcast_to(np.arange(c), a.shape)
+    idx = np.sort(idx, axis=1)
+    v = np.take_along_axis(rows, idx, axis=1)
+    m = np.abs(v)
+    with np.errstate(invalid="ignore", over="ignore"):
+        mid = m.min(axis=1, keepdims=True) * _F32(0.5) + m.max(axis=1, keepdims=True) * _F32(0.5)
+        high = m >= mid
+        nh = high.sum(axis=1)
+        sh = np.where(high, m, _F32(0)).sum(axis=1, dtype=_F32)
+        sl = np.where(high, _F32(0), m).sum(axis=1, dtype=_F32)
+        hi = np.where(nh > 0, sh / np.maximum(nh, 1).astype(_F32), _F32(0))
+        lo = np.where(nh < k, sl / np.maximum(k - nh, 1).astype(_F32), hi)
+        bad = ~np.isfinite(m).all(axis=1)  # keep a poisoned chunk visible
+    lo[bad], hi[bad] = np.nan, np.nan
+    codes = (v < 0).astype(np.uint8) * 2 + high.astype(np.uint8)
+    return idx, np.stack([lo, hi], axis=1).astype(_F32), codes
+
+
+def topk_nbytes(n: int, block: int, k: int) -> int:
+    full, r, _ = _chunks(n, block, k)
+    kept = _kept(n, block, k)
+    return 8 * (full + (r > 0)) + _index_nbytes(kept, block) + _packed(kept, 2)
+
+
+def _topk_encode(x: np.ndarray, block: int, k: int, out: np.ndarray) -> None:
+    n = x.shape[0]
+    full, r, kr = _chunks(n, block, k)
+    parts = [_topk_rows(x[: full * block].reshape(full, block), k)] if full else []
+    if r:
+        parts.append(_topk_rows(x[full * block:].reshape(1, r), kr))
+    nc, kept = full + (r > 0), _kept(n, block, k)
+    idx = np.concatenate([p[0].reshape(-1) for p in parts]) if parts else np.empty(0, np.int64)
+    lv = np.concatenate([p[1] for p in parts]) if parts else np.empty((0, 2), _F32)
+    codes = np.concatenate([p[2].reshape(-1) for p in parts]) if parts else np.empty(0, np.uint8)
+    out[: 8 * nc].view(_F32)[:] = lv.reshape(-1)
+    o = 8 * nc
+    ib = _index_nbytes(kept, block)
+    if block <= 4096:
+        _pack12(idx, out[o: o + ib])
+    else:
+        out[o: o + ib].view(np.uint16)[:] = idx
+    _pack(codes, 2, out[o + ib:])
+
+
+def _topk_parts(raw: np.ndarray, n: int, block: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions in the piece, values) of a top-k payload, checked."""
+    full, r, kr = _chunks(n, block, k)
+    nc, kept = full + (r > 0), _kept(n, block, k)
+    lv = raw[: 8 * nc].view(_F32).reshape(nc, 2)
+    o, ib = 8 * nc, _index_nbytes(kept, block)
+    idx = _unpack12(raw[o: o + ib], kept) if block <= 4096 else raw[o: o + ib].view(np.uint16).astype(np.int64)
+    codes = _unpack(raw[o + ib:], kept, 2)
+    if kept:
+        if idx.max() >= block or (r and full * k < kept and idx[full * k:].max() >= r):
+            raise ValueError(f"topk payload: an index beyond its chunk (chunks of {block} values, {n} in all)")
+        rows = [idx[: full * k].reshape(full, k)] + ([idx[full * k:].reshape(1, kr)] if r else [])
+        if any(x.shape[1] > 1 and (np.diff(x, axis=1) <= 0).any() for x in rows):
+            raise ValueError("topk payload: a chunk's indices are not strictly increasing")
+    chunk_of = np.concatenate([np.repeat(np.arange(full), k), np.full(kr if r else 0, full)]).astype(np.int64)
+    pos = chunk_of * block + idx
+    mag = lv[chunk_of, (codes & 1).astype(np.int64)]
+    val = np.where(codes & 2, -mag, mag).astype(_F32)
+    return pos, val
+
+
+# ---- dispatch (quant.encode / decode call these) ---------------------------------------------
+def _known(mode: str) -> None:
+    if family(mode) is None:
+        raise ValueError(f"unknown wire mode {mode!r}")
+
+
+def nbytes(n: int, mode: str, block: int) -> int:
+    _known(mode)
+    k = topk_of(mode)
+    if k is not None:
+        return topk_nbytes(n, block, k)
+    _, bits = _LEVELS[mode]
+    return 4 * _nblocks(n, block) + _packed(n, bits)
+
+
+def encode(x: np.ndarray, mode: str, block: int, out: np.ndarray) -> np.ndarray:
+    """Encode flat float32 ``x`` into ``out`` (uint8, exactly :func:`nbytes` long)."""
+    _known(mode)
+    k = topk_of(mode)
+    if x.shape[0]:
+        if k is not None:
+            _topk_encode(x, block, k, out)
+        else:
+            _block_encode(x, mode, block, out)
+    return out
+
+
+def decode(raw: np.ndarray, n: int, mode: str, block: int, out: np.ndarray) -> np.ndarray:
+    """Decode ``n`` values (length already checked) into ``out``."""
+    _known(mode)
+    k = topk_of(mode)
+    if k is None:
+        return _block_decode(raw, n, mode, block, out)
+    out[...] = 0
+    pos, val = _topk_parts(raw, n, block, k)
+    out[pos] = val
+    return out
+
+
+def decode_add(raw: np.ndarray, n: int, mode: str, block: int, acc: np.ndarray, scratch: np.ndarray) -> None:
+    """``acc += decode(raw)`` (top-k: only at its positions; ``scratch``: n float32 for the rest)."""
+    _known(mode)
+    k = topk_of(mode)
+    if k is None:
+        np.add(acc, _block_decode(raw, n, mode, block, scratch[:n]), out=acc)
+        return
+    pos, val = _topk_parts(raw, n, block, k)
+    acc[pos] += val  # positions are distinct within one payload

@@ -1,0 +1,244 @@
+"""All-gather exchange of whole compressed contributions, and their fixed-order mean.
+
+The gathered codecs (:mod:`.codecs`: ``int2``, ``topk<K>``) are never re-encoded on the way:
+each rank encodes its own contribution once, every other rank receives exactly those bytes,
+and every rank decodes all of them and sums them in rank order (0, 1, ..., N-1), then divides
+by N. So the mean is bit-identical on every rank, and each rank knows exactly what its own
+contribution lost (``x - decode(encode(x))``): what error feedback carries to the next round.
+A sum of sparse vectors is not sparse, which is why the contributions travel whole instead of
+as re-encoded partial sums.
+
+Schedule over the ring's links (the same connections as the ring all-reduce): a bucket of
+``numel`` values is cut into ``P`` pieces (:func:`~.plan.make_plan` with one segment); at step
+``s`` (``0 <= s < N - 1``) rank ``r`` sends the pieces of rank ``(r - s) mod N``'s contribution:
+its own at step 0 (each followed by its signature, as in the ring), then what its predecessor
+sent it the step before, verbatim. Each rank sends and receives ``(N - 1)`` contributions.
+Its predecessor's own pieces are shown to ``inspect`` whole, as they arrive; one that does not
+decode is evidence against its sender too, and adds nothing to the mean on any rank.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from intellect_jax.net import codecs, quant
+from intellect_jax.net.errors import FrameError, NetError, PeerTimeout
+from intellect_jax.net.evidence import SIG_BYTES
+from intellect_jax.net.frames import MsgType
+from intellect_jax.net.plan import RingPlan, make_plan
+from intellect_jax.net.ring import Finding, Inspect, Links, Seal
+
+
+def gather_plan(numel: int, block: int, piece_numel: int) -> RingPlan:
+    """Pieces of one contribution (one segment, block/chunk aligned)."""
+    return make_plan(numel, 1, block, piece_numel)
+
+
+def encode_own(x: np.ndarray, p: RingPlan, mode: str, block: int, dropped: np.ndarray | None = None,
+               j: int | None = None) -> list[np.ndarray]:
+    """This rank's payload pieces (all, or only piece ``j``); ``dropped[a:b] = x - decoded``."""
+    out = []
+    for i in range(p.pieces) if j is None else (j,):
+        a, b = p.piece(0, i)
+        wire = quant.encode(x[a:b], mode, block)
+        if dropped is not None:
+            quant.decode(wire, b - a, mode, block, out=dropped[a:b])
+            np.subtract(x[a:b], dropped[a:b], out=dropped[a:b])
+        out.append(wire)
+    return out
+
+
+def combine(payloads: Sequence[Sequence[np.ndarray]], p: RingPlan, mode: str, block: int,
+            out: np.ndarray, skipped: list[tuple[int, int]] | None = None) -> np.ndarray:
+    """The mean of every rank's decoded contribution, summed in rank order, into ``out``.
+
+    A piece its codec rejects adds nothing (every rank holds the same bytes, so every rank
+    skips the same pieces and the mean stays bit-identical); its (rank, piece) goes to
+    ``skipped``. The successor of its sender holds the sender's signature on it (:class:`Finding`)."""
+    world = len(payloads)
+    scratch = np.empty(p.max_piece(), np.float32)
+    for j in range(p.pieces):
+        a, b = p.piece(0, j)
+        acc = out[a:b]
+        acc[...] = 0
+        for r in range(world):
+            try:
+                codecs.decode_add(payloads[r][j], b - a, mode, block, acc, scratch)
+            except ValueError:
+                if skipped is not None:
+                    skipped.append((r, j))
+        np.divide(acc, np.float32(world), out=acc)
+    return out
+
+
+def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: int,
+             dropped: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
+    """What :func:`ring_all_gather_mean` returns on every rank, in one process (and each rank's
+    ``dropped``)."""
+    p = gather_plan(inputs[0].shape[0], block, piece_numel)
+    pays = [encode_own(x, p, mode, block, None if dropped is None else dropped[r]) for r, x in enumerate(inputs)]
+    return combine(pays, p, mode, block, np.empty(inputs[0].shape[0], np.float32))
+
+
+class _GatherRun:
+    """State of one all-gather of one flat vector."""
+
+    def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str,
+                 block: int, piece_numel: int, deadline: float, dropped: np.ndarray | None,
+                 inspect: Inspect | None, seal: Seal | None) -> None:
+        self.links, self.x, self.out, self.rank, self.world = links, x, out, rank, world
+        self.mode, self.block, self.deadline, self.dropped = mode, block, deadline, dropped
+        self.inspect, self.seal = inspect, seal
+        self.plan = gather_plan(x.shape[0], block, piece_numel)
+        self.pays: list[list[np.ndarray | None]] = [[None] * self.plan.pieces for _ in range(world)]
+        self.findings: list[Finding] = []
+        self.skipped: list[tuple[int, int]] = []  # (rank, piece) that did not decode (combine)
+        self.slots: dict[int, tuple[np.ndarray, bytes | None]] = {}
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.streams = len(links.out)
+
+    @property
+    def messages(self) -> int:
+        return (self.world - 1) * self.plan.pieces
+
+    def fail(self, exc: BaseException) -> None:
+        with self.cond:
+            first = self.error is None
+            if first:
+                self.error = exc
+            self.cond.notify_all()
+        if first:
+            self.links.abort()
+
+    def put(self, m: int, wire: np.ndarray, ptag: bytes | None) -> None:
+        with self.cond:
+            self.slots[m] = (wire, ptag)
+            self.cond.notify_all()
+
+    def take(self, m: int) -> tuple[np.ndarray, bytes | None] | None:
+        with self.cond:
+            while m not in self.slots:
+                if self.error is not None:
+                    return None
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerTimeout(f"all-gather: message {m} not ready before the deadline")
+                self.cond.wait(min(left, 1.0))
+            return self.slots.pop(m)
+
+    def guarded(self, fn, *args):  # noqa: ANN001, ANN202
+        def body() -> None:
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 - raised by run()
+                self.fail(e)
+        return body
+
+    def encoder(self) -> None:
+        for j in range(self.plan.pieces):
+            if self.error is not None:
+                return
+            wire = encode_own(self.x, self.plan, self.mode, self.block, self.dropped, j)[0]
+            self.pays[self.rank][j] = wire
+            self.put(j, wire, None)
+
+    def sender(self, k: int) -> None:
+        conn = self.links.out[k]
+        for m in range(k, self.messages, self.streams):
+            item = self.take(m)
+            if item is None:
+                return
+            conn.send(MsgType.DATA, item[0], deadline=self.deadline, ptag=item[1])
+            if m < self.plan.pieces and self.seal is not None:  # our own piece: its signature follows
+                a, b = self.plan.piece(0, m)
+                conn.send(MsgType.DATA, self.seal.sign(0, m, b - a, item[0]), deadline=self.deadline)
+
+    def receiver(self, k: int) -> None:
+        conn, P = self.links.inn[k], self.plan.pieces
+        for m in range(k, self.messages, self.streams):
+            if self.error is not None:
+                return
+            s, j = divmod(m, P)
+            origin = (self.rank - 1 - s) % self.world
+            a, b = self.plan.piece(0, j)
+            nbytes = quant.encoded_nbytes(b - a, self.mode, self.block)
+            hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=nbytes)
+            wire = np.empty(nbytes, np.uint8)
+            conn.recv_payload_into(hdr, wire, deadline=self.deadline)
+            if s == 0:
+                self._inspect(conn, wire, j)
+            self.pays[origin][j] = wire
+            if s < self.world - 2:
+                self.put(m + P, wire, hdr.ptag)
+
+    def _inspect(self, conn, wire: np.ndarray, j: int) -> None:  # noqa: ANN001
+        """The predecessor's own piece ``j``: read its signature, decode it (a payload its codec
+        rejects fails the call, naming the predecessor), show it to ``inspect``."""
+        sig = None
+        if self.seal is not None:
+            hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=SIG_BYTES)
+            buf = bytearray(SIG_BYTES)
+            conn.recv_payload_into(hdr, buf, deadline=self.deadline)
+            sig = bytes(buf)
+        a, b = self.plan.piece(0, j)
+        try:
+            theirs = quant.decode(wire, b - a, self.mode, self.block)
+            why = self.inspect(theirs) if self.inspect is not None else None
+        except ValueError as e:  # every rank will skip it (combine); its signature blames its sender
+            why = f"an undecodable payload ({e})"
+        if not why:
+            return
+        payload = wire.tobytes()
+        if self.seal is not None and not self.seal.verify(0, j, b - a, payload, sig):  # type: ignore[arg-type]
+            raise FrameError(f"{conn.peer}: its own piece {j} has {why}, and its signature does not verify")
+        with self.cond:
+            self.findings.append(Finding(why, 0, j, b - a, payload, sig))
+
+    def run(self) -> np.ndarray:
+        threads = [threading.Thread(target=self.guarded(self.encoder), name="gather-enc", daemon=True)]
+        for k in range(self.streams):
+            threads.append(threading.Thread(target=self.guarded(self.sender, k), name=f"gather-tx{k}", daemon=True))
+            threads.append(threading.Thread(target=self.guarded(self.receiver, k), name=f"gather-rx{k}",
+                                            daemon=True))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, self.deadline - time.monotonic()))
+            if t.is_alive():
+                self.fail(PeerTimeout("all-gather did not finish before its deadline"))
+                t.join(5.0)
+        if self.error is not None:
+            raise self.error
+        if any(t.is_alive() for t in threads):  # pragma: no cover - sockets are shut down
+            raise NetError("all-gather threads did not stop after a failure")
+        return combine(self.pays, self.plan, self.mode, self.block, self.out, self.skipped)  # type: ignore[arg-type]
+
+
+def ring_all_gather_mean(links: Links, x: np.ndarray, rank: int, world: int, *, mode: str, block: int,
+                         piece_numel: int, deadline: float, out: np.ndarray | None = None,
+                         dropped: np.ndarray | None = None, inspect: Inspect | None = None,
+                         findings: list[Finding] | None = None, seal: Seal | None = None) -> np.ndarray:
+    """Mean of ``x`` (flat float32) over the ring by an all-gather of encoded contributions,
+    bit-identical on every rank (``out``: flat float32, not overlapping ``x``). ``dropped``:
+    receives ``x - decode(encode(x))``. ``inspect``, ``findings``, ``seal``: as the ring's."""
+    if not codecs.gathered(mode):
+        raise ValueError(f"{mode} is not a gathered codec")
+    out = np.empty(x.shape[0], np.float32) if out is None else out
+    if out.shape != x.shape or np.may_share_memory(out, x):
+        raise ValueError(f"out must be float32 of shape {x.shape}, apart from the input")
+    if world == 1:  # nothing is sent, so nothing is lost
+        np.copyto(out, x)
+        if dropped is not None:
+            dropped[...] = 0
+        return out
+    run = _GatherRun(links, x, out, rank, world, mode, block, piece_numel, deadline, dropped, inspect, seal)
+    try:
+        return run.run()
+    finally:
+        if findings is not None:
+            findings.extend(run.findings)
