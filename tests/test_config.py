@@ -80,7 +80,7 @@ def test_bad_model_value_on_the_command_line_names_the_field():
 
 @pytest.mark.parametrize("argv,flag", [
     (["--run.steps", "x"], "--run.steps"), (["--run.steps=-1"], "--run.steps"),
-    (["--optim.lr", "abc"], "--optim.lr"), (["--diloco.mode", "int4"], "--diloco.mode"),
+    (["--optim.lr", "abc"], "--optim.lr"), (["--diloco.mode", "int3"], "--diloco.mode"),
     (["--model.rope_theta", "0"], "--model.rope_theta"), (["--data.seq_len", "1.5"], "--data.seq_len"),
 ])
 def test_a_wrong_type_or_range_on_the_command_line_is_one_line_naming_the_flag(argv, flag, capsys):

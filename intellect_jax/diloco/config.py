@@ -14,15 +14,24 @@ class DilocoConfig(BaseModel):
     inner_steps: PositiveInt = 100  # H: inner steps between outer steps
     outer_lr: PositiveFloat = 0.7
     outer_momentum: float = 0.9  # Nesterov
-    mode: Literal["int8", "bf16", "fp32"] = "int8"  # all-reduce wire format
-    block_size: PositiveInt = 64  # int8: elements per fp32 scale
+    # how pseudo-gradients are exchanged (net.quant, net.codecs): "int8", "int4", "bf16", "fp32"
+    # through the ring all-reduce; "int2" and "topk" as whole contributions (net.gather), with
+    # error feedback: what a node's encoding loses is added to its next contribution
+    mode: Literal["int8", "int4", "bf16", "fp32", "int2", "topk"] = "int8"
+    block_size: PositiveInt = 64  # int8, int4, int2: elements per fp32 scale
+    topk: PositiveInt = 64  # topk: values kept per chunk (64 of 4096: 1.56%)
+    topk_chunk: PositiveInt = 4096  # topk: values per chunk (<= 65536; 12-bit indices up to 4096)
+    # error feedback (int2, topk): the residual a node carries into its next contribution is
+    # multiplied by this each round (1: all of it; 0: none)
+    feedback: float = 1.0
     # where outer - inner is made: "device" quantizes it to int8 per shard on the accelerator
     # (only codes + scales cross PCIe; the Triton kernel on a GPU, the host codec on CPU devices);
     # "host" pulls fp32 params to the host; "auto": device on a GPU node with jax-triton
     pseudo_gradient: Literal["auto", "device", "host"] = "auto"
     # train round k+1 while round k's all-reduce and outer step run (diloco/overlap.py); None:
-    # wherever it runs as asked (a single-process node, the int8 wire format, whose pseudo_gradient
-    # is not "host": overlapped rounds quantize each node's contribution on its devices). What a
+    # wherever it runs as asked (a single-process node, a wire format no finer than int8, whose
+    # pseudo_gradient is not "host": overlapped rounds quantize each node's contribution to int8
+    # on its devices). What a
     # node runs is decided by diloco.device_pg.pg_path from these settings
     overlap: bool | None = None
     # tau: the average of round k lands this many inner steps into round k+1, keeping the node's
@@ -52,6 +61,21 @@ class DilocoConfig(BaseModel):
     init_from: str | None = None  # another node's run dir (shared storage): start from its checkpoint
 
     @property
+    def wire_mode(self) -> str:
+        """The mode as the wire names it (``topk<K>`` carries K)."""
+        return f"topk{self.topk}" if self.mode == "topk" else self.mode
+
+    @property
+    def wire_block(self) -> int:
+        """The codec's block: values per scale, or per chunk for top-k."""
+        return self.topk_chunk if self.mode == "topk" else self.block_size
+
+    @property
+    def gathered(self) -> bool:
+        """Contributions exchanged whole, with error feedback (``net.gather``)."""
+        return self.mode in ("int2", "topk")
+
+    @property
     def pow2_block(self) -> bool:
         """The device quantizer's blocks are powers of two >= 16."""
         return self.block_size >= 16 and not self.block_size & (self.block_size - 1)
@@ -67,6 +91,10 @@ class DilocoConfig(BaseModel):
         if self.pseudo_gradient == "device" and not self.pow2_block:
             raise ValueError(f"block_size ({self.block_size}) must be a power of two >= 16 for the device "
                              "pseudo-gradient (or set pseudo_gradient = \"host\")")
+        if self.mode == "topk" and not self.topk <= self.topk_chunk <= 1 << 16:
+            raise ValueError(f"topk ({self.topk}) must be <= topk_chunk ({self.topk_chunk}) <= 65536")
+        if not 0.0 <= self.feedback <= 1.0:
+            raise ValueError(f"feedback must be in [0, 1], got {self.feedback}")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         return self

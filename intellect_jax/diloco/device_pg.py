@@ -230,8 +230,8 @@ def pg_path(d: DilocoConfig, processes: int, kernel: bool) -> PgPath:
 
     A node of several processes gathers its shards' pieces at the lead: the device path, never
     overlapped (not available yet). A single-process node overlaps its rounds unless told not to
-    (``diloco.overlap`` unset: with the int8 wire format and a pseudo_gradient other than
-    "host"), which takes the device path; else "device" and "host" are obeyed and "auto" takes
+    (``diloco.overlap`` unset: with a wire format no finer than int8 and a pseudo_gradient
+    other than "host"), which takes the device path; else "device" and "host" are obeyed and "auto" takes
     the device path where the kernel runs. The kernel needs power-of-two blocks."""
     multi = processes > 1
     if multi and d.pseudo_gradient == "host":
@@ -240,7 +240,8 @@ def pg_path(d: DilocoConfig, processes: int, kernel: bool) -> PgPath:
     if multi and d.overlap:
         raise DilocoError("diloco.overlap is not available on a node of several processes yet (leave it unset "
                           "or false)")
-    overlap = (not multi and d.pseudo_gradient != "host" and d.mode == "int8") if d.overlap is None else d.overlap
+    lossy = d.mode not in ("fp32", "bf16")  # codes no finer than the device path's int8
+    overlap = (not multi and d.pseudo_gradient != "host" and lossy) if d.overlap is None else d.overlap
     kernel = kernel and d.pow2_block
     device = multi or overlap or d.pseudo_gradient == "device" or (d.pseudo_gradient == "auto" and kernel)
     return PgPath(device=device, kernel=device and kernel, overlap=overlap)

@@ -60,6 +60,10 @@ class OuterResult:
                 "sat_out": self.sat_out, "skipped": self.skipped, "contributors": ep.world_size - len(ep.sitting_out)}
 
 
+def _finite(tree: Any) -> bool:
+    return all(np.isfinite(x).all() for x in jax.tree.leaves(tree))
+
+
 def claim_of(s: DilocoState | None) -> Resume | None:
     return Resume(s.outer_step, state_hash=state_hash(s)) if s is not None else None
 
@@ -179,7 +183,7 @@ class NodeLoop:
         s = p.store.load(got.inner_step)
         if state_hash(s) != h:
             raise TransferFailed(f"the checkpoint of the received state hashes to {state_hash(s)[:12]}, not {h[:12]}")
-        return self._adopt(s._replace(data=None))
+        return self._adopt(s._replace(data=None, residual=None))  # a joiner's feedback starts from zeros
 
     # ---- rounds --------------------------------------------------------------------------------
     def _rounds(self) -> Outcome:
@@ -323,7 +327,13 @@ class NodeLoop:
             p.log(f"WARNING sitting out outer step {k + 1}: this node's pseudo-gradient has {sits_out}")
             pg = jax.tree.map(np.zeros_like, pg)
         ref = reference_rms(opening["scale"], opening["numel"])
-        avg, ep, stats, tries, suspect = self._all_reduce(k, h, pg, sits_out, report, ref)
+        pg, dropped = self._with_feedback(s, pg, sits_out)
+        avg, ep, stats, tries, suspect = self._all_reduce(k, h, pg, sits_out, report, ref, dropped)
+        residual = s.residual if dropped is None else dropped
+        if residual is not None and not (self.cfg.feedback and _finite(residual)):
+            if self.cfg.feedback:
+                p.log(f"WARNING outer step {k + 1}: the error-feedback residual is not finite; starting it anew")
+            residual = None  # feedback off (e.g. another codec since the checkpoint), or a broken one
         self._confirm(k, h)
         avg, avg_norm, skip = self._vet(s, avg, ep, scale)
         if skip:  # every node holds the same bits, so every node skips
@@ -331,11 +341,33 @@ class NodeLoop:
             s = s._replace(outer_step=k + 1, inner_step=(k + 1) * H)
         else:
             s = outer_step(s, avg, self.tx, inner_step=(k + 1) * H)._replace(norms=remember(s.norms, avg_norm, self.guard))
+        s = s._replace(residual=residual)
         if suspect:
             p.log(f"WARNING {ep.node_ids[suspect[0]]}'s contribution to outer step {k + 1} had {suspect[1]}")
         report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None,
                   "evidence": {**suspect[2], "opening": opening if ref is not None else None} if suspect else None}
         return OuterResult(s, ep, stats, tries, report, pg_norm, avg_norm, sits_out, skip, None if skip else avg)
+
+    def _with_feedback(self, s: DilocoState, pg: Any, sits_out: str | None) -> tuple[Any, Any]:
+        """(contribution, buffer for what its encoding drops): ``pg`` plus ``feedback`` x the
+        residual under error feedback (added into ``pg``'s own arrays: a pseudo-gradient is
+        made fresh for each outer step), else ``pg`` and None. A node that sits out sends zeros
+        and keeps its residual for the next round (None). The residual's own arrays are never
+        written: a checkpoint being saved, or the state kept after an eviction, may hold them."""
+        fb = self.cfg.feedback
+        if not fb or sits_out:
+            return pg, None
+        dropped = jax.tree.map(lambda g: np.empty(np.shape(g), np.float32), pg)
+        if s.residual is None:
+            return pg, dropped
+
+        def add(g: Any, e: np.ndarray, d: np.ndarray) -> np.ndarray:
+            g = g if isinstance(g, np.ndarray) and g.dtype == np.float32 and g.flags.writeable else \
+                np.array(g, np.float32)
+            np.multiply(e, np.float32(fb), out=d)  # d: scratch until the exchange writes it
+            return np.add(g, d, out=g)
+
+        return jax.tree.map(add, pg, s.residual, dropped), dropped
 
     def _hash(self, s: DilocoState) -> tuple[dict[str, Any], str]:
         """(opening, hash) of ``s`` (:func:`~.state.hash_opening`), computed once per state: a
@@ -366,7 +398,7 @@ class NodeLoop:
         return avg, norm, why
 
     def _all_reduce(self, k: int, h: str, pg: Any, sits_out: str | None, report: dict | None,
-                    ref: float | None) -> tuple[Any, Epoch, Any, int, tuple[int, str, dict] | None]:
+                    ref: float | None, dropped: Any = None) -> tuple[Any, Epoch, Any, int, tuple[int, str, dict] | None]:
         p, cfg = self.p, self.cfg
         retry_of = None
         for attempt in range(cfg.max_retries + 1):
@@ -380,7 +412,7 @@ class NodeLoop:
             comm.inspect = lambda theirs: verdict(theirs, ref)  # the predecessor's own pieces
             try:
                 with abort_when(p.clock, lambda: p.client.epoch_broken(ep.epoch_id), comm.abort, cfg.watch_interval):
-                    avg = comm.all_reduce_mean(pg)
+                    avg = comm.all_reduce_mean(pg) if dropped is None else comm.all_reduce_mean(pg, dropped=dropped)
                 return avg, ep, comm.last_stats, attempt + 1, getattr(comm, "suspect", None)
             except NetError as e:
                 p.log(f"all-reduce of outer step {k + 1} failed in epoch {ep.epoch_id}: {e}; retrying")
@@ -393,7 +425,8 @@ class NodeLoop:
     def _serve(self, ep: Epoch, s: DilocoState) -> None:
         if not ep.serve:
             return
-        snap = s._replace(inner_opt_state=self.p.inner.snapshot(), data=None)  # taken now, sent in the background
+        # taken now, sent in the background; the data position and the error feedback are this node's own
+        snap = s._replace(inner_opt_state=self.p.inner.snapshot(), data=None, residual=None)
         meta = {"outer_step": s.outer_step, "inner_step": s.inner_step, "hash": state_hash(s), "norms": list(s.norms)}
         client, since = self.p.client, self.p.client.view_seq
         for joiner_id, joiner_addr in ep.serve:

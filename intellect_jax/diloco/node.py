@@ -51,7 +51,8 @@ def loop_config(cfg: TrainConfig, path: PgPath) -> LoopConfig:
                       outer_momentum=d.outer_momentum, max_retries=d.max_retries,
                       transfer_timeout=d.transfer_timeout, admission_timeout=d.admission_timeout,
                       watch_interval=d.heartbeat_interval, ckpt_every=cfg.ckpt.every, eval_every=cfg.run.eval_every,
-                      overlap=path.overlap, overlap_delay=d.overlap_delay)
+                      overlap=path.overlap, overlap_delay=d.overlap_delay,
+                      feedback=d.feedback if d.gathered else 0.0)
 
 
 def node_pg_path(cfg: TrainConfig) -> PgPath:
@@ -91,7 +92,7 @@ class DilocoNode:
         host, port = parse_address(d.listen)
         self.net = NetNode(self.tcfg, host, port)
         addr = d.advertise or f"{self.net.address[0]}:{self.net.address[1]}"
-        self.ring_cfg = RingConfig(mode=d.mode, block_size=d.block_size, streams=d.streams,
+        self.ring_cfg = RingConfig(mode=d.wire_mode, block_size=d.wire_block, streams=d.streams,
                                    deadline=d.allreduce_deadline)
         self.client = CoordinatorClient(
             d.coordinator, self.tcfg, self.node_id, addr, devices=jax.device_count(),

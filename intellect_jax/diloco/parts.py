@@ -109,6 +109,9 @@ class LoopConfig:
     guard: GuardConfig = GuardConfig()
     overlap: bool = False  # train round k+1 while round k's all-reduce and outer step run (see .overlap)
     overlap_delay: int | None = None  # tau: inner steps from sending a pseudo-gradient to merging its average (None: when ready)
+    # error feedback (gathered codecs only): each contribution is pg + feedback x the residual the
+    # last one left, and what its encoding drops becomes the next residual (0: off)
+    feedback: float = 0.0
 
 
 @dataclass

@@ -9,7 +9,8 @@ the state hash covers:
   live trainer); a joiner takes its donor's;
 * ``outer_step``, ``inner_step``: counters; ``data``: this node's data-iterator position (its
   own shard, so it is checkpointed but never transferred); ``norms``: the norms of recent
-  averages, which the average check (:mod:`.guard`) compares against (shared, hashed).
+  averages, which the average check (:mod:`.guard`) compares against (shared, hashed);
+  ``residual``: this node's error feedback (checkpointed, never transferred nor hashed).
 
 At an outer boundary the inner params equal ``outer_params`` (cast to the param dtype), so
 they are not stored separately.
@@ -64,6 +65,10 @@ class DilocoState(NamedTuple):
     """Norms of the recent accepted averages, oldest first (at most ``GuardConfig.history``): what
     the check of the next average compares it with (:mod:`.guard`). Every node must judge alike,
     so they are part of the shared, hashed state."""
+    residual: Tree | None = None
+    """Error feedback (gathered codecs, ``diloco.feedback``): what the encoding of this node's last
+    contribution lost, fp32 numpy like ``outer_params``, added to its next one. This node's own:
+    checkpointed with it, never transferred (a joiner starts from zeros) nor hashed; None: zeros."""
 
     def arrays(self) -> dict[str, Tree]:
         """The array part, in the one leaf order used by checkpoints, transfers and hashes."""

@@ -1,7 +1,8 @@
 """Where a DiLoCo node's states go: the node's one orbax checkpointing path.
 
 :class:`CheckpointStore` keeps `DilocoState`s in the trainer's `Checkpointer` (array item
-``diloco``: outer params, outer momentum, inner optimizer state; JSON items ``data``,
+``diloco``: outer params, outer momentum, inner optimizer state; ``feedback``, the node's
+error-feedback residual, where it has one; JSON items ``data``,
 ``meta`` with the counters and the state hash, ``tokenizer``). Periodic checkpoints, the
 state a joiner received from its donor, and a resume all go through it, one operation at a
 time. A restored state must hash to what its ``meta`` says, else the checkpoint counts as
@@ -24,6 +25,7 @@ from intellect_jax.trainer.checkpoint import Checkpointer, CheckpointError
 from intellect_jax.trainer.loop import Trainer, warn
 
 ITEM = "diloco"
+FEEDBACK = "feedback"  # the node's error-feedback residual, when it has one (an optional item)
 
 
 class CheckpointStore:
@@ -35,9 +37,10 @@ class CheckpointStore:
         self.t, self.resume, self.init_from, self.warn = trainer, resume, init_from, warn
         self.meta = meta or {}
 
-    def _abstract(self) -> dict[str, Any]:
+    def _abstract(self, feedback: bool = True) -> dict[str, Any]:
         """Restore targets: placed like the train state, or host numpy for a lead-only
-        checkpointer (the lead of a multi-process node places the state itself)."""
+        checkpointer (the lead of a multi-process node places the state itself); the residual
+        (``feedback``: asked for) always to host numpy, where the outer loop keeps it."""
         a, sh = self.t.abstract_state, self.t.shardings
         if self.t.ckpt.lead_only:
             fp32 = jax.tree.map(lambda x: np.empty(x.shape, np.float32), a.params)
@@ -45,7 +48,10 @@ class CheckpointStore:
         else:
             fp32 = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, "float32", sharding=s), a.params, sh.params)
             opt = a.opt_state
-        return {ITEM: {"outer_params": fp32, "outer_opt_state": MomentumState(fp32), "inner_opt_state": opt}}
+        out = {ITEM: {"outer_params": fp32, "outer_opt_state": MomentumState(fp32), "inner_opt_state": opt}}
+        if feedback:
+            out[FEEDBACK] = jax.tree.map(lambda x: np.empty(x.shape, np.float32), a.params)
+        return out
 
     def _state(self, out: dict[str, Any]) -> DilocoState:
         arrays, meta = out[ITEM], out["meta"]
@@ -54,8 +60,9 @@ class CheckpointStore:
                                          if isinstance(arrays["outer_opt_state"], dict)
                                          else arrays["outer_opt_state"].momentum))
         data = out.get("data") or None  # {}: no position recorded (start of this node's shard)
+        residual = out.get(FEEDBACK)  # host float32 numpy already (see _abstract)
         return DilocoState(outer, momentum, arrays["inner_opt_state"], int(meta["outer_step"]),
-                           int(meta["inner_step"]), data, tuple(meta.get("norms", ())))
+                           int(meta["inner_step"]), data, tuple(meta.get("norms", ())), residual)
 
     def _verify(self, out: dict[str, Any]) -> str | None:
         got, want = state_hash(self._state(out)), out["meta"].get("outer_hash")
@@ -67,15 +74,15 @@ class CheckpointStore:
             ck = Checkpointer(d / "ckpt" if (d / "ckpt").is_dir() else d, every=0, keep=10**6, async_save=False,
                               lead_only=self.t.ckpt.lead_only)
             try:
-                _, out = ck.restore_newest(self._abstract(), ("meta",), self._verify, self.warn)
+                _, out = ck.restore_newest(self._abstract(feedback=False), ("meta",), self._verify, self.warn)
             except CheckpointError as e:
                 raise CheckpointError(f"diloco.init_from {self.init_from}: {e}") from None
             finally:
                 ck.close()
-            return self._state(out)._replace(data=None)  # another node's data shard: keep ours
+            return self._state(out)._replace(data=None)  # another node's data shard (its feedback: not read)
         if not self.resume or not self.t.ckpt.all_steps():
             return None
-        _, out = self.t.ckpt.restore_newest(self._abstract(), ("meta", "data"), self._verify, self.warn)
+        _, out = self.t.ckpt.restore_newest(self._abstract(), ("meta", "data"), self._verify, self.warn, (FEEDBACK,))
         return self._state(out)
 
     def save(self, s: DilocoState, *, wait: bool = False) -> None:
@@ -88,12 +95,13 @@ class CheckpointStore:
                 "norms": list(s.norms),
                 "config": self.t.cfg.model_dump(mode="json")}
         json = {"meta": meta, "tokenizer": self.t.tok.state(), "data": s.data if s.data is not None else {}}
-        ck.save(step, {ITEM: s.arrays()}, json, force=True)
+        ck.save(step, {ITEM: s.arrays(), **({FEEDBACK: s.residual} if s.residual is not None else {})}, json,
+                force=True)
         if wait:
             ck.wait()
 
     def load(self, inner_step: int) -> DilocoState:
-        out = self.t.ckpt.restore(inner_step, self._abstract(), ("meta", "data"))
+        out = self.t.ckpt.restore(inner_step, self._abstract(), ("meta", "data"), (FEEDBACK,))
         why = self._verify(out)
         if why:
             raise CheckpointError(f"checkpoint {inner_step}: {why}")

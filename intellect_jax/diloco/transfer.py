@@ -195,7 +195,7 @@ def vet_received(adm: Admission, meta: StateMeta | dict[str, Any], got: DilocoSt
     if meta.outer_step != k or meta.inner_step != k * inner_steps:
         raise TransferFailed(f"{donor} sent outer step {meta.outer_step} at inner step {meta.inner_step}; "
                              f"admitted for outer step {k}, i.e. inner step {k * inner_steps}")
-    got = got._replace(outer_step=k, inner_step=meta.inner_step, data=None, norms=tuple(meta.norms))
+    got = got._replace(outer_step=k, inner_step=meta.inner_step, data=None, norms=tuple(meta.norms), residual=None)
     h, want = state_hash(got), adm.state_hash or meta.hash
     if h != want:
         whose = "the run recorded" if adm.state_hash else "its header says"

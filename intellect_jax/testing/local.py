@@ -181,8 +181,10 @@ class _Endpoint:
 
 def run_local(loop_cfg: LoopConfig, inners: list[Inner], ring: RingConfig, *,
               coordinator: CoordinatorConfig | None = None, log: Callable[[str], None] | None = None,
-              heartbeat_interval: float = 1.0) -> list[Outcome]:
-    """Run every node to the end in threads; returns their outcomes (raises a node's error)."""
+              heartbeat_interval: float = 1.0, stores: list[MemoryStore] | None = None) -> list[Outcome]:
+    """Run every node to the end in threads; returns their outcomes (raises a node's error).
+    ``stores``: each node's checkpoint store (default: a fresh :class:`MemoryStore` each)."""
+    stores = stores or [MemoryStore() for _ in inners]
     coord = LocalCoordinator(coordinator or CoordinatorConfig(min_nodes=len(inners), join_window=0.0,
                                                               outer_steps=loop_cfg.outer_steps))
     rings, transport = LocalRing(ring), LocalTransport()
@@ -192,7 +194,7 @@ def run_local(loop_cfg: LoopConfig, inners: list[Inner], ring: RingConfig, *,
         name = f"node{i}"
         client = CoordinatorClient(None, None, name, f"local://{name}", wire=coord.wire(name),
                                    heartbeat_interval=heartbeat_interval, outer_steps=loop_cfg.outer_steps)
-        parts = NodeParts(name, inners[i], client, rings, transport.endpoint(name), MemoryStore(),
+        parts = NodeParts(name, inners[i], client, rings, transport.endpoint(name), stores[i],
                           log=(lambda line: log(f"[{name}] {line}")) if log else (lambda line: None))
         try:
             outcomes[i] = NodeLoop(loop_cfg, parts).run()

@@ -101,11 +101,16 @@ class Checkpointer:
         items[CHECKSUMS] = ocp.args.JsonSave({name: checksums(tree) for name, tree in arrays.items()})
         return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
 
-    def restore(self, step: int, arrays: dict[str, Any], json: tuple[str, ...] = ()) -> dict[str, Any]:
+    def restore(self, step: int, arrays: dict[str, Any], json: tuple[str, ...] = (),
+                optional: tuple[str, ...] = ()) -> dict[str, Any]:
         """The named items of ``step``: array trees placed per the abstract trees' shardings (host
-        numpy where the abstract leaves are numpy), verified against their checksums."""
+        numpy where the abstract leaves are numpy), verified against their checksums. An array
+        item named in ``optional`` that this checkpoint lacks is left out of the result."""
         if step not in self.all_steps():
             raise CheckpointError(f"step {step} not in {self.directory} (have {self.all_steps()})")
+        if optional:
+            have = self.item_names(step)
+            arrays = {k: v for k, v in arrays.items() if k not in optional or k in have}
         items = {name: ocp.args.StandardRestore(tree) for name, tree in arrays.items()}
         items.update({name: ocp.args.JsonRestore() for name in (*json, CHECKSUMS)})
         out = self.manager.restore(step, args=ocp.args.Composite(**items))
@@ -120,7 +125,8 @@ class Checkpointer:
 
     def restore_newest(self, arrays: dict[str, Any], json: tuple[str, ...] = (),
                        verify: Callable[[dict[str, Any]], str | None] | None = None,
-                       warn: Callable[[str], None] = log.warning) -> tuple[int, dict[str, Any]]:
+                       warn: Callable[[str], None] = log.warning,
+                       optional: tuple[str, ...] = ()) -> tuple[int, dict[str, Any]]:
         """The newest checkpoint that restores and passes ``verify`` (which returns a reason to
         reject, or None); each damaged one is skipped with one warning line."""
         steps = self.all_steps()
@@ -128,7 +134,7 @@ class Checkpointer:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
         for step in reversed(steps):
             try:
-                out = self.restore(step, arrays, json)
+                out = self.restore(step, arrays, json, optional)
                 why = verify(out) if verify else None
             except CheckpointDamaged as e:
                 why = str(e)
