@@ -51,12 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0:50", help="a range START:END of seeds")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the event log of each seed")
     ap.add_argument("--overlap", action="store_true", help="the nodes run overlapped rounds")
+    ap.add_argument("--mode", default="int8", help="the exchange's codec, e.g. int8, int4, int2, topk4 (chunks "
+                    "of 32 values)")
     a = ap.parse_args(argv)
     seeds = [a.seed] if a.seed is not None else range(*map(int, a.seeds.split(":")))
     bad, total = 0, Counter()
     t0 = time.monotonic()
     for seed in seeds:
-        r = Sim(seed, SimParams(overlap=a.overlap)).run()
+        r = Sim(seed, SimParams(overlap=a.overlap, mode=a.mode)).run()
         total.update(r["faults"])
         if a.verbose:
             print("\n".join(r["log"]))

@@ -20,6 +20,7 @@ from intellect_jax.coordinator.client import CoordinatorClient
 from intellect_jax.coordinator.journal import MemoryJournal
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.service import ServiceStopped
+from intellect_jax.net.codecs import gathered
 from intellect_jax.diloco.loop import NodeLoop
 from intellect_jax.diloco.parts import LoopConfig, NodeParts, Outcome
 from intellect_jax.diloco.state import DilocoState, state_hash
@@ -58,7 +59,7 @@ class Sim(World):
                                    outer_momentum=p.outer_momentum, transfer_timeout=p.transfer_timeout,
                                    admission_timeout=p.max_time, watch_interval=p.heartbeat_interval,
                                    ckpt_every=ckpt * p.inner_steps, eval_every=0, overlap=p.overlap,
-                                   overlap_delay=tau)
+                                   overlap_delay=tau, feedback=p.feedback if gathered(p.mode) else 0.0)
         self.procs: list[Proc] = []
         self.disks: dict[str, dict[int, DilocoState]] = {}
         self.forced: dict[str, str] = {}  # node -> how the operator wants it restarted

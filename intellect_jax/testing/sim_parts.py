@@ -146,26 +146,28 @@ class SimInner(NumpyInner):
 
 
 class _Comm:
-    """One rank of an in-process ring for one epoch; results are the int8 ring's exact bits."""
+    """One rank of an in-process ring for one epoch; results are the ring's (or the all-gather's)
+    exact bits for the run's codec."""
 
     def __init__(self, sim: World, proc: Proc, ep: Epoch) -> None:
         self.sim, self.proc, self.rank, self.world_size, self.epoch = sim, proc, ep.rank, ep.world_size, ep.epoch_id
         self.step = ep.outer_step + 1
         self.group = sim.groups.setdefault((ep.epoch_id, ep.outer_step), Group(ep.world_size))
-        self.last_stats = CommStats(world_size=ep.world_size, mode="int8")
+        self.last_stats = CommStats(world_size=ep.world_size, mode=sim.ring_cfg.mode)
         self.inspect: Any = None  # as the socket ring's: shown the predecessor's own contribution
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
 
-    def all_reduce_mean(self, tree: Any) -> Any:
+    def all_reduce_mean(self, tree: Any, dropped: Any = None) -> Any:
         sim, g, clock = self.sim, self.group, self.sim.clock
         f = sim.gate(self.proc, "allreduce", "before")
         tree = sim.poison(self.proc, "wire", self.step, tree)
         deadline = clock.now() + sim.p.ring_deadline
         with sim.cond:
-            g.inputs[self.rank], g.members[self.rank] = tree, self.proc
+            g.inputs[self.rank], g.members[self.rank], g.drops[self.rank] = tree, self.proc, dropped
             if len(g.inputs) == g.world and g.results is None and g.error is None:
                 ordered = [g.inputs[r] for r in range(g.world)]
-                g.results = LocalGroup(g.world, sim.ring_cfg, epoch=self.epoch).all_reduce_mean_all(ordered)
+                g.results = LocalGroup(g.world, sim.ring_cfg, epoch=self.epoch).all_reduce_mean_all(
+                    ordered, [g.drops.get(r) for r in range(g.world)])
                 if any(sim.framing(q, self.step) for q in g.members.values()):  # a framer's poisoned partial
                     g.results = [corrupt(r, "nan") for r in g.results]  # sums: nobody can see whose they are
                 if f is not None and f.kind.startswith("partial") and g.world > 2:

@@ -68,6 +68,7 @@ class Group:
     def __init__(self, world: int) -> None:
         self.world = world
         self.inputs: dict[int, Any] = {}
+        self.drops: dict[int, Any] = {}  # error feedback buffers (gathered codecs)
         self.members: dict[int, Proc] = {}
         self.results: list[Any] | None = None
         self.error: str | None = None
@@ -83,7 +84,7 @@ class World:
         self.clock = SimClock()
         self.cond = self.clock.Condition()
         self.log: list[str] = []
-        self.ring_cfg = RingConfig(mode="int8", block_size=32, piece_numel=64, deadline=self.p.ring_deadline)
+        self.ring_cfg = RingConfig(mode=self.p.mode, block_size=32, piece_numel=64, deadline=self.p.ring_deadline)
         self.rows: list[tuple[str, int, dict[str, Any]]] = []  # (proc, inner step, row) as recorded
         self.groups: dict[tuple[int, int], Group] = {}  # (epoch, boundary): an epoch spans steps
         self.by_addr: dict[str, Proc] = {}
