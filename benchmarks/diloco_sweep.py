@@ -11,7 +11,8 @@ trainers in one process (`intellect_jax.testing.local.run_local`: threads, in-pr
 coordinator, the ring's arithmetic in-process), each node on its own data shard. Same model,
 data, schedule and validation windows as the experiment (`configs/debug_diloco.toml`, warmup
 10%, decay 20% of the steps, 128 held-out sequences). `--mode fp32` (default) averages in fp32,
-`--mode int8` as the experiment's wire format. Prints the validation loss of the final outer
+`--mode int8` as the experiment's wire format, `int4`, `int2`, `topk` as those codecs (the last
+two with error feedback, `--feedback`). Prints the validation loss of the final outer
 params (and, with `--eval-replicas`, at every outer step each node's before averaging and the
 average's), then one JSON line.
 """
@@ -38,7 +39,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3, help="inner (and one-node) peak learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9)
-    ap.add_argument("--mode", default="fp32", choices=["fp32", "bf16", "int8"], help="all-reduce arithmetic")
+    ap.add_argument("--mode", default="fp32", choices=["fp32", "bf16", "int8", "int4", "int2", "topk"],
+                    help="the exchange's codec (diloco.mode)")
+    ap.add_argument("--block", type=int, default=64, help="values per scale (int8, int4, int2)")
+    ap.add_argument("--topk", type=int, default=64, help="topk: values kept per chunk")
+    ap.add_argument("--topk-chunk", type=int, default=4096, help="topk: values per chunk")
+    ap.add_argument("--feedback", type=float, default=1.0, help="error feedback of int2 and topk (0: none)")
     ap.add_argument("--preset", default="debug", help="model preset (its vocab is set to the bundled BPE's)")
     ap.add_argument("--compute-dtype", default=None, help="e.g. bfloat16 (default: the config's float32)")
     ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
@@ -65,7 +71,9 @@ def main() -> None:
     from intellect_jax.diloco.inner import TrainerInner
     from intellect_jax.testing.local import run_local
     from intellect_jax.diloco.parts import LoopConfig
+    from intellect_jax.diloco.config import DilocoConfig
     from intellect_jax.net.comm import RingConfig
+    from intellect_jax.testing.local_ring import ring_bytes
     from intellect_jax.trainer.loop import Role, Trainer
 
     raw = tomllib.loads((ROOT / "configs/debug_diloco.toml").read_text())
@@ -98,6 +106,10 @@ def main() -> None:
         return sum(float(np.sum(jax.device_get(t0._eval(params, t0._device_batch(b["tokens"])))))
                    for b in val) / n_val
 
+    d = DilocoConfig(mode=a.mode, block_size=a.block, topk=a.topk, topk_chunk=a.topk_chunk, feedback=a.feedback)
+    ring = RingConfig(mode=d.wire_mode, block_size=d.wire_block)
+    numel = sum(x.size for x in jax.tree.leaves(t0.state.params))
+    sent = 0 if a.single else ring_bytes(numel, a.nodes, 0, ring)  # one bucket: the debug model is small
     start = time.time()
     if a.single:
         t0.train()
@@ -117,14 +129,17 @@ def main() -> None:
                     print(f"step {self.step}: val loss of the average {val_loss(self.t.state.params):.4f}", flush=True)
 
         loop = LoopConfig(inner_steps=a.inner_steps, outer_steps=a.steps // a.inner_steps, outer_lr=a.outer_lr,
-                          outer_momentum=a.outer_momentum, overlap=a.overlap, overlap_delay=a.overlap_delay)
+                          outer_momentum=a.outer_momentum, overlap=a.overlap, overlap_delay=a.overlap_delay,
+                          feedback=a.feedback if d.gathered else 0.0)
         dpg = (lambda: DevicePseudoGradient(64, host_quantize)) if a.overlap or a.device_pg else (lambda: None)
-        run_local(loop, [Inner(t, dpg()) for t in trainers], RingConfig(mode=a.mode))
+        run_local(loop, [Inner(t, dpg()) for t in trainers], ring)
     vl = val_loss(t0.state.params)
-    print(f"final val loss {vl:.4f} ({time.time() - start:.0f} s)", flush=True)
+    print(f"final val loss {vl:.4f} ({time.time() - start:.0f} s); {sent} bytes sent per node per outer step "
+          f"({numel} values)", flush=True)
     for t in trainers:
         t.close(save=False)
-    print(json.dumps({"args": vars(a), "val_loss": vl, "seconds": round(time.time() - start, 1)}))
+    print(json.dumps({"args": vars(a), "val_loss": vl, "seconds": round(time.time() - start, 1),
+                      "bytes_per_outer_step": sent, "numel": numel}))
 
 
 if __name__ == "__main__":
