@@ -4,8 +4,8 @@
 
 For each codec (`diloco.mode` and its parameters): bits per value on the wire, bytes one node
 sends per outer step for a model of `--numel` values in a `--nodes` ring (the ring's
-2(N-1)/N segments for int8/int4/bf16/fp32, N-1 whole contributions for the gathered int2 and
-top-k), that against int8, the relative L2 error of one encode/decode of a Gaussian
+2(N-1)/N segments for int8/int4/bf16/fp32, N-1 whole contributions for the gathered int2, top-k and
+top-1), that against int8, the relative L2 error of one encode/decode of a Gaussian
 pseudo-gradient with outliers, and the median wall time of encode and of decode on this host's
 numpy (one thread). Timings are seconds per `--numel` values, measured side by side in one run.
 """
@@ -25,6 +25,7 @@ CODECS = [  # (label, wire mode, block)
     ("int2 (block 64)", "int2", 64), ("int2 (block 256)", "int2", 256),
     ("topk 64 of 4096 (1.56%)", "topk64", 4096), ("topk 128 of 4096 (3.1%)", "topk128", 4096),
     ("topk 256 of 4096 (6.25%)", "topk256", 4096),
+    ("top-1 of 8 (12.5%)", "top1of8", 4096), ("top-1 of 4 (25%)", "top1of4", 4096),
 ]
 
 

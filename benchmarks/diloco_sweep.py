@@ -11,8 +11,8 @@ trainers in one process (`intellect_jax.testing.local.run_local`: threads, in-pr
 coordinator, the ring's arithmetic in-process), each node on its own data shard. Same model,
 data, schedule and validation windows as the experiment (`configs/debug_diloco.toml`, warmup
 10%, decay 20% of the steps, 128 held-out sequences). `--mode fp32` (default) averages in fp32,
-`--mode int8` as the experiment's wire format, `int4`, `int2`, `topk` as those codecs (the last
-two with error feedback, `--feedback`). Prints the validation loss of the final outer
+`--mode int8` as the experiment's wire format, `int4`, `int2`, `topk`, `top1` as those codecs
+(the last three with error feedback, `--feedback`). Prints the validation loss of the final outer
 params (and, with `--eval-replicas`, at every outer step each node's before averaging and the
 average's), then one JSON line.
 """
@@ -39,11 +39,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3, help="inner (and one-node) peak learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9)
-    ap.add_argument("--mode", default="fp32", choices=["fp32", "bf16", "int8", "int4", "int2", "topk"],
+    ap.add_argument("--mode", default="fp32", choices=["fp32", "bf16", "int8", "int4", "int2", "topk", "top1"],
                     help="the exchange's codec (diloco.mode)")
     ap.add_argument("--block", type=int, default=64, help="values per scale (int8, int4, int2)")
     ap.add_argument("--topk", type=int, default=64, help="topk: values kept per chunk")
-    ap.add_argument("--topk-chunk", type=int, default=4096, help="topk: values per chunk")
+    ap.add_argument("--top1-group", type=int, default=4, help="top1: the largest of every group of this many")
+    ap.add_argument("--sparse-chunk", type=int, default=4096, help="topk, top1: values per chunk")
     ap.add_argument("--feedback", type=float, default=1.0, help="error feedback of int2 and topk (0: none)")
     ap.add_argument("--preset", default="debug", help="model preset (its vocab is set to the bundled BPE's)")
     ap.add_argument("--compute-dtype", default=None, help="e.g. bfloat16 (default: the config's float32)")
@@ -106,7 +107,8 @@ def main() -> None:
         return sum(float(np.sum(jax.device_get(t0._eval(params, t0._device_batch(b["tokens"])))))
                    for b in val) / n_val
 
-    d = DilocoConfig(mode=a.mode, block_size=a.block, topk=a.topk, topk_chunk=a.topk_chunk, feedback=a.feedback)
+    d = DilocoConfig(mode=a.mode, block_size=a.block, topk=a.topk, top1_group=a.top1_group,
+                     sparse_chunk=a.sparse_chunk, feedback=a.feedback)
     ring = RingConfig(mode=d.wire_mode, block_size=d.wire_block)
     numel = sum(x.size for x in jax.tree.leaves(t0.state.params))
     sent = 0 if a.single else ring_bytes(numel, a.nodes, 0, ring)  # one bucket: the debug model is small

@@ -17,7 +17,7 @@ from intellect_jax.net.frames import HEADER_LEN
 from intellect_jax.testing.identities import credentials, transport_config
 from intellect_jax.testing.local_ring import LocalGroup, ring_bytes
 
-CODECS = [("int4", 64), ("int2", 64), ("topk64", 4096), ("topk5", 37)]
+CODECS = [("int4", 64), ("int2", 64), ("topk64", 4096), ("topk5", 37), ("top1of4", 4096), ("top1of8", 64)]
 
 
 def _x(n: int, seed: int = 0) -> np.ndarray:
@@ -41,7 +41,7 @@ def test_roundtrip_sizes_and_decode_add(mode: str, block: int, n: int) -> None:
     assert np.array_equal(acc, np.float32(0.5) + y)
     if n >= 4096:  # error within the codec's budget; larger magnitudes are kept first
         err = np.linalg.norm(x - y) / np.linalg.norm(x)
-        assert err < {"int4": 0.25, "int2": 0.7}.get(mode, 0.99), err
+        assert err < {"int4": 0.25, "int2": 0.7, "top1of4": 0.8}.get(mode, 0.99), err
     with pytest.raises(ValueError, match="bytes"):
         quant.decode(np.zeros(wire.nbytes + 1, np.uint8), n, mode, block)
 
@@ -61,6 +61,23 @@ def test_topk_keeps_largest_and_signs() -> None:
     assert set(np.flatnonzero(y)) == {3, 100, 700, 4000}
     assert y[3] > 0 and y[700] < 0 and y[4000] > 0 and y[100] > 0
     assert np.allclose(np.abs(y[[3, 700, 4000]]), 4.5)  # one level for the three large ones
+
+
+def test_top1_keeps_the_largest_of_each_group_and_checks_the_last() -> None:
+    x = _x(4097)
+    y = quant.decode(quant.encode(x, "top1of4", 4096), 4097, "top1of4", 4096)
+    xg, yg = np.zeros(4100, np.float32), np.zeros(4100, np.float32)
+    xg[:4097], yg[:4097] = x, y
+    xg, yg = xg.reshape(-1, 4), yg.reshape(-1, 4)
+    assert ((yg != 0).sum(axis=1) == 1).all()  # exactly one value per group (none is exactly 0 here)
+    assert np.array_equal(np.argmax(np.abs(xg), axis=1), np.argmax(np.abs(yg), axis=1))
+    assert np.array_equal(np.sign(yg.sum(axis=1)), np.sign(xg[np.arange(1025), np.argmax(np.abs(xg), axis=1)]))
+    bad = quant.encode(x, "top1of4", 4096)
+    bad[16 + 256] |= 0x03  # the last group (1 value) points at its 4th
+    with pytest.raises(ValueError, match="beyond the last group"):
+        quant.decode(bad, 4097, "top1of4", 4096)
+    with pytest.raises(ValueError, match="whole groups"):
+        quant.check_mode("top1of8", 100)
 
 
 def test_poison_stays_visible() -> None:
@@ -127,7 +144,7 @@ def _run(comms: list[Any], inputs: list[Any], drops: list[Any]) -> tuple[list[An
     return outs, errs
 
 
-@pytest.mark.parametrize("mode,block,streams", [("topk16", 1024, 1), ("int2", 64, 2)])
+@pytest.mark.parametrize("mode,block,streams", [("topk16", 1024, 1), ("int2", 64, 2), ("top1of4", 512, 1)])
 def test_socket_gather_matches_local_fake(mode: str, block: int, streams: int) -> None:
     world = 3
     cfg = RingConfig(mode=mode, block_size=block, streams=streams, piece_numel=3000, bucket_numel=9000, deadline=30)

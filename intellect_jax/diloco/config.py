@@ -15,12 +15,15 @@ class DilocoConfig(BaseModel):
     outer_lr: PositiveFloat = 0.7
     outer_momentum: float = 0.9  # Nesterov
     # how pseudo-gradients are exchanged (net.quant, net.codecs): "int8", "int4", "bf16", "fp32"
-    # through the ring all-reduce; "int2" and "topk" as whole contributions (net.gather), with
-    # error feedback: what a node's encoding loses is added to its next contribution
-    mode: Literal["int8", "int4", "bf16", "fp32", "int2", "topk"] = "int8"
+    # through the ring all-reduce; "int2", "topk" and "top1" as whole contributions (net.gather),
+    # with error feedback: what a node's encoding loses is added to its next contribution
+    mode: Literal["int8", "int4", "bf16", "fp32", "int2", "topk", "top1"] = "int8"
     block_size: PositiveInt = 64  # int8, int4, int2: elements per fp32 scale
     topk: PositiveInt = 64  # topk: values kept per chunk (64 of 4096: 1.56%)
-    topk_chunk: PositiveInt = 4096  # topk: values per chunk (<= 65536; 12-bit indices up to 4096)
+    top1_group: PositiveInt = 4  # top1: the largest of every group of this many values is sent (2..256)
+    # topk: values per chunk (<= 65536; 12-bit positions up to 4096); topk and top1: values
+    # sharing one pair of magnitude levels
+    sparse_chunk: PositiveInt = 4096
     # error feedback (int2, topk): the residual a node carries into its next contribution is
     # multiplied by this each round (1: all of it; 0: none)
     feedback: float = 1.0
@@ -63,17 +66,17 @@ class DilocoConfig(BaseModel):
     @property
     def wire_mode(self) -> str:
         """The mode as the wire names it (``topk<K>`` carries K)."""
-        return f"topk{self.topk}" if self.mode == "topk" else self.mode
+        return {"topk": f"topk{self.topk}", "top1": f"top1of{self.top1_group}"}.get(self.mode, self.mode)
 
     @property
     def wire_block(self) -> int:
-        """The codec's block: values per scale, or per chunk for top-k."""
-        return self.topk_chunk if self.mode == "topk" else self.block_size
+        """The codec's block: values per scale, or per chunk for top-k and top-1."""
+        return self.sparse_chunk if self.mode in ("topk", "top1") else self.block_size
 
     @property
     def gathered(self) -> bool:
         """Contributions exchanged whole, with error feedback (``net.gather``)."""
-        return self.mode in ("int2", "topk")
+        return self.mode in ("int2", "topk", "top1")
 
     @property
     def pow2_block(self) -> bool:
@@ -91,8 +94,13 @@ class DilocoConfig(BaseModel):
         if self.pseudo_gradient == "device" and not self.pow2_block:
             raise ValueError(f"block_size ({self.block_size}) must be a power of two >= 16 for the device "
                              "pseudo-gradient (or set pseudo_gradient = \"host\")")
-        if self.mode == "topk" and not self.topk <= self.topk_chunk <= 1 << 16:
-            raise ValueError(f"topk ({self.topk}) must be <= topk_chunk ({self.topk_chunk}) <= 65536")
+        if self.mode == "topk" and not self.topk <= self.sparse_chunk <= 1 << 16:
+            raise ValueError(f"topk ({self.topk}) must be <= sparse_chunk ({self.sparse_chunk}) <= 65536")
+        g = self.top1_group
+        if self.mode == "top1" and (g < 2 or g > 256 or g & (g - 1) or self.sparse_chunk % g or
+                                    self.sparse_chunk > 1 << 16):
+            raise ValueError(f"top1_group ({g}) must be a power of two in 2..256 dividing sparse_chunk "
+                             f"({self.sparse_chunk} <= 65536)")
         if not 0.0 <= self.feedback <= 1.0:
             raise ValueError(f"feedback must be in [0, 1], got {self.feedback}")
         if not 0.0 <= self.outer_momentum < 1.0:

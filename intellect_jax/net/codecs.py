@@ -12,6 +12,11 @@ for the blockwise codecs, values per chunk for top-k. Wire layouts, little-endia
   RMS, next to the Lloyd-Max quantizer of a Gaussian (+-0.45, +-1.51); larger values are
   clipped and error feedback carries the rest (an absmax scale would put a block's every
   value on one outlier's grid).
+* ``top1of<G>`` (gathered, G a power of two up to 256): the value of largest magnitude in each
+  group of G values (1/G of them), as its position in the group (log2 G bits) and the same
+  2-bit code against its chunk's two levels (chunks of ``block`` values, whole groups):
+  ``[float32 (lo, hi) per chunk][positions, log2 G bits each, LSB first][codes, four per byte]``.
+  Structured sparsity: at 1/4 it costs 1.02 bits per value (top-k at 1/16: 0.89).
 * ``topk<K>`` (gathered): the ``K`` values of largest magnitude in each chunk of ``block``
   values (``min(K, r)`` in a last chunk of ``r``), each sent as a sign and one magnitude bit:
   ``[float32 (lo, hi) per chunk][indices][codes, four per byte]``. ``lo`` and ``hi`` are the
@@ -34,8 +39,9 @@ import re
 import numpy as np
 
 RING = ("int4",)  # summed hop by hop in the ring like int8
-GATHERED = ("int2", "topk")  # every contribution sent whole to every rank (error feedback)
+GATHERED = ("int2", "topk", "top1")  # every contribution sent whole to every rank (error feedback)
 _TOPK = re.compile(r"^topk([1-9][0-9]{0,4})$")
+_TOP1 = re.compile(r"^top1of(2|4|8|16|32|64|128|256)$")
 _F32 = np.float32
 
 
@@ -45,10 +51,18 @@ def topk_of(mode: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def top1_of(mode: str) -> int | None:
+    """The group size of a ``top1of<G>`` mode (None for any other mode)."""
+    m = _TOP1.match(mode)
+    return int(m.group(1)) if m else None
+
+
 def family(mode: str) -> str | None:
-    """"int4", "int2", "topk" or None (not a codec of this module)."""
+    """"int4", "int2", "topk", "top1" or None (not a codec of this module)."""
     if mode in RING or mode == "int2":
         return mode
+    if top1_of(mode) is not None:
+        return "top1"
     return "topk" if topk_of(mode) is not None else None
 
 
@@ -62,6 +76,9 @@ def check(mode: str, block: int) -> None:
     k = topk_of(mode)
     if k is not None and not (k <= block <= 1 << 16):
         raise ValueError(f"{mode}: {k} values per chunk of {block} (need K <= chunk <= 65536)")
+    g = top1_of(mode)
+    if g is not None and (block % g or block > 1 << 16):
+        raise ValueError(f"{mode}: chunks of {block} values must be whole groups of {g} (and <= 65536)")
 
 
 # ---- blockwise int4 / int2 ------------------------------------------------------------------
@@ -195,8 +212,14 @@ def _topk_rows(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.nda
     c = rows.shape[1]
     idx = np.argpartition(a, c - k, axis=1)[:, c - k:] if k < c else np.broadcast_to(np.arange(c), a.shape)
     idx = np.sort(idx, axis=1)
-    v = np.take_along_axis(rows, idx, axis=1)
+    return (idx, *_two_levels(np.take_along_axis(rows, idx, axis=1)))
+
+
+def _two_levels(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of kept values: (lo, hi) mean magnitudes below / at or above the midpoint of
+    the row's range (NaN for a row with a non-finite value), and each value's 2-bit code."""
     m = np.abs(v)
+    k = v.shape[1]
     with np.errstate(invalid="ignore", over="ignore"):
         mid = m.min(axis=1, keepdims=True) * _F32(0.5) + m.max(axis=1, keepdims=True) * _F32(0.5)
         high = m >= mid
@@ -208,7 +231,7 @@ def _topk_rows(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.nda
         bad = ~np.isfinite(m).all(axis=1)  # keep a poisoned chunk visible
     lo[bad], hi[bad] = np.nan, np.nan
     codes = (v < 0).astype(np.uint8) * 2 + high.astype(np.uint8)
-    return idx, np.stack([lo, hi], axis=1).astype(_F32), codes
+    return np.stack([lo, hi], axis=1).astype(_F32), codes
 
 
 def topk_nbytes(n: int, block: int, k: int) -> int:
@@ -258,6 +281,60 @@ def _topk_parts(raw: np.ndarray, n: int, block: int, k: int) -> tuple[np.ndarray
     return pos, val
 
 
+# ---- top-1 of every group ---------------------------------------------------------------------
+def _pack_bits(v: np.ndarray, bits: int) -> np.ndarray:
+    return np.packbits(((v[:, None] >> np.arange(bits)) & 1).astype(np.uint8).reshape(-1), bitorder="little")
+
+
+def _unpack_bits(raw: np.ndarray, count: int, bits: int) -> np.ndarray:
+    b = np.unpackbits(raw, count=count * bits, bitorder="little").reshape(count, bits).astype(np.int64)
+    return b @ (1 << np.arange(bits, dtype=np.int64))
+
+
+def _top1_shape(n: int, block: int, g: int) -> tuple[int, int, int, int]:
+    """(groups, groups per chunk, full chunks, chunks) of a top1of<g> piece of n values."""
+    return -(-n // g), block // g, n // block, -(-n // block)
+
+
+def top1_nbytes(n: int, block: int, g: int) -> int:
+    groups, _, _, nc = _top1_shape(n, block, g)
+    bits = g.bit_length() - 1
+    return 8 * nc + _packed(groups, bits) + _packed(groups, 2)
+
+
+def _top1_encode(x: np.ndarray, block: int, g: int, out: np.ndarray) -> None:
+    n = x.shape[0]
+    groups, per, full, nc = _top1_shape(n, block, g)
+    xg = np.zeros(groups * g, _F32)
+    xg[:n] = x
+    xg = xg.reshape(groups, g)
+    idx = np.argmax(np.abs(xg), axis=1)  # first of equals; NaN wins (and poisons its chunk)
+    v = xg[np.arange(groups), idx]
+    rows = [v[: full * per].reshape(full, per)] if full else []
+    if nc > full:
+        rows.append(v[full * per:].reshape(1, -1))
+    parts = [_two_levels(r) for r in rows]
+    out[: 8 * nc].view(_F32)[:] = np.concatenate([lv for lv, _ in parts]).reshape(-1)
+    bits = g.bit_length() - 1
+    ib = _packed(groups, bits)
+    out[8 * nc: 8 * nc + ib] = _pack_bits(idx, bits) if bits else 0
+    _pack(np.concatenate([c.reshape(-1) for _, c in parts]), 2, out[8 * nc + ib:])
+
+
+def _top1_parts(raw: np.ndarray, n: int, block: int, g: int) -> tuple[np.ndarray, np.ndarray]:
+    groups, per, full, nc = _top1_shape(n, block, g)
+    bits = g.bit_length() - 1
+    lv = raw[: 8 * nc].view(_F32).reshape(nc, 2)
+    ib = _packed(groups, bits)
+    idx = _unpack_bits(raw[8 * nc: 8 * nc + ib], groups, bits) if bits else np.zeros(groups, np.int64)
+    codes = _unpack(raw[8 * nc + ib:], groups, 2)
+    if groups and idx[-1] >= n - (groups - 1) * g:
+        raise ValueError(f"top1of{g} payload: an index beyond the last group ({n} values)")
+    pos = np.arange(groups, dtype=np.int64) * g + idx
+    mag = lv[np.arange(groups) // per, (codes & 1).astype(np.int64)]
+    return pos, np.where(codes & 2, -mag, mag).astype(_F32)
+
+
 # ---- dispatch (quant.encode / decode call these) ---------------------------------------------
 def _known(mode: str) -> None:
     if family(mode) is None:
@@ -266,9 +343,11 @@ def _known(mode: str) -> None:
 
 def nbytes(n: int, mode: str, block: int) -> int:
     _known(mode)
-    k = topk_of(mode)
+    k, g = topk_of(mode), top1_of(mode)
     if k is not None:
         return topk_nbytes(n, block, k)
+    if g is not None:
+        return top1_nbytes(n, block, g)
     _, bits = _LEVELS[mode]
     return 4 * _nblocks(n, block) + _packed(n, bits)
 
@@ -276,10 +355,12 @@ def nbytes(n: int, mode: str, block: int) -> int:
 def encode(x: np.ndarray, mode: str, block: int, out: np.ndarray) -> np.ndarray:
     """Encode flat float32 ``x`` into ``out`` (uint8, exactly :func:`nbytes` long)."""
     _known(mode)
-    k = topk_of(mode)
+    k, g = topk_of(mode), top1_of(mode)
     if x.shape[0]:
         if k is not None:
             _topk_encode(x, block, k, out)
+        elif g is not None:
+            _top1_encode(x, block, g, out)
         else:
             _block_encode(x, mode, block, out)
     return out
@@ -288,21 +369,24 @@ def encode(x: np.ndarray, mode: str, block: int, out: np.ndarray) -> np.ndarray:
 def decode(raw: np.ndarray, n: int, mode: str, block: int, out: np.ndarray) -> np.ndarray:
     """Decode ``n`` values (length already checked) into ``out``."""
     _known(mode)
-    k = topk_of(mode)
-    if k is None:
+    if family(mode) not in ("topk", "top1"):
         return _block_decode(raw, n, mode, block, out)
     out[...] = 0
-    pos, val = _topk_parts(raw, n, block, k)
+    pos, val = _sparse_parts(raw, n, mode, block)
     out[pos] = val
     return out
+
+
+def _sparse_parts(raw: np.ndarray, n: int, mode: str, block: int) -> tuple[np.ndarray, np.ndarray]:
+    k = topk_of(mode)
+    return _topk_parts(raw, n, block, k) if k is not None else _top1_parts(raw, n, block, top1_of(mode) or 0)
 
 
 def decode_add(raw: np.ndarray, n: int, mode: str, block: int, acc: np.ndarray, scratch: np.ndarray) -> None:
     """``acc += decode(raw)`` (top-k: only at its positions; ``scratch``: n float32 for the rest)."""
     _known(mode)
-    k = topk_of(mode)
-    if k is None:
+    if family(mode) not in ("topk", "top1"):
         np.add(acc, _block_decode(raw, n, mode, block, scratch[:n]), out=acc)
         return
-    pos, val = _topk_parts(raw, n, block, k)
+    pos, val = _sparse_parts(raw, n, mode, block)
     acc[pos] += val  # positions are distinct within one payload
