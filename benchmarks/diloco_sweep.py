@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=64, help="topk: values kept per chunk")
     ap.add_argument("--top1-group", type=int, default=4, help="top1: the largest of every group of this many")
     ap.add_argument("--sparse-chunk", type=int, default=4096, help="topk, top1: values per chunk")
-    ap.add_argument("--feedback", type=float, default=1.0, help="error feedback of int2 and topk (0: none)")
+    ap.add_argument("--feedback", type=float, default=1.0, help="error feedback of int2, topk and top1 (0: none)")
     ap.add_argument("--preset", default="debug", help="model preset (its vocab is set to the bundled BPE's)")
     ap.add_argument("--compute-dtype", default=None, help="e.g. bfloat16 (default: the config's float32)")
     ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",

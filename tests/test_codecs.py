@@ -17,7 +17,8 @@ from intellect_jax.net.frames import HEADER_LEN
 from intellect_jax.testing.identities import credentials, transport_config
 from intellect_jax.testing.local_ring import LocalGroup, ring_bytes
 
-CODECS = [("int4", 64), ("int2", 64), ("topk64", 4096), ("topk5", 37), ("top1of4", 4096), ("top1of8", 64)]
+CODECS = [("int4", 64), ("int2", 64), ("topk64", 4096), ("topk5", 37), ("top1of4", 4096), ("top1of8", 64),
+          ("top1of2", 4096), ("top1of256", 512)]
 
 
 def _x(n: int, seed: int = 0) -> np.ndarray:
@@ -48,9 +49,33 @@ def test_roundtrip_sizes_and_decode_add(mode: str, block: int, n: int) -> None:
 
 def test_bits_per_value() -> None:
     n = 1 << 20
-    bits = {m: 8 * quant.encoded_nbytes(n, m, b) / n for m, b in [("int8", 64), *CODECS[:3]]}
+    bits = {m: 8 * quant.encoded_nbytes(n, m, b) / n for m, b in [("int8", 64), *CODECS[:3], CODECS[4]]}
     assert bits["int8"] == 8.5 and bits["int4"] == 4.5 and bits["int2"] == 2.5
     assert abs(bits["topk64"] - (64 * (12 + 2) + 64) / 4096) < 1e-9  # 12-bit index + 2-bit code, 2 fp32 levels
+    assert abs(bits["top1of4"] - (1024 * (2 + 2) + 64) / 4096) < 1e-9  # 2-bit position + 2-bit code
+
+
+def test_random_payloads_decode_or_raise_value_error_only() -> None:
+    """Whatever a peer sends, of the right length: values, or one ValueError."""
+    rng = np.random.default_rng(1)
+    for mode, block in CODECS:
+        for n in (1, 5, 257, 4097):
+            for _ in range(20):
+                raw = rng.integers(0, 256, quant.encoded_nbytes(n, mode, block), dtype=np.uint8)
+                try:
+                    y = quant.decode(raw, n, mode, block)
+                    acc = np.zeros(n, np.float32)
+                    codecs.decode_add(raw, n, mode, block, acc, np.empty(n, np.float32))
+                except ValueError:
+                    continue
+                assert y.shape == (n,) and y.dtype == np.float32
+
+
+def test_huge_finite_values_stay_finite() -> None:
+    x = np.full(4096, 1e36, np.float32)
+    for mode, block in CODECS:
+        if block >= 64:
+            assert np.isfinite(quant.decode(quant.encode(x, mode, block), 4096, mode, block)).all(), mode
 
 
 def test_topk_keeps_largest_and_signs() -> None:

@@ -24,7 +24,7 @@ class DilocoConfig(BaseModel):
     # topk: values per chunk (<= 65536; 12-bit positions up to 4096); topk and top1: values
     # sharing one pair of magnitude levels
     sparse_chunk: PositiveInt = 4096
-    # error feedback (int2, topk): the residual a node carries into its next contribution is
+    # error feedback (int2, topk, top1): the residual a node carries into its next contribution is
     # multiplied by this each round (1: all of it; 0: none)
     feedback: float = 1.0
     # where outer - inner is made: "device" quantizes it to int8 per shard on the accelerator
@@ -97,10 +97,11 @@ class DilocoConfig(BaseModel):
         if self.mode == "topk" and not self.topk <= self.sparse_chunk <= 1 << 16:
             raise ValueError(f"topk ({self.topk}) must be <= sparse_chunk ({self.sparse_chunk}) <= 65536")
         g = self.top1_group
-        if self.mode == "top1" and (g < 2 or g > 256 or g & (g - 1) or self.sparse_chunk % g or
-                                    self.sparse_chunk > 1 << 16):
+        if self.mode == "top1" and (g < 2 or g > 256 or g & (g - 1) or self.sparse_chunk % g):
             raise ValueError(f"top1_group ({g}) must be a power of two in 2..256 dividing sparse_chunk "
-                             f"({self.sparse_chunk} <= 65536)")
+                             f"({self.sparse_chunk})")
+        if self.mode == "top1" and self.sparse_chunk > 1 << 16:
+            raise ValueError(f"sparse_chunk ({self.sparse_chunk}) must be <= 65536")
         if not 0.0 <= self.feedback <= 1.0:
             raise ValueError(f"feedback must be in [0, 1], got {self.feedback}")
         if not 0.0 <= self.outer_momentum < 1.0:

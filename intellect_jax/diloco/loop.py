@@ -398,7 +398,8 @@ class NodeLoop:
         return avg, norm, why
 
     def _all_reduce(self, k: int, h: str, pg: Any, sits_out: str | None, report: dict | None,
-                    ref: float | None, dropped: Any = None) -> tuple[Any, Epoch, Any, int, tuple[int, str, dict] | None]:
+                    ref: float | None,
+                    dropped: Any = None) -> tuple[Any, Epoch, Any, int, tuple[int, str, dict] | None]:
         p, cfg = self.p, self.cfg
         retry_of = None
         for attempt in range(cfg.max_retries + 1):

@@ -1,9 +1,11 @@
-"""Low-bit wire codecs for pseudo-gradients: int4 and 2-bit blockwise, top-k with 2-bit values.
+"""Low-bit wire codecs for pseudo-gradients: int4 and 2-bit blockwise; top-k and top-1 of every
+group, with 2-bit values.
 
 Each codec is a fixed sequence of numpy operations on a flat float32 piece of ``n`` values,
 with a payload whose size depends only on ``n`` and the codec's parameters (so a receiver
 knows every frame's length in advance). ``block`` is the codec's parameter: values per scale
-for the blockwise codecs, values per chunk for top-k. Wire layouts, little-endian:
+for the blockwise codecs, values per chunk (a pair of magnitude levels) for top-k and top-1.
+Wire layouts, little-endian:
 
 * ``int4`` (blockwise, ring): ``[float32 scales (ceil(n/block))][codes, two per byte]``; a code
   is ``round(x * 7 / amax)`` in [-7, 7], stored as ``code + 8`` (low nibble first).
@@ -26,8 +28,8 @@ for the blockwise codecs, values per chunk for top-k. Wire layouts, little-endia
   is ``2 * negative + high``.
 
 Decoding a peer's payload checks what decoding relies on (the length, done by the caller; a
-top-k payload's indices in range and increasing) and raises ValueError otherwise; any other bit
-pattern decodes to some values (e.g. an int4 nibble 0 to -8 scales, a negative scale), which the
+top-k payload's indices in range and increasing; a top-1 payload's last-group position) and
+raises ValueError otherwise; any other bit pattern decodes to some values (e.g. an int4 nibble 0 to -8 scales, a negative scale), which the
 checks above the codec judge like any contribution. A block or chunk holding NaN or Inf decodes
 to non-finite values, so those checks see it.
 """
@@ -72,7 +74,8 @@ def gathered(mode: str) -> bool:
 
 
 def check(mode: str, block: int) -> None:
-    """ValueError for a top-k K above its chunk, or a chunk too large to index."""
+    """ValueError for a top-k K above its chunk, a top-1 chunk that is not whole groups, or a
+    chunk too large to index."""
     k = topk_of(mode)
     if k is not None and not (k <= block <= 1 << 16):
         raise ValueError(f"{mode}: {k} values per chunk of {block} (need K <= chunk <= 65536)")
@@ -168,7 +171,8 @@ def _block_decode(raw: np.ndarray, n: int, mode: str, block: int, out: np.ndarra
     scales = raw[: 4 * nb].view(_F32)
     codes = _unpack(raw[4 * nb:], n, bits).astype(_F32)
     codes -= _F32(8.0 if mode == "int4" else 1.5)
-    np.multiply(codes, _per_value(scales, n, block), out=out)
+    with np.errstate(over="ignore", invalid="ignore"):  # a peer's scale may be anything
+        np.multiply(codes, _per_value(scales, n, block), out=out)
     return out
 
 
@@ -224,10 +228,10 @@ def _two_levels(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         mid = m.min(axis=1, keepdims=True) * _F32(0.5) + m.max(axis=1, keepdims=True) * _F32(0.5)
         high = m >= mid
         nh = high.sum(axis=1)
-        sh = np.where(high, m, _F32(0)).sum(axis=1, dtype=_F32)
-        sl = np.where(high, _F32(0), m).sum(axis=1, dtype=_F32)
-        hi = np.where(nh > 0, sh / np.maximum(nh, 1).astype(_F32), _F32(0))
-        lo = np.where(nh < k, sl / np.maximum(k - nh, 1).astype(_F32), hi)
+        sh = np.where(high, m, _F32(0)).sum(axis=1, dtype=np.float64)  # no overflow for finite input
+        sl = np.where(high, _F32(0), m).sum(axis=1, dtype=np.float64)
+        hi = np.where(nh > 0, sh / np.maximum(nh, 1), 0.0).astype(_F32)
+        lo = np.where(nh < k, sl / np.maximum(k - nh, 1), hi).astype(_F32)
         bad = ~np.isfinite(m).all(axis=1)  # keep a poisoned chunk visible
     lo[bad], hi[bad] = np.nan, np.nan
     codes = (v < 0).astype(np.uint8) * 2 + high.astype(np.uint8)
@@ -317,7 +321,10 @@ def _top1_encode(x: np.ndarray, block: int, g: int, out: np.ndarray) -> None:
     out[: 8 * nc].view(_F32)[:] = np.concatenate([lv for lv, _ in parts]).reshape(-1)
     bits = g.bit_length() - 1
     ib = _packed(groups, bits)
-    out[8 * nc: 8 * nc + ib] = _pack_bits(idx, bits) if bits else 0
+    if 8 % bits == 0:  # 1, 2, 4, 8 bits: the codes' byte packing, the same layout
+        _pack(idx.astype(np.uint8), bits, out[8 * nc: 8 * nc + ib])
+    else:
+        out[8 * nc: 8 * nc + ib] = _pack_bits(idx, bits)
     _pack(np.concatenate([c.reshape(-1) for _, c in parts]), 2, out[8 * nc + ib:])
 
 
@@ -326,7 +333,9 @@ def _top1_parts(raw: np.ndarray, n: int, block: int, g: int) -> tuple[np.ndarray
     bits = g.bit_length() - 1
     lv = raw[: 8 * nc].view(_F32).reshape(nc, 2)
     ib = _packed(groups, bits)
-    idx = _unpack_bits(raw[8 * nc: 8 * nc + ib], groups, bits) if bits else np.zeros(groups, np.int64)
+    pos_raw = raw[8 * nc: 8 * nc + ib]
+    idx = (_unpack(pos_raw, groups, bits).astype(np.int64) if 8 % bits == 0 else
+           _unpack_bits(pos_raw, groups, bits))
     codes = _unpack(raw[8 * nc + ib:], groups, 2)
     if groups and idx[-1] >= n - (groups - 1) * g:
         raise ValueError(f"top1of{g} payload: an index beyond the last group ({n} values)")
@@ -378,12 +387,14 @@ def decode(raw: np.ndarray, n: int, mode: str, block: int, out: np.ndarray) -> n
 
 
 def _sparse_parts(raw: np.ndarray, n: int, mode: str, block: int) -> tuple[np.ndarray, np.ndarray]:
+    check(mode, block)
     k = topk_of(mode)
     return _topk_parts(raw, n, block, k) if k is not None else _top1_parts(raw, n, block, top1_of(mode) or 0)
 
 
 def decode_add(raw: np.ndarray, n: int, mode: str, block: int, acc: np.ndarray, scratch: np.ndarray) -> None:
-    """``acc += decode(raw)`` (top-k: only at its positions; ``scratch``: n float32 for the rest)."""
+    """``acc += decode(raw)`` (top-k, top-1: only at their positions; ``scratch``: n float32 for
+    the blockwise codecs)."""
     _known(mode)
     if family(mode) not in ("topk", "top1"):
         np.add(acc, _block_decode(raw, n, mode, block, scratch[:n]), out=acc)

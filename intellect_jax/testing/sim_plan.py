@@ -50,7 +50,7 @@ class SimParams:
     overlap: bool = False  # overlapped rounds (diloco/overlap.py)
     overlap_delay: int | None = 0  # their tau; 0: drawn from the seed (when ready, or 1..inner_steps)
     mode: str = "int8"  # the exchange's codec (blocks and top-k chunks of 32 values), e.g. "topk4"
-    feedback: float = 1.0  # error feedback of a gathered codec (int2, topk<K>)
+    feedback: float = 1.0  # error feedback of a gathered codec (int2, topk<K>, top1of<G>)
     frame_prob: float = 0.15  # chance that an incarnation accuses its ring predecessor falsely (1-2 rounds)
 
 
