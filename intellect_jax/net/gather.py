@@ -19,18 +19,16 @@ decode is evidence against its sender too, and adds nothing to the mean on any r
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from intellect_jax.net import codecs, quant
-from intellect_jax.net.errors import FrameError, NetError, PeerTimeout
+from intellect_jax.net.errors import FrameError
 from intellect_jax.net.evidence import SIG_BYTES
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import RingPlan, make_plan
-from intellect_jax.net.ring import Finding, Inspect, Links, Seal
+from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Seal
 
 
 def gather_plan(numel: int, block: int, piece_numel: int) -> RingPlan:
@@ -84,60 +82,26 @@ def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: i
     return combine(pays, p, mode, block, np.empty(inputs[0].shape[0], np.float32))
 
 
-class _GatherRun:
+class _GatherRun(Pipeline):
     """State of one all-gather of one flat vector."""
+
+    name = "gather"
 
     def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str,
                  block: int, piece_numel: int, deadline: float, dropped: np.ndarray | None,
                  inspect: Inspect | None, seal: Seal | None) -> None:
-        self.links, self.x, self.out, self.rank, self.world = links, x, out, rank, world
-        self.mode, self.block, self.deadline, self.dropped = mode, block, deadline, dropped
+        super().__init__(links, deadline)
+        self.x, self.out, self.rank, self.world = x, out, rank, world
+        self.mode, self.block, self.dropped = mode, block, dropped
         self.inspect, self.seal = inspect, seal
         self.plan = gather_plan(x.shape[0], block, piece_numel)
         self.pays: list[list[np.ndarray | None]] = [[None] * self.plan.pieces for _ in range(world)]
         self.findings: list[Finding] = []
         self.skipped: list[tuple[int, int]] = []  # (rank, piece) that did not decode (combine)
-        self.slots: dict[int, tuple[np.ndarray, bytes | None]] = {}
-        self.cond = threading.Condition()
-        self.error: BaseException | None = None
-        self.streams = len(links.out)
 
     @property
     def messages(self) -> int:
         return (self.world - 1) * self.plan.pieces
-
-    def fail(self, exc: BaseException) -> None:
-        with self.cond:
-            first = self.error is None
-            if first:
-                self.error = exc
-            self.cond.notify_all()
-        if first:
-            self.links.abort()
-
-    def put(self, m: int, wire: np.ndarray, ptag: bytes | None) -> None:
-        with self.cond:
-            self.slots[m] = (wire, ptag)
-            self.cond.notify_all()
-
-    def take(self, m: int) -> tuple[np.ndarray, bytes | None] | None:
-        with self.cond:
-            while m not in self.slots:
-                if self.error is not None:
-                    return None
-                left = self.deadline - time.monotonic()
-                if left <= 0:
-                    raise PeerTimeout(f"all-gather: message {m} not ready before the deadline")
-                self.cond.wait(min(left, 1.0))
-            return self.slots.pop(m)
-
-    def guarded(self, fn, *args):  # noqa: ANN001, ANN202
-        def body() -> None:
-            try:
-                fn(*args)
-            except BaseException as e:  # noqa: BLE001 - raised by run()
-                self.fail(e)
-        return body
 
     def encoder(self) -> None:
         for j in range(self.plan.pieces):
@@ -200,22 +164,7 @@ class _GatherRun:
             self.findings.append(Finding(why, 0, j, b - a, payload, sig))
 
     def run(self) -> np.ndarray:
-        threads = [threading.Thread(target=self.guarded(self.encoder), name="gather-enc", daemon=True)]
-        for k in range(self.streams):
-            threads.append(threading.Thread(target=self.guarded(self.sender, k), name=f"gather-tx{k}", daemon=True))
-            threads.append(threading.Thread(target=self.guarded(self.receiver, k), name=f"gather-rx{k}",
-                                            daemon=True))
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(max(0.0, self.deadline - time.monotonic()))
-            if t.is_alive():
-                self.fail(PeerTimeout("all-gather did not finish before its deadline"))
-                t.join(5.0)
-        if self.error is not None:
-            raise self.error
-        if any(t.is_alive() for t in threads):  # pragma: no cover - sockets are shut down
-            raise NetError("all-gather threads did not stop after a failure")
+        self.spawn(self.encoder, self.sender, self.receiver)
         return combine(self.pays, self.plan, self.mode, self.block, self.out, self.skipped)  # type: ignore[arg-type]
 
 

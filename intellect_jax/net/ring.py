@@ -115,27 +115,21 @@ class Workspace:
             return a
 
 
-class _RingRun:
-    """State of one all-reduce of one flat vector."""
+class Pipeline:
+    """The threads of one collective over a ring's links (the ring all-reduce, the all-gather of
+    :mod:`.gather`): numbered messages handed from producers to the stream senders (``put``,
+    ``take``), the first error kept and every socket shut so all threads stop (``fail``), and
+    one encoder, plus a sender and a receiver per stream, joined by the deadline (``spawn``)."""
 
-    def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str,
-                 block: int, piece_numel: int, seed: int | None, call: int, deadline: float,
-                 ws: Workspace, inspect: Inspect | None = None, seal: Seal | None = None) -> None:
-        self.links, self.x, self.out, self.rank, self.world = links, x, out, rank, world
-        self.inspect, self.seal = inspect, seal
-        self.findings: list[Finding] = []  # the predecessor's own pieces inspect() found bad
-        self.mode, self.block, self.seed, self.call, self.deadline = mode, block, seed, call, deadline
-        self.plan: RingPlan = make_plan(x.shape[0], world, block, piece_numel)
-        self.ws = ws
-        self.maxp = self.plan.max_piece()
-        self.cap = quant.encoded_nbytes(self.maxp, mode, block)  # pooled buffer size
-        self.slots: dict[int, tuple[np.ndarray, bytes | None, np.ndarray | None]] = {}
+    name = "ring"  # thread names and error messages
+
+    def __init__(self, links: Links, deadline: float) -> None:
+        self.links, self.deadline = links, deadline
+        self.slots: dict[int, tuple] = {}
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.streams = len(links.out)
-        self.step0_done = threading.Event()
 
-    # -- bookkeeping -------------------------------------------------------------------
     def fail(self, exc: BaseException) -> None:
         with self.cond:
             first = self.error is None
@@ -145,19 +139,20 @@ class _RingRun:
         if first:
             self.links.abort()
 
-    def put(self, m: int, wire: np.ndarray, ptag: bytes | None, pooled: np.ndarray | None) -> None:
+    def put(self, m: int, *item: object) -> None:
         with self.cond:
-            self.slots[m] = (wire, ptag, pooled)
+            self.slots[m] = item
             self.cond.notify_all()
 
-    def take(self, m: int) -> tuple[np.ndarray, bytes | None, np.ndarray | None] | None:
+    def take(self, m: int) -> tuple | None:
+        """Message ``m`` once produced (None: the call failed meanwhile)."""
         with self.cond:
             while m not in self.slots:
                 if self.error is not None:
                     return None
                 left = self.deadline - time.monotonic()
                 if left <= 0:
-                    raise PeerTimeout(f"ring all-reduce: message {m} not ready before the deadline")
+                    raise PeerTimeout(f"{self.name}: message {m} not ready before the deadline")
                 self.cond.wait(min(left, 1.0))
             return self.slots.pop(m)
 
@@ -165,9 +160,47 @@ class _RingRun:
         def body() -> None:
             try:
                 fn(*args)
-            except BaseException as e:  # noqa: BLE001 - propagated to the caller by run()
+            except BaseException as e:  # noqa: BLE001 - propagated to the caller by spawn()
                 self.fail(e)
         return body
+
+    def spawn(self, encoder: Callable[[], None], sender: Callable[[int], None],
+              receiver: Callable[[int], None]) -> None:
+        """Run the threads to their end or the deadline; raise the first error."""
+        p = self.name
+        threads = [threading.Thread(target=self.guarded(encoder), name=f"{p}-enc", daemon=True)]
+        for k in range(self.streams):
+            threads.append(threading.Thread(target=self.guarded(sender, k), name=f"{p}-tx{k}", daemon=True))
+            threads.append(threading.Thread(target=self.guarded(receiver, k), name=f"{p}-rx{k}", daemon=True))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, self.deadline - time.monotonic()))
+            if t.is_alive():
+                self.fail(PeerTimeout(f"{p}: did not finish before its deadline"))
+                t.join(5.0)
+        if self.error is not None:
+            raise self.error
+        if any(t.is_alive() for t in threads):  # pragma: no cover - sockets are shut down
+            raise NetError(f"{p} threads did not stop after a failure")
+
+
+class _RingRun(Pipeline):
+    """State of one all-reduce of one flat vector."""
+
+    def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str,
+                 block: int, piece_numel: int, seed: int | None, call: int, deadline: float,
+                 ws: Workspace, inspect: Inspect | None = None, seal: Seal | None = None) -> None:
+        super().__init__(links, deadline)
+        self.x, self.out, self.rank, self.world = x, out, rank, world
+        self.inspect, self.seal = inspect, seal
+        self.findings: list[Finding] = []  # the predecessor's own pieces inspect() found bad
+        self.mode, self.block, self.seed, self.call = mode, block, seed, call
+        self.plan: RingPlan = make_plan(x.shape[0], world, block, piece_numel)
+        self.ws = ws
+        self.maxp = self.plan.max_piece()
+        self.cap = quant.encoded_nbytes(self.maxp, mode, block)  # pooled buffer size
+        self.step0_done = threading.Event()
 
     # -- threads -----------------------------------------------------------------------
     def encoder(self) -> None:
@@ -291,21 +324,7 @@ class _RingRun:
             self.findings.append(Finding(why, seg, j, b - a, payload, sig))
 
     def run(self) -> np.ndarray:
-        threads = [threading.Thread(target=self.guarded(self.encoder), name="ring-enc", daemon=True)]
-        for k in range(self.streams):
-            threads.append(threading.Thread(target=self.guarded(self.sender, k), name=f"ring-tx{k}", daemon=True))
-            threads.append(threading.Thread(target=self.guarded(self.receiver, k), name=f"ring-rx{k}", daemon=True))
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(max(0.0, self.deadline - time.monotonic()))
-            if t.is_alive():
-                self.fail(PeerTimeout("ring all-reduce did not finish before its deadline"))
-                t.join(5.0)
-        if self.error is not None:
-            raise self.error
-        if any(t.is_alive() for t in threads):  # pragma: no cover - sockets are shut down
-            raise NetError("ring threads did not stop after a failure")
+        self.spawn(self.encoder, self.sender, self.receiver)
         return self.out
 
 
