@@ -25,7 +25,6 @@ import numpy as np
 
 from intellect_jax.net import codecs, quant
 from intellect_jax.net.errors import FrameError
-from intellect_jax.net.evidence import SIG_BYTES
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import RingPlan, make_plan
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Seal
@@ -141,14 +140,9 @@ class _GatherRun(Pipeline):
                 self.put(m + P, wire, hdr.ptag)
 
     def _inspect(self, conn, wire: np.ndarray, j: int) -> None:  # noqa: ANN001
-        """The predecessor's own piece ``j``: read its signature, decode it (a payload its codec
-        rejects fails the call, naming the predecessor), show it to ``inspect``."""
-        sig = None
-        if self.seal is not None:
-            hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=SIG_BYTES)
-            buf = bytearray(SIG_BYTES)
-            conn.recv_payload_into(hdr, buf, deadline=self.deadline)
-            sig = bytes(buf)
+        """The predecessor's own piece ``j``: read its signature, decode it and show it to
+        ``inspect``; keep it if found bad or undecodable (every rank skips an undecodable one)."""
+        sig = self.their_signature(conn)
         a, b = self.plan.piece(0, j)
         try:
             theirs = quant.decode(wire, b - a, self.mode, self.block)

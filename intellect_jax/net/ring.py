@@ -122,6 +122,7 @@ class Pipeline:
     one encoder, plus a sender and a receiver per stream, joined by the deadline (``spawn``)."""
 
     name = "ring"  # thread names and error messages
+    seal: Seal | None = None  # signs our own pieces, checks the predecessor's
 
     def __init__(self, links: Links, deadline: float) -> None:
         self.links, self.deadline = links, deadline
@@ -155,6 +156,15 @@ class Pipeline:
                     raise PeerTimeout(f"{self.name}: message {m} not ready before the deadline")
                 self.cond.wait(min(left, 1.0))
             return self.slots.pop(m)
+
+    def their_signature(self, conn: Connection) -> bytes | None:
+        """The signature frame that follows a predecessor's own piece (None: nothing is signed)."""
+        if self.seal is None:
+            return None
+        hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=SIG_BYTES)
+        buf = bytearray(SIG_BYTES)
+        conn.recv_payload_into(hdr, buf, deadline=self.deadline)
+        return bytes(buf)
 
     def guarded(self, fn: Callable[..., None], *args: object) -> Callable[[], None]:
         def body() -> None:
@@ -302,12 +312,7 @@ class _RingRun(Pipeline):
     def _inspect(self, conn: Connection, theirs: np.ndarray | None, wire: np.ndarray, seg: int, j: int) -> None:
         """The predecessor's own piece ``j`` of segment ``seg`` arrived as ``wire`` (``theirs``:
         already decoded): read its signature, show it to ``inspect``, keep it if found bad."""
-        sig = None
-        if self.seal is not None:
-            hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=SIG_BYTES)
-            sig_buf = bytearray(SIG_BYTES)
-            conn.recv_payload_into(hdr, sig_buf, deadline=self.deadline)
-            sig = bytes(sig_buf)
+        sig = self.their_signature(conn)
         if self.inspect is None:
             return
         a, b = self.plan.piece(seg, j)
