@@ -1,6 +1,7 @@
 """Compute utilization of synchronous vs overlapped DiLoCo on emulated WAN links (a script, not a test).
 
     python benchmarks/wan_utilization.py [--nodes 4] [--inner-steps 25] [--outer-steps 8] [--shares 0.2 0.5]
+        [--slowdowns 1 4] [--codec 'NAME=TRAIN ARGS' ...]
 
 Needs root (network namespaces, veth, tc). N real nodes (`python -m intellect_jax.train
 --diloco.enabled`, one CPU device each) each live in their own network namespace behind a
@@ -8,7 +9,9 @@ tbf-shaped link (`benchmarks/netns.py`: the rate up and down), with a coordinato
 first one. A calibration run (synchronous, 1 Gbit/s links) measures a round's compute time, the
 all-reduce's bytes and its cost on a fast link; for each target share s of a synchronous round
 spent in sync, the link rate is then set so that the all-reduce should take s/(1-s) of a
-round's compute, and the synchronous and the overlapped run train on the same tokens. Every
+round's compute (and, with ``--slowdowns``, also 4x slower, say), and the synchronous and the
+overlapped int8 runs train on the same tokens, then every ``--codec`` (extra train flags, e.g.
+``top1of4=--diloco.mode top1 --diloco.feedback 0.95 ...``) overlapped on the same link. Every
 figure is measured from the nodes' own metrics, in the steady state (rounds 1 to K-2; round 0
 compiles): utilization = Σ inner compute time / wall time from the start of round 1 to the
 start of round K-1 (per node, then the mean), wall time per outer step, bytes sent per node
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -35,12 +39,14 @@ def _rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_once(a: argparse.Namespace, mbit: float, overlap: bool, tag: str) -> dict:
-    """One DiLoCo run of N nodes on links of ``mbit``; returns its measured figures."""
+def run_once(a: argparse.Namespace, mbit: float, overlap: bool, tag: str, codec: tuple[str, list[str]] = ("int8", [])
+             ) -> dict:
+    """One DiLoCo run of N nodes on links of ``mbit`` (``codec``: its name and extra train flags);
+    returns its measured figures."""
     from netns import ShapedNet
 
     out = Path(a.out).absolute()
-    name = f"{tag}-{'overlap' if overlap else 'sync'}"
+    name = f"{tag}-{codec[0]}-{'overlap' if overlap else 'sync'}"
     env = dict(os.environ, INTELLECT_KEYS=str(a.keys), JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=1")
     H, K = a.inner_steps, a.outer_steps
@@ -60,7 +66,8 @@ def run_once(a: argparse.Namespace, mbit: float, overlap: bool, tag: str) -> dic
                        str(H * K), "--run.log_every", str(H), "--ckpt.every", "0", "--data.cache_dir",
                        str(out / "cache"), "--diloco.pseudo_gradient", "device",
                        "--diloco.overlap", str(overlap),
-                       *(["--diloco.overlap_delay", str(a.overlap_delay)] if overlap and a.overlap_delay else [])]
+                       *(["--diloco.overlap_delay", str(a.overlap_delay)] if overlap and a.overlap_delay else []),
+                       *codec[1]]
                 log = open(out / f"{name}.node{i}.log", "w")  # noqa: SIM115 - closed with the process
                 procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
             for p, log in procs:
@@ -102,10 +109,20 @@ def main() -> None:
                     help="target shares of a synchronous round spent in sync")
     ap.add_argument("--overlap-delay", type=int, default=None,
                     help="a fixed tau for the overlapped runs (default: each average merged when ready)")
+    ap.add_argument("--slowdowns", type=float, nargs="+", default=[1.0],
+                    help="for each share, also links this many times slower than its rate")
+    ap.add_argument("--codec", action="append", default=[], metavar="NAME=ARGS",
+                    help="an extra overlapped run on every link: its name and train flags (repeatable)")
     ap.add_argument("--calibrate-mbit", type=float, default=1000.0)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     ap.add_argument("--out", default="runs/wan")
     a = ap.parse_args()
+    codecs = []
+    for spec in a.codec:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name or "/" in name:
+            sys.exit(f"error: --codec {spec!r}: expected NAME=TRAIN FLAGS (a name without '/')")
+        codecs.append((name, shlex.split(flags)))
     from netns import require_root
 
     why = require_root()
@@ -128,17 +145,19 @@ def main() -> None:
         if want <= S0:
             print(f"share {share}: the all-reduce already costs {S0:.2f} s on a fast link; skipped", flush=True)
             continue
-        mbit = mbits / (want - S0)
-        for overlap in (False, True):
-            r = run_once(a, mbit, overlap, f"{tag}-s{int(share * 100)}")
-            r["target_share"] = share
-            results.append(r)
-            print(json.dumps(r), flush=True)
-    head = f"{'run':<22} {'Mbit/s':>8} {'delay':>5} {'util':>6} {'min':>6} {'wall/outer':>10} {'sync':>6} {'wait':>6} " \
+        for slow in a.slowdowns:
+            mbit = mbits / (want - S0) / slow
+            runs = [(False, ("int8", [])), (True, ("int8", [])), *((True, c) for c in codecs)]
+            for overlap, codec in runs:
+                r = run_once(a, mbit, overlap, f"{tag}-s{int(share * 100)}" + (f"x{slow:g}" if slow != 1 else ""), codec)
+                r["target_share"], r["slowdown"] = share, slow
+                results.append(r)
+                print(json.dumps(r), flush=True)
+    head = f"{'run':<36} {'Mbit/s':>8} {'delay':>5} {'util':>6} {'min':>6} {'wall/outer':>10} {'sync':>6} {'wait':>6} " \
            f"{'MB/outer':>8} {'val loss':>8} hashes"
     print(head)
     for r in results:
-        print(f"{r['run']:<22} {r['mbit']:>8.1f} {r['delay_steps']:>5.1f} {r['utilization']:>6.1%} {r['utilization_min']:>6.1%} "
+        print(f"{r['run']:<36} {r['mbit']:>8.1f} {r['delay_steps']:>5.1f} {r['utilization']:>6.1%} {r['utilization_min']:>6.1%} "
               f"{r['wall_per_outer_s']:>9.2f}s {r['sync_per_outer_s']:>5.2f}s {r['overlap_wait_s']:>5.2f}s "
               f"{r['mb_sent_per_outer']:>8.2f} {r['val_loss']:>8.4f} {'agree' if r['hashes_agree'] else 'DIFFER'}")
     print(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "results": results}))
