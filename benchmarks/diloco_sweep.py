@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--overlap-delay", type=int, default=None, help="a fixed tau in inner steps (default: merge when ready)")
     ap.add_argument("--device-pg", action="store_true",
                     help="pseudo-gradients by the device path (per-shard int8, as GPU and overlapped nodes)")
+    ap.add_argument("--encode-device", action="store_true",
+                    help="topk, top1: encode each contribution on the devices (XLA, as GPU nodes do; implies --device-pg)")
     ap.add_argument("--eval-seqs", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/sweep", help="data cache and run directories")
@@ -68,6 +70,7 @@ def main() -> None:
     from intellect_jax import config as C
     from intellect_jax.data.config import DataConfig
     from intellect_jax.data.pipeline import make_val_batches
+    from intellect_jax.diloco.device_codec import DeviceEncoder
     from intellect_jax.diloco.device_pg import DevicePseudoGradient, host_quantize
     from intellect_jax.diloco.inner import TrainerInner
     from intellect_jax.testing.local import run_local
@@ -133,8 +136,11 @@ def main() -> None:
         loop = LoopConfig(inner_steps=a.inner_steps, outer_steps=a.steps // a.inner_steps, outer_lr=a.outer_lr,
                           outer_momentum=a.outer_momentum, overlap=a.overlap, overlap_delay=a.overlap_delay,
                           feedback=a.feedback if d.gathered else 0.0)
-        dpg = (lambda: DevicePseudoGradient(64, host_quantize)) if a.overlap or a.device_pg else (lambda: None)
-        run_local(loop, [Inner(t, dpg()) for t in trainers], ring)
+        device = a.overlap or a.device_pg or a.encode_device
+        dpg = (lambda: DevicePseudoGradient(64, host_quantize)) if device else (lambda: None)
+        enc = (lambda: DeviceEncoder(ring.mode, ring.block_size, ring.bucket_numel, ring.piece_numel)) \
+            if a.encode_device else (lambda: None)
+        run_local(loop, [Inner(t, dpg(), enc()) for t in trainers], ring)
     vl = val_loss(t0.state.params)
     print(f"final val loss {vl:.4f} ({time.time() - start:.0f} s); {sent} bytes sent per node per outer step "
           f"({numel} values)", flush=True)

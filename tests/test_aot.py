@@ -207,3 +207,30 @@ def test_eight_h100s_beside_fake_cpu_devices_in_one_run():
     assert cpu["train"]["attention"] == "xla" and gpu["train"]["attention"] == "cudnn"
     xla = main([*DEBUG_BF16, "--target", "h100", "--devices", "1", "--model.attention_impl", "xla"])
     assert xla["train"]["cudnn_calls"] == {"forward": 0, "backward": 0} and xla["train"]["attention"] == "xla"
+
+
+@needs_aot
+@pytest.mark.parametrize("mode", ["top1of4", "topk64"])
+def test_the_device_encoder_compiles_for_eight_h100s_and_keeps_the_residual_sharded(mode):
+    """The sparse codec's per-bucket program (diloco/device_codec.py) for a bucket of two
+    FSDP-sharded leaves on 8 H100s: it compiles, the next residual stays sharded like the
+    leaves (a GPU holds 1/8 of it, no gathered copy), and only the codec's sections are outputs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from intellect_jax.diloco.device_codec import _encode_bucket
+
+    mesh = Mesh(np.array(targets.devices("h100", 8)).reshape(8, 1), ("fsdp", "tp"))
+    rows, vec, one = (NamedSharding(mesh, P("fsdp", None)), NamedSharding(mesh, P("fsdp")), NamedSharding(mesh, P()))
+    d = [jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=rows),
+         jax.ShapeDtypeStruct((8192,), jnp.float32, sharding=vec)]
+    scalar = [jax.ShapeDtypeStruct((), t, sharding=one) for t in (jnp.float32, jnp.bool_)]
+    c = _encode_bucket.lower(d, d, *scalar, mode=mode, chunk=4096, placed=(rows, vec)).compile()
+    secs, resid, _ = c.output_shardings
+    assert [r.is_equivalent_to(s, n) for r, s, n in zip(resid, (rows, vec), (2, 1))] == [True, True]
+    n = 4096 * 1024 + 8192
+    out_bytes = sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(c.out_info))
+    assert out_bytes < 4 * n * 1.2  # the residual (fp32) and the sections, nothing gathered
+    assert sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(c.out_info[0])) < n * (0.15 if mode == "top1of4" else 0.05)

@@ -27,6 +27,10 @@ class DilocoConfig(BaseModel):
     # error feedback (int2, topk, top1): the residual a node carries into its next contribution is
     # multiplied by this each round (1: all of it; 0: none)
     feedback: float = 1.0
+    # where a topk/top1 contribution (with its error feedback) is encoded: "device" on the
+    # accelerator (XLA; only the codec's bytes cross PCIe, the residual stays on the devices),
+    # "host" in numpy from the int8 pieces; "auto": device on a GPU node (diloco/device_codec.py)
+    encode: Literal["auto", "device", "host"] = "auto"
     # where outer - inner is made: "device" quantizes it to int8 per shard on the accelerator
     # (only codes + scales cross PCIe; the Triton kernel on a GPU, the host codec on CPU devices);
     # "host" pulls fp32 params to the host; "auto": device on a GPU node with jax-triton
@@ -102,6 +106,9 @@ class DilocoConfig(BaseModel):
                              f"({self.sparse_chunk})")
         if self.mode == "top1" and self.sparse_chunk > 1 << 16:
             raise ValueError(f"sparse_chunk ({self.sparse_chunk}) must be <= 65536")
+        if self.encode == "device" and (self.mode not in ("topk", "top1") or self.pseudo_gradient == "host"):
+            raise ValueError(f"encode = \"device\" is for the sparse codecs (mode topk or top1, not {self.mode}) "
+                             f"on the device pseudo-gradient (pseudo_gradient {self.pseudo_gradient!r})")
         if not 0.0 <= self.feedback <= 1.0:
             raise ValueError(f"feedback must be in [0, 1], got {self.feedback}")
         if not 0.0 <= self.outer_momentum < 1.0:

@@ -208,6 +208,15 @@ class PgPath:
     device: bool  # made on the devices, int8 per shard (else fp32 params pulled to the host)
     kernel: bool  # quantized by the Triton kernel (else the host codec on each shard); device only
     overlap: bool  # overlapped rounds (diloco.overlap); device only
+    encode: bool = False  # a sparse codec's contribution encoded on the devices (.device_codec); device only
+
+    def encoder(self, mode: str, chunk: int, bucket_numel: int, piece_numel: int) -> Any:
+        """The node's :class:`~.device_codec.DeviceEncoder` (None: contributions are encoded on the host)."""
+        if not self.encode:
+            return None
+        from intellect_jax.diloco.device_codec import DeviceEncoder
+
+        return DeviceEncoder(mode, chunk, bucket_numel, piece_numel)
 
     def build(self, block: int) -> DevicePseudoGradient | None:
         """The node's device pseudo-gradient (None: the host path)."""
@@ -219,6 +228,8 @@ class PgPath:
         """One log line; ``tau``: diloco.overlap_delay."""
         made = (f"on the devices, quantized by {'the Triton kernel' if self.kernel else 'the host codec'}"
                 if self.device else "on the host")
+        if self.encode:
+            made = "and encoded on the devices (XLA), error feedback there too"
         when = f"{tau} inner steps into the next round" if tau else "when ready"
         return f"pseudo-gradient made {made}; " + (f"overlapped rounds: each average merged {when}"
                                                     if self.overlap else "synchronous rounds")
@@ -232,7 +243,11 @@ def pg_path(d: DilocoConfig, processes: int, kernel: bool) -> PgPath:
     overlapped (not available yet). A single-process node overlaps its rounds unless told not to
     (``diloco.overlap`` unset: with a wire format no finer than int8 and a pseudo_gradient
     other than "host"), which takes the device path; else "device" and "host" are obeyed and "auto" takes
-    the device path where the kernel runs. The kernel needs power-of-two blocks."""
+    the device path where the kernel runs. The kernel needs power-of-two blocks.
+
+    A top-k or top-1 contribution is encoded on the devices (``diloco.encode``; "auto": where the
+    kernel runs, i.e. on GPU nodes) by a single-process node whose chunks hold whole bytes of
+    the codec's sections (:func:`~.device_codec.supported`); this takes the device path too."""
     multi = processes > 1
     if multi and d.pseudo_gradient == "host":
         raise DilocoError("diloco.pseudo_gradient = \"host\" needs a single-process node; a node of several "
@@ -242,6 +257,14 @@ def pg_path(d: DilocoConfig, processes: int, kernel: bool) -> PgPath:
                           "or false)")
     lossy = d.mode not in ("fp32", "bf16")  # codes no finer than the device path's int8
     overlap = (not multi and d.pseudo_gradient != "host" and lossy) if d.overlap is None else d.overlap
-    kernel = kernel and d.pow2_block
-    device = multi or overlap or d.pseudo_gradient == "device" or (d.pseudo_gradient == "auto" and kernel)
-    return PgPath(device=device, kernel=device and kernel, overlap=overlap)
+    on_gpu, kernel = kernel, kernel and d.pow2_block
+    encode = d.pseudo_gradient != "host" and (d.encode == "device" or (d.encode == "auto" and on_gpu))
+    if encode:
+        from intellect_jax.diloco.device_codec import supported
+
+        why = "it needs a single-process node" if multi else supported(d.wire_mode, d.wire_block)
+        if why and d.encode == "device":
+            raise DilocoError(f"diloco.encode = \"device\": {why}")
+        encode = not why
+    device = multi or overlap or encode or d.pseudo_gradient == "device" or (d.pseudo_gradient == "auto" and kernel)
+    return PgPath(device=device, kernel=device and kernel, overlap=overlap, encode=encode)

@@ -87,7 +87,9 @@ class OwnGuard:
         self.history: tuple[float, ...] = ()
 
     def check(self, pg: Any, scale: float | None = None) -> tuple[float, str | None]:
-        norm = tree_norm(pg)
+        """(norm, why it fails or None) of a host tree, or of anything with a ``norm()`` (a
+        contribution held on the devices, :class:`~.device_codec.DeviceContribution`)."""
+        norm = pg.norm() if hasattr(pg, "norm") else tree_norm(pg)
         why = judge(norm, self.history, self.cfg, scale)
         if why is None:
             self.history = remember(self.history, norm, self.cfg)

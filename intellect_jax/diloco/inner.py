@@ -1,7 +1,9 @@
 """The real inner trainer as the outer loop sees it (:class:`~.loop.Inner` over `Trainer`).
 
 The pseudo-gradient is made on the host (fp32 pulled from the devices) or, with a
-:class:`~.device_pg.DevicePseudoGradient`, on the devices and quantized there (GPU nodes)."""
+:class:`~.device_pg.DevicePseudoGradient`, on the devices and quantized there (GPU nodes); with
+an ``encoder`` too (:class:`~.device_codec.DeviceEncoder`), it stays there and the outer loop
+gets a :class:`~.device_codec.DeviceContribution` to encode where it lives."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from intellect_jax.diloco.device_codec import DeviceContribution, DeviceEncoder
 from intellect_jax.diloco.device_pg import DevicePseudoGradient
 from intellect_jax.diloco.state import DilocoState, MomentumState, host_copy, init_state, pseudo_gradient
 from intellect_jax.trainer.loop import Trainer
@@ -19,9 +22,13 @@ from intellect_jax.trainer.optim import adam_envelope
 
 
 class TrainerInner:
-    def __init__(self, trainer: Trainer, device_pg: DevicePseudoGradient | None = None) -> None:
+    def __init__(self, trainer: Trainer, device_pg: DevicePseudoGradient | None = None,
+                 encoder: DeviceEncoder | None = None) -> None:
+        if encoder is not None and device_pg is None:
+            raise ValueError("encoding on the devices needs the device pseudo-gradient")
         self.t = trainer
         self.device_pg = device_pg
+        self.encoder = encoder
 
     @property
     def step(self) -> int:
@@ -33,6 +40,8 @@ class TrainerInner:
     def pseudo_gradient(self, outer_params: Any) -> Any:
         if self.device_pg is None:
             return pseudo_gradient(outer_params, self.t.state.params)
+        if self.encoder is not None:
+            return DeviceContribution(self.device_pg.diff(self.t.state.params), self.encoder)
         return self.device_pg(self.t.state.params, outer_params)
 
     def _placed(self) -> None:
@@ -90,6 +99,8 @@ class TrainerInner:
         return d
 
     def pull(self, captured: Any, like: Any) -> Any:
+        if self.encoder is not None:
+            return DeviceContribution(captured, self.encoder)
         return self._dpg().pull(captured, like)
 
     def place(self, outer_params: Any) -> Any:

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from intellect_jax.coordinator.clock import abort_when
 from intellect_jax.coordinator.protocol import Admission, Epoch, Evicted, Resume, RunCompleted
+from intellect_jax.diloco.device_codec import DeviceContribution
 from intellect_jax.diloco.guard import OwnGuard, check_average, remember
 from intellect_jax.diloco.overlap import Gate, Round
 from intellect_jax.diloco.parts import DilocoError, LoopConfig, NodeParts, Outcome, TransferFailed
@@ -61,7 +63,9 @@ class OuterResult:
 
 
 def _finite(tree: Any) -> bool:
-    return all(np.isfinite(x).all() for x in jax.tree.leaves(tree))
+    """Every value finite (a residual kept on the devices is checked there)."""
+    return all(bool(jnp.isfinite(x).all()) if isinstance(x, jax.Array) else np.isfinite(x).all()
+               for x in jax.tree.leaves(tree))
 
 
 def claim_of(s: DilocoState | None) -> Resume | None:
@@ -323,14 +327,21 @@ class NodeLoop:
         k = s.outer_step
         scale = opening["scale"] if len(s.norms) < self.guard.min_history else None
         pg_norm, sits_out = self.own.check(pg, scale)
+        on_devices = isinstance(pg, DeviceContribution)
         if sits_out:  # a broken contribution stays home: zeros, and the others are told
             p.log(f"WARNING sitting out outer step {k + 1}: this node's pseudo-gradient has {sits_out}")
-            pg = jax.tree.map(np.zeros_like, pg)
+            pg = pg if on_devices else jax.tree.map(np.zeros_like, pg)
         ref = reference_rms(opening["scale"], opening["numel"])
-        pg, dropped = self._with_feedback(s, pg, sits_out)
+        finite = None  # whether the next residual is finite (None: checked below)
+        if on_devices:  # encoded where it lives, error feedback included
+            pg, made, finite = self._encoded(s, pg, sits_out)
+            dropped = None
+        else:
+            pg, dropped = self._with_feedback(s, pg, sits_out)
+            made = dropped
         avg, ep, stats, tries, suspect = self._all_reduce(k, h, pg, sits_out, report, ref, dropped)
-        residual = s.residual if dropped is None else dropped
-        if residual is not None and not (self.cfg.feedback and _finite(residual)):
+        residual = s.residual if made is None else made
+        if residual is not None and not (self.cfg.feedback and (_finite(residual) if finite is None else finite)):
             if self.cfg.feedback:
                 p.log(f"WARNING outer step {k + 1}: the error-feedback residual is not finite; starting it anew")
             residual = None  # feedback off (e.g. another codec since the checkpoint), or a broken one
@@ -368,6 +379,13 @@ class NodeLoop:
             return np.add(g, d, out=g)
 
         return jax.tree.map(add, pg, s.residual, dropped), dropped
+
+    def _encoded(self, s: DilocoState, pg: DeviceContribution, sits_out: str | None) -> tuple[Any, Any, bool | None]:
+        """(the contribution encoded on the devices, the next residual there or None: keep the
+        old one, whether it is finite): ``_with_feedback`` where the pseudo-gradient lives."""
+        fb = self.cfg.feedback
+        enc, nxt, finite = pg.encode(s.residual if fb else None, fb, bool(sits_out))
+        return (enc, None, None) if sits_out or not fb else (enc, nxt, finite)
 
     def _hash(self, s: DilocoState) -> tuple[dict[str, Any], str]:
         """(opening, hash) of ``s`` (:func:`~.state.hash_opening`), computed once per state: a

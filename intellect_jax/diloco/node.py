@@ -125,7 +125,9 @@ class DilocoNode:
             assert dpg is not None  # a node of several processes takes the device path
             inner: TrainerInner = LeadInner(self.trainer, dpg, self.followers)
         else:
-            inner = TrainerInner(self.trainer, dpg)
+            rc = self.ring_cfg
+            inner = TrainerInner(self.trainer, dpg, self.path.encoder(rc.mode, rc.block_size, rc.bucket_numel,
+                                                                      rc.piece_numel))
         self._log(self.path.describe(d.overlap_delay))
         parts = NodeParts(self.node_id, inner, self.client, self._ring, transport, store, log=self._log)
         self.loop = NodeLoop(self.loop_cfg, parts)

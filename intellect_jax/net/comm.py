@@ -22,7 +22,7 @@ from intellect_jax.net import codecs, evidence, quant, tree as treelib
 from intellect_jax.net.errors import ConfigMismatch, PeerTimeout, RingClosed
 from intellect_jax.net.identity import verify
 from intellect_jax.net.schema import Nat, Wire, recv_model
-from intellect_jax.net.gather import ring_all_gather_mean
+from intellect_jax.net.gather import Encoded, combine, gather_plan, ring_all_gather_mean
 from intellect_jax.net.ring import Finding, Links, Seal, Workspace, ring_all_reduce
 from intellect_jax.net.listener import Listener
 from intellect_jax.net.transport import (
@@ -95,6 +95,10 @@ class Communicator(Protocol):
         this rank encoded it) ``dropped`` (same structure, writable) receives what the encoding
         of this rank's contribution lost, ``tree - decode(encode(tree))``: error feedback. Raises
         a :class:`~intellect_jax.net.errors.NetError` subclass if the collective fails.
+
+        ``tree`` may be a contribution encoded already (:class:`~intellect_jax.net.gather.Encoded`,
+        a gathered codec's payloads made on the accelerator for this ring's settings): it is sent
+        as it is, and no ``dropped`` is asked for (its encoder computed that).
         """
         ...
 
@@ -129,13 +133,27 @@ def check_dropped(cfg: RingConfig, dropped: Any) -> None:
         raise ValueError(f"dropped (error feedback) needs a gathered codec (int2, topk<K>, top1of<G>), not {cfg.mode}")
 
 
+def unpack_encoded(tree: Any, cfg: RingConfig, dropped: Any) -> tuple[Any, Encoded | None]:
+    """(the tree to reduce, its encoding): an :class:`Encoded` contribution is checked against
+    the ring's settings and stands for its placeholders' tree."""
+    if not isinstance(tree, Encoded):
+        return tree, None
+    if not codecs.gathered(cfg.mode):
+        raise ValueError(f"an encoded contribution needs a gathered codec, not {cfg.mode}")
+    tree.check(cfg.mode, cfg.block_size, cfg.bucket_numel, cfg.piece_numel)
+    if dropped is not None:
+        raise ValueError("dropped is computed where an encoded contribution was encoded, not asked of the ring")
+    return tree.like, tree
+
+
 def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Reduce, before: Callable[[dict[str, Any]], None] | None = None,
-                out: T | None = None, dropped: T | None = None) -> tuple[T, int]:
+                out: T | None = None, dropped: T | None = None, encoded: bool = False) -> tuple[T, int]:
     """Flatten, bucket, reduce every bucket with ``reduce_flat(flat, bucket, out_flat, dropped_flat)``,
     rebuild.
 
     With ``out`` (same structure, C-contiguous float32 leaves) results are written there; with
     ``dropped`` (the same), what ``reduce_flat`` writes to ``dropped_flat`` lands there.
+    ``encoded``: the leaves are placeholders (:class:`Encoded`); ``flat`` is one too.
     """
     leaves, rebuild, sig = treelib.flatten(tree)
     outs = None if out is None else leaves_like("out", out, sig)
@@ -146,7 +164,7 @@ def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Reduce, before: Callable[
         before({"sig": sig, "buckets": [sum(sizes[i] for i in b) for b in buckets]})
     result: list[np.ndarray] = []
     for bi, idx in enumerate(buckets):
-        flat = treelib.gather(leaves, idx)
+        flat = np.broadcast_to(np.float32(0), (sum(sizes[i] for i in idx),)) if encoded else treelib.gather(leaves, idx)
         direct = outs[idx[0]].reshape(-1) if outs is not None and len(idx) == 1 else None
         d = None if drops is None else (drops[idx[0]].reshape(-1) if len(idx) == 1 else np.empty(flat.size, np.float32))
         res = reduce_flat(flat, bi, direct, d) if flat.size else np.empty(0, np.float32)
@@ -171,6 +189,18 @@ def _alone(flat: np.ndarray, _: int, out: np.ndarray | None, dropped: np.ndarray
         return np.array(flat, np.float32, copy=True)
     np.copyto(out, flat)
     return out
+
+
+def decoded(cfg: RingConfig, enc: Encoded) -> Reduce:
+    """A ring of one with an encoded contribution: what its payloads decode to (its encoder
+    counted what they dropped)."""
+
+    def reduce(flat: np.ndarray, bi: int, out: np.ndarray | None, _: np.ndarray | None) -> np.ndarray:
+        p = gather_plan(flat.shape[0], cfg.block_size, cfg.piece_numel)
+        return combine([enc.payloads[bi]], p, cfg.mode, cfg.block_size,
+                       np.empty(flat.shape[0], np.float32) if out is None else out)
+
+    return reduce
 
 
 class NetNode:
@@ -349,10 +379,12 @@ class SocketCommunicator:
             raise RingClosed(f"ring epoch {self.epoch} is closed (after a failure or close()); build a new one")
         cfg, t0 = self.config, time.monotonic()
         check_dropped(cfg, dropped)
+        tree, enc = unpack_encoded(tree, cfg, dropped)
         deadline = t0 + cfg.deadline
         call, seed = self._calls, cfg.rng_seed(self.epoch)
         if self.world_size == 1:
-            result, numel = reduce_tree(tree, cfg, _alone, out=out, dropped=dropped)
+            result, numel = reduce_tree(tree, cfg, _alone if enc is None else decoded(cfg, enc), out=out,
+                                        dropped=dropped, encoded=enc is not None)
             self._stats = CommStats(0, 0, time.monotonic() - t0, numel, 1, cfg.mode)
             self._calls += 1
             return result
@@ -376,7 +408,8 @@ class SocketCommunicator:
                         return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
                                                     deadline=deadline, out=o, dropped=d, inspect=self.inspect,
-                                                    findings=found, seal=self._seal(c, links))
+                                                    findings=found, seal=self._seal(c, links),
+                                                    own=None if enc is None else enc.payloads[bi])
                     return ring_all_reduce(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                            block=cfg.block_size, piece_numel=cfg.piece_numel, seed=seed,
                                            call=c, deadline=deadline, out=o, workspace=self._workspace,
@@ -385,7 +418,8 @@ class SocketCommunicator:
                     findings.extend((c, f) for f in found)
 
             self.suspect = None
-            result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out, dropped=dropped)
+            result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out, dropped=dropped,
+                                        encoded=enc is not None)
             if findings:
                 c, f = findings[0]
                 self.suspect = ((self.rank - 1) % self.world_size, f.why, evidence.evidence(

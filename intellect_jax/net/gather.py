@@ -15,11 +15,17 @@ its own at step 0 (each followed by its signature, as in the ring), then what it
 sent it the step before, verbatim. Each rank sends and receives ``(N - 1)`` contributions.
 Its predecessor's own pieces are shown to ``inspect`` whole, as they arrive; one that does not
 decode is evidence against its sender too, and adds nothing to the mean on any rank.
+
+A rank may bring its contribution encoded already (:class:`Encoded`: a GPU node encodes on its
+devices, :mod:`intellect_jax.kernels.codecs_xla`); its payload pieces are then sent as they are,
+and what its encoding dropped was computed where it was encoded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +34,49 @@ from intellect_jax.net.errors import FrameError
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import RingPlan, make_plan
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Seal
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A contribution encoded already: ``payloads[b][j]`` is piece ``j`` (:func:`gather_plan`) of
+    bucket ``b`` (``net.tree.make_buckets`` of ``like``'s leaves), in the codec's wire layout.
+    ``like``: the contribution's tree, as float32 placeholders of its shapes (see :func:`shapes`).
+    Pass it to ``Communicator.all_reduce_mean`` in place of the tree (no ``dropped``)."""
+
+    like: Any
+    payloads: tuple[tuple[np.ndarray, ...], ...]
+    mode: str
+    block: int
+    bucket_numel: int
+    piece_numel: int
+
+    def check(self, mode: str, block: int, bucket_numel: int, piece_numel: int) -> None:
+        """ValueError unless it was encoded for this ring's settings."""
+        ours = (self.mode, self.block, self.bucket_numel, self.piece_numel)
+        if ours != (mode, block, bucket_numel, piece_numel):
+            raise ValueError(f"a contribution encoded as (mode, block, bucket, piece) {ours} for a ring of "
+                             f"{(mode, block, bucket_numel, piece_numel)}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for b in self.payloads for w in b)
+
+
+def shapes(tree: Any) -> Any:
+    """Float32 placeholders of ``tree``'s shapes (no memory: one broadcast zero each)."""
+    import jax
+
+    return jax.tree.map(lambda a: np.broadcast_to(np.float32(0), np.shape(a)), tree)
+
+
+def check_own(own: Sequence[np.ndarray], p: RingPlan, mode: str, block: int) -> None:
+    """ValueError unless ``own`` holds one payload of the right length per piece of ``p``."""
+    if len(own) != p.pieces:
+        raise ValueError(f"an encoded contribution of {len(own)} pieces for a plan of {p.pieces}")
+    for j, w in enumerate(own):
+        a, b = p.piece(0, j)
+        if w.dtype != np.uint8 or w.nbytes != quant.encoded_nbytes(b - a, mode, block):
+            raise ValueError(f"encoded piece {j}: {w.nbytes} bytes of {w.dtype} for {b - a} values in {mode}")
 
 
 def gather_plan(numel: int, block: int, piece_numel: int) -> RingPlan:
@@ -73,11 +122,18 @@ def combine(payloads: Sequence[Sequence[np.ndarray]], p: RingPlan, mode: str, bl
 
 
 def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: int,
-             dropped: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
+             dropped: Sequence[np.ndarray | None] | None = None,
+             own: Sequence[Sequence[np.ndarray] | None] | None = None) -> np.ndarray:
     """What :func:`ring_all_gather_mean` returns on every rank, in one process (and each rank's
-    ``dropped``)."""
+    ``dropped``; ``own[r]``: rank r's payloads, encoded already)."""
     p = gather_plan(inputs[0].shape[0], block, piece_numel)
-    pays = [encode_own(x, p, mode, block, None if dropped is None else dropped[r]) for r, x in enumerate(inputs)]
+    pays = []
+    for r, x in enumerate(inputs):
+        if own is not None and own[r] is not None:
+            check_own(own[r], p, mode, block)  # type: ignore[arg-type]
+            pays.append(list(own[r]))  # type: ignore[arg-type]
+        else:
+            pays.append(encode_own(x, p, mode, block, None if dropped is None else dropped[r]))
     return combine(pays, p, mode, block, np.empty(inputs[0].shape[0], np.float32))
 
 
@@ -88,12 +144,13 @@ class _GatherRun(Pipeline):
 
     def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str,
                  block: int, piece_numel: int, deadline: float, dropped: np.ndarray | None,
-                 inspect: Inspect | None, seal: Seal | None) -> None:
+                 inspect: Inspect | None, seal: Seal | None, own: Sequence[np.ndarray] | None = None) -> None:
         super().__init__(links, deadline)
         self.x, self.out, self.rank, self.world = x, out, rank, world
         self.mode, self.block, self.dropped = mode, block, dropped
         self.inspect, self.seal = inspect, seal
         self.plan = gather_plan(x.shape[0], block, piece_numel)
+        self.own = own
         self.pays: list[list[np.ndarray | None]] = [[None] * self.plan.pieces for _ in range(world)]
         self.findings: list[Finding] = []
         self.skipped: list[tuple[int, int]] = []  # (rank, piece) that did not decode (combine)
@@ -106,7 +163,8 @@ class _GatherRun(Pipeline):
         for j in range(self.plan.pieces):
             if self.error is not None:
                 return
-            wire = encode_own(self.x, self.plan, self.mode, self.block, self.dropped, j)[0]
+            wire = self.own[j] if self.own is not None else \
+                encode_own(self.x, self.plan, self.mode, self.block, self.dropped, j)[0]
             self.pays[self.rank][j] = wire
             self.put(j, wire, None)
 
@@ -165,21 +223,30 @@ class _GatherRun(Pipeline):
 def ring_all_gather_mean(links: Links, x: np.ndarray, rank: int, world: int, *, mode: str, block: int,
                          piece_numel: int, deadline: float, out: np.ndarray | None = None,
                          dropped: np.ndarray | None = None, inspect: Inspect | None = None,
-                         findings: list[Finding] | None = None, seal: Seal | None = None) -> np.ndarray:
+                         findings: list[Finding] | None = None, seal: Seal | None = None,
+                         own: Sequence[np.ndarray] | None = None) -> np.ndarray:
     """Mean of ``x`` (flat float32) over the ring by an all-gather of encoded contributions,
     bit-identical on every rank (``out``: flat float32, not overlapping ``x``). ``dropped``:
-    receives ``x - decode(encode(x))``. ``inspect``, ``findings``, ``seal``: as the ring's."""
+    receives ``x - decode(encode(x))``. ``own``: this rank's payload pieces, encoded already
+    (then ``x`` only gives the length, and no ``dropped``). ``inspect``, ``findings``, ``seal``:
+    as the ring's."""
     if not codecs.gathered(mode):
         raise ValueError(f"{mode} is not a gathered codec")
     out = np.empty(x.shape[0], np.float32) if out is None else out
     if out.shape != x.shape or np.may_share_memory(out, x):
         raise ValueError(f"out must be float32 of shape {x.shape}, apart from the input")
+    if own is not None:
+        if dropped is not None:
+            raise ValueError("dropped is computed where an encoded contribution was encoded")
+        check_own(own, gather_plan(x.shape[0], block, piece_numel), mode, block)
+        if world == 1:
+            return combine([own], gather_plan(x.shape[0], block, piece_numel), mode, block, out)
     if world == 1:  # nothing is sent, so nothing is lost
         np.copyto(out, x)
         if dropped is not None:
             dropped[...] = 0
         return out
-    run = _GatherRun(links, x, out, rank, world, mode, block, piece_numel, deadline, dropped, inspect, seal)
+    run = _GatherRun(links, x, out, rank, world, mode, block, piece_numel, deadline, dropped, inspect, seal, own)
     try:
         return run.run()
     finally:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from intellect_jax.net import codecs, gather, plan, tree as treelib
-from intellect_jax.net.comm import CommStats, RingConfig, bucket_call, check_dropped, leaves_like
+from intellect_jax.net.comm import CommStats, RingConfig, bucket_call, check_dropped, leaves_like, unpack_encoded
 from intellect_jax.net.errors import PeerClosed, PeerTimeout
 from intellect_jax.net.evidence import SIG_BYTES, unsigned_evidence
 from intellect_jax.net.frames import HEADER_LEN
@@ -82,19 +82,23 @@ class LocalGroup:
             reason, self._fail = self._fail, None
             raise PeerClosed(f"local ring: {reason}")
         cfg, seed = self.config, self.config.rng_seed(self.epoch)
-        flat = [treelib.flatten(t) for t in trees]
+        encs = [unpack_encoded(t, cfg, None if dropped is None else dropped[r]) for r, t in enumerate(trees)]
+        flat = [treelib.flatten(t) for t, _ in encs]
         if len({sig for _, _, sig in flat}) != 1:
             raise ValueError("ranks passed pytrees of different structure or shapes")
         leaves0 = flat[0][0]
         drops = [None if d is None else leaves_like("dropped", d, flat[0][2]) for d in (dropped or [None] * self.world)]
         out: list[np.ndarray] = []
         for bi, idx in enumerate(treelib.make_buckets([x.size for x in leaves0], cfg.bucket_numel)):
-            inputs = [treelib.gather(leaves, idx) for leaves, _, _ in flat]
+            n = sum(leaves0[i].size for i in idx)
+            inputs = [treelib.gather(leaves, idx) if e is None else np.broadcast_to(np.float32(0), (n,))
+                      for (leaves, _, _), (_, e) in zip(flat, encs)]
+            own = [None if e is None else e.payloads[bi] for _, e in encs]
             if not inputs[0].size:
                 res = np.empty(0, np.float32)
-            elif codecs.gathered(cfg.mode) and self.world > 1:
+            elif codecs.gathered(cfg.mode) and (self.world > 1 or own[0] is not None):
                 ds = [None if d is None else np.empty(inputs[0].size, np.float32) for d in drops]
-                res = gather.simulate(inputs, cfg.mode, cfg.block_size, cfg.piece_numel, ds)
+                res = gather.simulate(inputs, cfg.mode, cfg.block_size, cfg.piece_numel, ds, own)
                 for d_leaves, d in zip(drops, ds):
                     if d_leaves is not None:
                         for o, v in zip((d_leaves[i] for i in idx), treelib.scatter(d, leaves0, idx)):
@@ -107,6 +111,7 @@ class LocalGroup:
                         d_leaves[i][...] = 0
             out.extend(treelib.scatter(res, leaves0, idx))
         result = flat[0][1](out)
+        self.last_inputs = [t if e is None else _decoded(e, cfg) for t, e in encs]  # what inspect is shown
         return [result] + [_copy_tree(result) for _ in range(self.world - 1)]
 
     def _submit(self, rank: int, tree: Any, timeout: float, dropped: Any = None) -> Any:
@@ -117,7 +122,6 @@ class LocalGroup:
             if len(self._inputs) == self.world:
                 got, self._inputs = [self._inputs[r] for r in range(self.world)], {}
                 inputs = [t for t, _ in got]
-                self.last_inputs = inputs
                 try:
                     self._results, self._error = self.all_reduce_mean_all(inputs, [d for _, d in got]), None
                 except Exception as e:  # noqa: BLE001 - re-raised on every rank
@@ -168,7 +172,7 @@ class LocalCommunicator:
             for o, r in zip(treelib.flatten(out)[0], treelib.flatten(result)[0]):
                 np.copyto(o, r)
             result = out
-        sizes = [leaf.size for leaf in treelib.flatten(tree)[0]]
+        sizes = [leaf.size for leaf in treelib.flatten(unpack_encoded(tree, cfg, None)[0])[0]]
         numel = sum(sizes)
         sent = sum(ring_bytes(sum(sizes[i] for i in idx), self.world_size, self.rank, cfg)
                    for idx in treelib.make_buckets(sizes, cfg.bucket_numel))
@@ -186,6 +190,18 @@ class LocalCommunicator:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _decoded(enc: gather.Encoded, cfg: RingConfig) -> Any:
+    """The tree an encoded contribution decodes to."""
+    leaves, rebuild, _ = treelib.flatten(enc.like)
+    out: list[np.ndarray] = []
+    for bi, idx in enumerate(treelib.make_buckets([x.size for x in leaves], cfg.bucket_numel)):
+        n = sum(leaves[i].size for i in idx)
+        p = gather.gather_plan(n, cfg.block_size, cfg.piece_numel)
+        res = gather.combine([enc.payloads[bi]], p, cfg.mode, cfg.block_size, np.empty(n, np.float32))
+        out.extend(treelib.scatter(res, leaves, idx))
+    return rebuild(out)
 
 
 def _copy_tree(tree: Any) -> Any:
