@@ -1,6 +1,6 @@
 """Bytes and encode/decode time of every pseudo-gradient codec (a script, not a test).
 
-    python benchmarks/codec_bench.py [--numel 25000000] [--nodes 4] [--repeat 3]
+    python benchmarks/codec_bench.py [--numel 25000000] [--nodes 4] [--repeat 3] [--device]
 
 For each codec (`diloco.mode` and its parameters): bits per value on the wire, bytes one node
 sends per outer step for a model of `--numel` values in a `--nodes` ring (the ring's
@@ -8,6 +8,10 @@ sends per outer step for a model of `--numel` values in a `--nodes` ring (the ri
 top-1), that against int8, the relative L2 error of one encode/decode of a Gaussian
 pseudo-gradient with outliers, and the median wall time of encode and of decode on this host's
 numpy (one thread). Timings are seconds per `--numel` values, measured side by side in one run.
+With `--device`, also the sparse codecs encoded by XLA on this machine's first jax device
+(`diloco/device_codec.py`, as a GPU node encodes: error feedback included, the residual kept
+there): the host encode of the same bytes beside it, bytes that leave the device per value,
+and whether positions and codes equal the host's.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=25_000_000)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--device", action="store_true", help="also time the XLA encoder of the sparse codecs")
     a = ap.parse_args()
     import numpy as np
 
@@ -65,6 +70,65 @@ def main() -> None:
         bits = 8 * quant.encoded_nbytes(n, mode, block) / n
         print(f"| {label} | {bits:.3f} | {per_node(mode, block) / 1e6:.2f} | {ref / per_node(mode, block):.2f}x "
               f"| {err:.4f} | {sorted(enc)[len(enc) // 2]:.3f} | {sorted(dec)[len(dec) // 2]:.3f} |", flush=True)
+    if a.device:
+        device_table(x, a.repeat)
+
+
+def device_table(x, repeat: int) -> None:  # noqa: ANN001
+    import jax
+    import numpy as np
+
+    from intellect_jax.diloco.device_codec import DeviceEncoder
+    from intellect_jax.net import quant
+
+    dev = jax.device_put(x, jax.devices()[0])
+    zeros = jax.device_put(np.zeros_like(x), jax.devices()[0])
+    print(f"\nencoded on {jax.devices()[0].device_kind} (XLA, feedback included) against numpy on the host; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print("| codec | device encode s | host encode s | device / host | bytes off the device per value "
+          "| positions and codes as the host's |")
+    print("|---|---|---|---|---|---|")
+    for label, mode, block in CODECS:
+        if mode[:3] not in ("top",):
+            continue
+        enc = DeviceEncoder(mode, block, 1 << 26, 1 << 18)
+        enc.encode(dev, zeros, 0.95, False)  # compile
+        td, th = [], []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            e, r, _ = enc.encode(dev, zeros, 0.95, False)
+            jax.block_until_ready(r)
+            t1 = time.perf_counter()
+            host = np.concatenate([quant.encode(x[a_:b_], mode, block) for a_, b_ in _pieces(x.size, block)])
+            th.append(time.perf_counter() - t1)
+            td.append(t1 - t0)
+        wire = np.concatenate([w for b in e.payloads for w in b])
+        same = _same_sections(wire, host, x.size, mode, block)
+        md, mh = sorted(td)[len(td) // 2], sorted(th)[len(th) // 2]
+        print(f"| {label} | {md:.3f} | {mh:.3f} | {md / mh:.2f} | {enc.last_bytes / x.size:.3f} | {same} |", flush=True)
+
+
+def _pieces(n: int, block: int) -> list[tuple[int, int]]:
+    from intellect_jax.net.gather import gather_plan
+
+    p = gather_plan(n, block, 1 << 18)
+    return [p.piece(0, j) for j in range(p.pieces)]
+
+
+def _same_sections(wire, host, n: int, mode: str, block: int) -> str:  # noqa: ANN001
+    """Whether every piece's positions and codes equal the host's (levels: float32 rounding)."""
+    import numpy as np
+
+    from intellect_jax.net import quant
+
+    o = 0
+    for a_, b_ in _pieces(n, block):
+        k = quant.encoded_nbytes(b_ - a_, mode, block)
+        nl = 8 * -(-(b_ - a_) // block)
+        if not np.array_equal(wire[o + nl: o + k], host[o + nl: o + k]):
+            return "no"
+        o += k
+    return "yes"
 
 
 if __name__ == "__main__":
