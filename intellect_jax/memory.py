@@ -176,7 +176,8 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
                  "reserve_bytes": int(args.reserve_gb * GiB)}
     out["train"] = _program(train, (abstract, batch), step_flops, peak)
     out["eval"] = _program(evaluate, (abstract.params, batch), step_flops / 3, peak)  # forward only
-    out["diloco"] = _diloco(abstract, n, device_pg)
+    out["diloco"] = _diloco(abstract, n, device_pg, sparse=cfg.diloco.mode in ("topk", "top1") and
+                            cfg.diloco.encode != "host" and gpu)
     held = out["diloco"]["resident_bytes"]
     out["node_peak_bytes"] = out["train"]["peak_bytes"] + held
     # evaluation runs at a window, beside the train state and what DiLoCo holds; a DiLoCo node
@@ -190,11 +191,13 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
     return out
 
 
-def _diloco(abstract: Any, n: int, device_pg: Any) -> dict[str, Any]:
+def _diloco(abstract: Any, n: int, device_pg: Any, sparse: bool = False) -> dict[str, Any]:
     """The DiLoCo device programs, compiled for the largest leaf (they run one leaf at a time),
     and what an overlapped node keeps on its devices while a round trains: the anchor (the
     params the round started from), the captured pseudo-gradient (fp32) until it is pulled, the
-    next outer params once placed, and a copy of the optimizer state at a checkpoint window."""
+    next outer params once placed, and a copy of the optimizer state at a checkpoint window.
+    ``sparse``: a top-k / top-1 contribution encoded on the devices (``diloco/device_codec.py``)
+    also keeps its error-feedback residual there (fp32), and the next one while it encodes."""
     import jax
 
     params = abstract.params
@@ -203,6 +206,8 @@ def _diloco(abstract: Any, n: int, device_pg: Any) -> dict[str, Any]:
          "merge": _memory(device_pg._merge.lower(big, big, big).compile())}
     held = {"anchor": _bytes(params, n), "pseudo_gradient": _bytes(params, n, "float32"),
             "placed_outer": _bytes(params, n), "stashed_opt_state": _bytes(abstract.opt_state, n)}
+    if sparse:
+        held |= {"feedback_residual": _bytes(params, n, "float32"), "next_residual": _bytes(params, n, "float32")}
     r["held_bytes"] = held
     r["resident_bytes"] = sum(held.values())
     return r

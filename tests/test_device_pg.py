@@ -156,28 +156,40 @@ def test_host_stand_in_equals_the_interpreted_kernel():
 
 
 def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
-    """Two real trainers in one process, DiLoCo over the in-process ring, pseudo-gradients made
-    by the device path (anchor, per-shard pieces, assembly; quantized by the host stand-in, which
-    the test above holds equal to the kernel: the interpreter is too slow for whole models):
-    one hash per outer step, loss falls."""
+    """Two real trainers in one process, DiLoCo over the in-process ring with top-1 of 4 and
+    error feedback: node 1 makes its pseudo-gradient by the device path (anchor, per-shard
+    pieces, assembly; quantized by the host stand-in, which the test above holds equal to the
+    kernel: the interpreter is too slow for whole models) and encodes on the host; node 0
+    encodes on its 8 devices (diloco/device_codec.py), residual and all. One hash per outer
+    step, loss falls, node 0's residual stays on its devices like its params (and in its
+    checkpoint), and only the codec's bytes left them."""
     import json
 
+    import jax
+
+    from intellect_jax.diloco.device_codec import DeviceEncoder
     from intellect_jax.diloco.inner import TrainerInner
+    from intellect_jax.diloco.store import MemoryStore
     from intellect_jax.testing.local import run_local
     from intellect_jax.diloco.parts import LoopConfig, Outcome
     from intellect_jax.net.comm import RingConfig
     from intellect_jax.trainer.loop import Role, Trainer
 
-    H, outer = 4, 5
+    H, outer = 4, 4
+    ring = RingConfig(mode="top1of4", block_size=4096)
     trainers = [Trainer(tiny_cfg(tmp_path / f"n{i}", cache_dir, run={"steps": H * outer, "log_every": 1}),
                         node_rank=i, node_count=2, role=Role.INNER)
                 for i in range(2)]
     dpgs = [DevicePseudoGradient(BLOCK, host_quantize) for _ in trainers]
+    enc = DeviceEncoder(ring.mode, ring.block_size, ring.bucket_numel, ring.piece_numel)
+    stores = [MemoryStore(), MemoryStore()]
     try:
-        outs = run_local(LoopConfig(inner_steps=H, outer_steps=outer), [TrainerInner(t, d) for t, d in
-                                                                         zip(trainers, dpgs)], RingConfig())
+        outs = run_local(LoopConfig(inner_steps=H, outer_steps=outer, feedback=0.9, ckpt_every=H),
+                         [TrainerInner(trainers[0], dpgs[0], enc), TrainerInner(trainers[1], dpgs[1])], ring,
+                         stores=stores)
         rows = [[json.loads(line) for line in (t.run_dir / "metrics.jsonl").read_text().splitlines()]
                 for t in trainers]
+        params = trainers[0].state.params
     finally:
         for t in trainers:
             t.close(save=False)
@@ -187,4 +199,10 @@ def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
     loss = [r["loss"] for r in rows[0] if "loss" in r]
     assert np.mean(loss[-H:]) < np.mean(loss[:H]) - 0.3
     n = trainers[0].mcfg.num_params()
-    assert all(n < d.last_bytes < 1.1 * n for d in dpgs)  # int8 + scales, not 4 bytes per value
+    assert n < dpgs[1].last_bytes < 1.1 * n  # int8 + scales, not 4 bytes per value
+    assert 0 < enc.last_bytes < 0.15 * n  # top-1 of 4's 1.02 bits per value, not int8's 8.5
+    r0 = stores[0].states[H * outer].residual
+    assert all(isinstance(x, jax.Array) and x.sharding.is_equivalent_to(p.sharding, p.ndim)
+               for x, p in zip(jax.tree.leaves(r0), jax.tree.leaves(params)))
+    assert any(np.any(np.asarray(x)) for x in jax.tree.leaves(r0))
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(stores[1].states[H * outer].residual))

@@ -22,14 +22,18 @@ def test_checkpoint_store_round_trip_and_fallback_past_a_damaged_checkpoint(tmp_
     s1 = outer_step(inner, s0, tx, 4)
     store.save(s1, wait=True)
     s2 = outer_step(inner, s1, tx, 8)
-    rng = np.random.default_rng(0)  # error feedback: the node's own, saved beside and never hashed
-    s2 = s2._replace(residual=S.jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32), s2.outer_params))
+    rng = np.random.default_rng(0)  # error feedback: the node's own, saved beside and never hashed;
+    # here on the devices, sharded like the params (a GPU node's, encoded there); restored to the host
+    resid = S.jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32), s2.outer_params)
+    s2 = s2._replace(residual=S.jax.device_put(resid, t.shardings.params))
+    assert any(len(x.sharding.device_set) == 8 for x in S.jax.tree.leaves(s2.residual))
     store.save(s2, wait=True)
     back = store.load(8)
     assert S.state_hash(back) == S.state_hash(s2) == S.state_hash(s2._replace(residual=None))
     assert (back.outer_step, back.inner_step) == (2, 8)
     assert back.data == s2.data
-    for a, b in zip(leaves(back.residual), leaves(s2.residual)):
+    for a, b in zip(leaves(back.residual), leaves(resid)):
+        assert isinstance(a, np.ndarray)
         np.testing.assert_array_equal(a, b)
     assert store.load(4).residual is None  # a checkpoint without one (another codec, an older run)
     for a, b in zip(*(leaves(x.inner_opt_state) for x in (back, s2))):

@@ -2,8 +2,8 @@
 
 On the plain device path (:mod:`.device_pg`) a pseudo-gradient leaves the devices as int8
 pieces and the host adds the error-feedback residual and encodes the result with the wire
-codec: 1.06 bytes per value over PCIe, a host encoding pass (numpy: ~0.2 s per 25M values for
-top-1 of 4, minutes per outer step at 10B), and one int8 rounding that error feedback never
+codec: 1.06 bytes per value over PCIe, a host encoding pass (numpy: 0.13 s per 25M values for
+top-1 of 4, about 53 s per outer step at 10B), and one int8 rounding that error feedback never
 sees. With ``diloco.encode = "device"`` (the default where the Triton kernel runs, i.e. on GPU
 nodes) a ``topk<K>`` or ``top1of<G>`` contribution is made where the pseudo-gradient lives:
 
@@ -50,25 +50,43 @@ def supported(mode: str, chunk: int) -> str | None:
     return None
 
 
+def _spread(placed: tuple[Any, ...]) -> tuple[Any, Any]:
+    """(a flat vector's, rows') sharding over every device of the leaves' mesh, or (None, None)
+    off a mesh. Flattening a leaf sharded on another than its first axis would otherwise gather
+    the whole leaf on every device; constrained, XLA moves it with all-to-alls."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    first = placed[0] if placed else None
+    if not isinstance(first, NamedSharding) or first.mesh.size == 1:
+        return None, None
+    axes = tuple(first.mesh.axis_names)
+    return NamedSharding(first.mesh, P(axes)), NamedSharding(first.mesh, P(axes, None))
+
+
+def _on(x: jax.Array, where: Any) -> jax.Array:
+    return x if where is None else jax.lax.with_sharding_constraint(x, where)
+
+
 @functools.partial(jax.jit, static_argnames=("mode", "chunk", "placed"))
 def _encode_bucket(d: list[jax.Array], e: list[jax.Array] | None, beta: jax.Array, mute: jax.Array, *,
                    mode: str, chunk: int, placed: tuple[Any, ...]) -> tuple[Any, ...]:
     """One bucket: (sections of its full chunks, of its last partial chunk, the next residual
-    per leaf, placed as ``placed`` says: the leaves' shardings)."""
-    flat = [x.reshape(-1).astype(jnp.float32) for x in d]
+    per leaf, placed as ``placed`` says: the leaves' shardings; whether that is finite)."""
+    flat_on, rows_on = _spread(placed)
+    flat = [_on(x.reshape(-1).astype(jnp.float32), flat_on) for x in d]
     if e is not None:
-        flat = [x + beta * r.reshape(-1).astype(jnp.float32) for x, r in zip(flat, e, strict=True)]
-    c = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+        flat = [x + beta * _on(r.reshape(-1).astype(jnp.float32), flat_on) for x, r in zip(flat, e, strict=True)]
+    c = _on(jnp.concatenate(flat) if len(flat) > 1 else flat[0], flat_on)
     c = jnp.where(mute, jnp.float32(0), c)
     n = c.shape[0]
     full, rem = divmod(n, chunk)
     secs, dec = [], []
-    for rows in ([c[: full * chunk].reshape(full, chunk)] if full else []) + \
+    for rows in ([_on(c[: full * chunk].reshape(full, chunk), rows_on)] if full else []) + \
             ([c[full * chunk:].reshape(1, rem)] if rem else []):
         lv, pos, codes, (idx, raw) = codecs_xla.encode_rows(rows, mode, chunk)
         secs.append((lv, pos, codes))
         dec.append(codecs_xla.decode_rows(lv, idx, raw, mode, rows.shape[1]).reshape(-1))
-    resid = c - (jnp.concatenate(dec) if len(dec) > 1 else dec[0])
+    resid = _on(c - (jnp.concatenate(dec) if len(dec) > 1 else dec[0]), flat_on)
     out, off = [], 0
     for x, where in zip(d, placed, strict=True):
         out.append(jax.lax.with_sharding_constraint(resid[off: off + x.size].reshape(x.shape), where))
@@ -98,11 +116,16 @@ class DeviceEncoder:
         ss, ok = _sumsq(jax.tree.leaves(d))
         return float(f"{math.sqrt(float(ss)):.6g}") if bool(ok) else math.inf
 
-    def encode(self, d: Any, residual: Any, beta: float, mute: bool) -> tuple[Encoded, Any, bool]:
+    def encode(self, d: Any, residual: Any, beta: float, mute: bool, like: Any = None) -> tuple[Encoded, Any, bool]:
         """(the contribution ``d + beta * residual`` encoded, or zeros if ``mute``; the next
         residual on the devices, sharded like ``d``; whether it is finite). ``residual``: None
-        (zeros), host arrays (a restored checkpoint: placed like ``d``) or device arrays."""
+        (zeros), host arrays (a restored checkpoint: placed like ``d``) or device arrays.
+        ``like``: the tree the ring reduces (the outer params: its structure signs the
+        all-reduce, as a host node's tree does; default ``d``'s)."""
         leaves, treedef = jax.tree.flatten(d)
+        like = d if like is None else like
+        if [np.shape(x) for x in jax.tree.leaves(like)] != [x.shape for x in leaves]:
+            raise ValueError("the pseudo-gradient on the devices does not match the outer params' shapes")
         res = None
         if residual is not None:
             res = jax.tree.leaves(residual)
@@ -111,20 +134,28 @@ class DeviceEncoder:
             res = [r if isinstance(r, jax.Array) and r.sharding.is_equivalent_to(x.sharding, x.ndim) else
                    jax.device_put(r, x.sharding)
                    for r, x in zip(res, leaves)]
-        payloads, nxt, finite, pulled = [], [], True, 0
         beta_, mute_ = jnp.float32(beta), jnp.bool_(mute)
-        for idx in treelib.make_buckets([x.size for x in leaves], self.bucket_numel):
+        runs, nxt = [], []
+        for idx in treelib.make_buckets([x.size for x in leaves], self.bucket_numel):  # dispatched, not waited on
+            n = sum(leaves[i].size for i in idx)
+            if n == 0:  # nothing to send (the ring skips an empty bucket too)
+                runs.append(((), None, 0))
+                nxt.extend(jnp.zeros_like(leaves[i], jnp.float32) for i in idx)
+                continue
             secs, out, ok = _encode_bucket([leaves[i] for i in idx], None if res is None else [res[i] for i in idx],
                                            beta_, mute_, mode=self.mode, chunk=self.chunk,
                                            placed=tuple(leaves[i].sharding for i in idx))
-            host = [tuple(np.asarray(a) for a in s) for s in secs]  # only the codec's sections leave
-            pulled += sum(a.nbytes for s in host for a in s)
-            payloads.append(self._pieces(host, sum(leaves[i].size for i in idx)))
+            runs.append((secs, ok, n))
             nxt.extend(out)
-            finite = finite and bool(ok)
+        payloads, pulled = [], 0
+        finite = jnp.all(jnp.stack([ok for _, ok, _ in runs if ok is not None] or [jnp.bool_(True)]))
+        for secs, _, n in runs:  # only the codec's sections leave the devices
+            host = [tuple(np.asarray(a) for a in sec) for sec in secs]
+            pulled += sum(a.nbytes for sec in host for a in sec)
+            payloads.append(self._pieces(host, n) if n else ())
         self.last_bytes = pulled
-        enc = Encoded(shapes(d), tuple(payloads), self.mode, self.chunk, self.bucket_numel, self.piece_numel)
-        return enc, jax.tree.unflatten(treedef, nxt), finite
+        enc = Encoded(shapes(like), tuple(payloads), self.mode, self.chunk, self.bucket_numel, self.piece_numel)
+        return enc, jax.tree.unflatten(treedef, nxt), bool(finite)
 
     def _pieces(self, secs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n: int) -> tuple[np.ndarray, ...]:
         """The ring's pieces of one bucket from its rows' sections (full chunks, then the tail)."""
@@ -152,9 +183,10 @@ class DeviceContribution:
 
     diff: Any  # anchor - params, float32, sharded like the params
     encoder: DeviceEncoder
+    like: Any = None  # the outer params (host): the tree the ring reduces
 
     def norm(self) -> float:
         return self.encoder.norm(self.diff)
 
     def encode(self, residual: Any, beta: float, mute: bool) -> tuple[Encoded, Any, bool]:
-        return self.encoder.encode(self.diff, residual, beta, mute)
+        return self.encoder.encode(self.diff, residual, beta, mute, self.like)

@@ -235,9 +235,10 @@ class PgPath:
                                                     if self.overlap else "synchronous rounds")
 
 
-def pg_path(d: DilocoConfig, processes: int, kernel: bool) -> PgPath:
+def pg_path(d: DilocoConfig, processes: int, kernel: bool, gpu: bool | None = None) -> PgPath:
     """The pseudo-gradient path of a node of ``processes`` processes; ``kernel``: the Triton
-    kernel runs here (:func:`kernel_available`).
+    kernel runs here (:func:`kernel_available`); ``gpu``: the node's devices are GPUs (default:
+    ``kernel``).
 
     A node of several processes gathers its shards' pieces at the lead: the device path, never
     overlapped (not available yet). A single-process node overlaps its rounds unless told not to
@@ -245,8 +246,8 @@ def pg_path(d: DilocoConfig, processes: int, kernel: bool) -> PgPath:
     other than "host"), which takes the device path; else "device" and "host" are obeyed and "auto" takes
     the device path where the kernel runs. The kernel needs power-of-two blocks.
 
-    A top-k or top-1 contribution is encoded on the devices (``diloco.encode``; "auto": where the
-    kernel runs, i.e. on GPU nodes) by a single-process node whose chunks hold whole bytes of
+    A top-k or top-1 contribution is encoded on the devices (``diloco.encode``; "auto": on GPU
+    nodes, with or without the kernel: it is XLA) by a single-process node whose chunks hold whole bytes of
     the codec's sections (:func:`~.device_codec.supported`); this takes the device path too."""
     multi = processes > 1
     if multi and d.pseudo_gradient == "host":
@@ -257,7 +258,7 @@ def pg_path(d: DilocoConfig, processes: int, kernel: bool) -> PgPath:
                           "or false)")
     lossy = d.mode not in ("fp32", "bf16")  # codes no finer than the device path's int8
     overlap = (not multi and d.pseudo_gradient != "host" and lossy) if d.overlap is None else d.overlap
-    on_gpu, kernel = kernel, kernel and d.pow2_block
+    on_gpu, kernel = kernel if gpu is None else gpu, kernel and d.pow2_block
     encode = d.pseudo_gradient != "host" and (d.encode == "device" or (d.encode == "auto" and on_gpu))
     if encode:
         from intellect_jax.diloco.device_codec import supported

@@ -89,7 +89,9 @@ class OwnGuard:
     def check(self, pg: Any, scale: float | None = None) -> tuple[float, str | None]:
         """(norm, why it fails or None) of a host tree, or of anything with a ``norm()`` (a
         contribution held on the devices, :class:`~.device_codec.DeviceContribution`)."""
-        norm = pg.norm() if hasattr(pg, "norm") else tree_norm(pg)
+        from intellect_jax.diloco.device_codec import DeviceContribution
+
+        norm = pg.norm() if isinstance(pg, DeviceContribution) else tree_norm(pg)
         why = judge(norm, self.history, self.cfg, scale)
         if why is None:
             self.history = remember(self.history, norm, self.cfg)

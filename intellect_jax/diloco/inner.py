@@ -41,7 +41,7 @@ class TrainerInner:
         if self.device_pg is None:
             return pseudo_gradient(outer_params, self.t.state.params)
         if self.encoder is not None:
-            return DeviceContribution(self.device_pg.diff(self.t.state.params), self.encoder)
+            return DeviceContribution(self.device_pg.diff(self.t.state.params), self.encoder, outer_params)
         return self.device_pg(self.t.state.params, outer_params)
 
     def _placed(self) -> None:
@@ -100,7 +100,7 @@ class TrainerInner:
 
     def pull(self, captured: Any, like: Any) -> Any:
         if self.encoder is not None:
-            return DeviceContribution(captured, self.encoder)
+            return DeviceContribution(captured, self.encoder, like)
         return self._dpg().pull(captured, like)
 
     def place(self, outer_params: Any) -> Any:

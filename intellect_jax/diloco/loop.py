@@ -384,8 +384,10 @@ class NodeLoop:
         """(the contribution encoded on the devices, the next residual there or None: keep the
         old one, whether it is finite): ``_with_feedback`` where the pseudo-gradient lives."""
         fb = self.cfg.feedback
-        enc, nxt, finite = pg.encode(s.residual if fb else None, fb, bool(sits_out))
-        return (enc, None, None) if sits_out or not fb else (enc, nxt, finite)
+        if sits_out:  # zeros, and the residual kept for the next round (not even placed)
+            return pg.encode(None, 0.0, True)[0], None, None
+        enc, nxt, finite = pg.encode(s.residual if fb else None, fb, False)
+        return (enc, nxt, finite) if fb else (enc, None, None)
 
     def _hash(self, s: DilocoState) -> tuple[dict[str, Any], str]:
         """(opening, hash) of ``s`` (:func:`~.state.hash_opening`), computed once per state: a

@@ -57,7 +57,8 @@ def loop_config(cfg: TrainConfig, path: PgPath) -> LoopConfig:
 
 def node_pg_path(cfg: TrainConfig) -> PgPath:
     """This process's node's pseudo-gradient path (:func:`~.device_pg.pg_path`)."""
-    return pg_path(cfg.diloco, jax.process_count(), kernel_available())
+    return pg_path(cfg.diloco, jax.process_count(), kernel_available(),
+                   gpu=any(d.platform == "gpu" for d in jax.devices()))
 
 
 def run_follower(cfg: TrainConfig) -> int:

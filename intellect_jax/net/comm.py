@@ -22,7 +22,7 @@ from intellect_jax.net import codecs, evidence, quant, tree as treelib
 from intellect_jax.net.errors import ConfigMismatch, PeerTimeout, RingClosed
 from intellect_jax.net.identity import verify
 from intellect_jax.net.schema import Nat, Wire, recv_model
-from intellect_jax.net.gather import Encoded, combine, gather_plan, ring_all_gather_mean
+from intellect_jax.net.gather import Encoded, check_own, combine, gather_plan, ring_all_gather_mean
 from intellect_jax.net.ring import Finding, Links, Seal, Workspace, ring_all_reduce
 from intellect_jax.net.listener import Listener
 from intellect_jax.net.transport import (
@@ -192,11 +192,13 @@ def _alone(flat: np.ndarray, _: int, out: np.ndarray | None, dropped: np.ndarray
 
 
 def decoded(cfg: RingConfig, enc: Encoded) -> Reduce:
-    """A ring of one with an encoded contribution: what its payloads decode to (its encoder
-    counted what they dropped)."""
+    """A ring of one with an encoded contribution: what its payloads decode to (a host tree alone
+    is applied exactly; an encoded one was encoded before the ring was known, and its encoder
+    counted what it dropped, which feedback sends with the next round)."""
 
     def reduce(flat: np.ndarray, bi: int, out: np.ndarray | None, _: np.ndarray | None) -> np.ndarray:
         p = gather_plan(flat.shape[0], cfg.block_size, cfg.piece_numel)
+        check_own(enc.payloads[bi], p, cfg.mode, cfg.block_size)
         return combine([enc.payloads[bi]], p, cfg.mode, cfg.block_size,
                        np.empty(flat.shape[0], np.float32) if out is None else out)
 
