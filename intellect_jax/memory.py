@@ -176,8 +176,11 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
                  "reserve_bytes": int(args.reserve_gb * GiB)}
     out["train"] = _program(train, (abstract, batch), step_flops, peak)
     out["eval"] = _program(evaluate, (abstract.params, batch), step_flops / 3, peak)  # forward only
-    out["diloco"] = _diloco(abstract, n, device_pg, sparse=cfg.diloco.mode in ("topk", "top1") and
-                            cfg.diloco.encode != "host" and gpu)
+    from intellect_jax.diloco.device_pg import pg_path
+
+    d = cfg.diloco
+    encodes = pg_path(d, 1, kernel=gpu, gpu=gpu).encode  # a single-process node's path on this target
+    out["diloco"] = _diloco(abstract, n, device_pg, (d.wire_mode, d.wire_block) if encodes else None)
     held = out["diloco"]["resident_bytes"]
     out["node_peak_bytes"] = out["train"]["peak_bytes"] + held
     # evaluation runs at a window, beside the train state and what DiLoCo holds; a DiLoCo node
@@ -191,13 +194,15 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
     return out
 
 
-def _diloco(abstract: Any, n: int, device_pg: Any, sparse: bool = False) -> dict[str, Any]:
+def _diloco(abstract: Any, n: int, device_pg: Any, sparse: tuple[str, int] | None = None) -> dict[str, Any]:
     """The DiLoCo device programs, compiled for the largest leaf (they run one leaf at a time),
     and what an overlapped node keeps on its devices while a round trains: the anchor (the
     params the round started from), the captured pseudo-gradient (fp32) until it is pulled, the
     next outer params once placed, and a copy of the optimizer state at a checkpoint window.
-    ``sparse``: a top-k / top-1 contribution encoded on the devices (``diloco/device_codec.py``)
-    also keeps its error-feedback residual there (fp32), and the next one while it encodes."""
+    ``sparse``: (wire mode, chunk) of a top-k / top-1 contribution encoded on the devices
+    (``diloco/device_codec.py``), which also keeps its error-feedback residual there (fp32), the
+    next one while it encodes, and the encoding's temporaries (its program compiled for the
+    largest leaf, a bucket of its own), beside the next round's first steps."""
     import jax
 
     params = abstract.params
@@ -207,7 +212,17 @@ def _diloco(abstract: Any, n: int, device_pg: Any, sparse: bool = False) -> dict
     held = {"anchor": _bytes(params, n), "pseudo_gradient": _bytes(params, n, "float32"),
             "placed_outer": _bytes(params, n), "stashed_opt_state": _bytes(abstract.opt_state, n)}
     if sparse:
-        held |= {"feedback_residual": _bytes(params, n, "float32"), "next_residual": _bytes(params, n, "float32")}
+        import jax.numpy as jnp
+
+        from intellect_jax.diloco.device_codec import _encode_bucket
+
+        f32 = jax.ShapeDtypeStruct(big.shape, jnp.float32, sharding=big.sharding)
+        one = jax.sharding.NamedSharding(big.sharding.mesh, jax.sharding.PartitionSpec())
+        scalars = [jax.ShapeDtypeStruct((), t, sharding=one) for t in (jnp.float32, jnp.bool_)]
+        r["encode"] = _memory(_encode_bucket.lower([f32], [f32], *scalars, mode=sparse[0], chunk=sparse[1],
+                                                   placed=(big.sharding,)).compile())
+        held |= {"feedback_residual": _bytes(params, n, "float32"), "next_residual": _bytes(params, n, "float32"),
+                 "encode_temporaries": r["encode"]["temporaries_bytes"]}
     r["held_bytes"] = held
     r["resident_bytes"] = sum(held.values())
     return r

@@ -124,6 +124,25 @@ def test_a_leaf_sharded_on_any_axis_is_never_gathered_whole(spec, shape):
     assert c.memory_analysis().temp_size_in_bytes < 4 * shard
 
 
+@pytest.mark.parametrize("mode,C", [("top1of4", 256), ("topk8", 512)])
+def test_a_muted_node_s_zeros_are_made_on_the_host_and_decode_to_zeros(mode, C):
+    """A node sitting a round out sends zeros made without any device program: valid payloads
+    for every piece (tails and an empty leaf included), decoding to zeros; for top-1 the very
+    bytes the devices make of zeros."""
+    other = {**_tree(), "d": np.zeros(0, np.float32)}
+    like = {k: np.zeros_like(v) for k, v in other.items()}
+    enc = DeviceEncoder(mode, C, 5_000, 512)
+    z = enc.zeros(like)
+    cfg = RingConfig(mode=mode, block_size=C, bucket_numel=5_000, piece_numel=512)
+    got = LocalGroup(2, cfg).all_reduce_mean_all([z, other])[0]
+    ref = LocalGroup(2, cfg).all_reduce_mean_all([like, other])[0]
+    for k in like:
+        np.testing.assert_array_equal(got[k], ref[k])
+    if mode.startswith("top1"):
+        dev = enc.encode(jax.tree.map(jnp.asarray, like), None, 1.0, False)[0]
+        assert all(np.array_equal(x, y) for bx, by in zip(z.payloads, dev.payloads) for x, y in zip(bx, by))
+
+
 def test_an_encoded_contribution_shares_a_socket_ring_with_host_encoders():
     """Rank 0 brings payloads made on the devices, the others host trees: every rank gets the
     same bits, those of the in-process fake; a contribution made for other settings is refused."""
@@ -164,6 +183,8 @@ def test_gpu_nodes_encode_on_their_devices_and_others_where_asked():
     assert pg_path(top1, 1, kernel=True).encode and not pg_path(top1, 1, kernel=False).encode
     forced = pg_path(DilocoConfig(mode="top1", encode="device", overlap=False), 1, kernel=False)
     assert forced.encode and forced.device and "encoded on the devices" in forced.describe(None)
+    assert pg_path(top1, 1, kernel=False, gpu=True).encode  # XLA: no kernel needed, a GPU is
+    assert not pg_path(top1, 1, kernel=True, gpu=False).encode
     assert not pg_path(DilocoConfig(mode="int2"), 1, kernel=True).encode  # int2: the host's
     assert not pg_path(DilocoConfig(mode="top1", encode="host"), 1, kernel=True).encode
     assert not pg_path(top1, 2, kernel=True).encode  # a node of several processes: the host's

@@ -156,11 +156,12 @@ def test_host_stand_in_equals_the_interpreted_kernel():
 
 
 def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
-    """Two real trainers in one process, DiLoCo over the in-process ring with top-1 of 4 and
-    error feedback: node 1 makes its pseudo-gradient by the device path (anchor, per-shard
+    """Two real trainers in one process, overlapped DiLoCo rounds over the in-process ring with
+    top-1 of 4 and error feedback (as GPU nodes run by default): node 1 makes its pseudo-gradient by the device path (anchor, per-shard
     pieces, assembly; quantized by the host stand-in, which the test above holds equal to the
     kernel: the interpreter is too slow for whole models) and encodes on the host; node 0
-    encodes on its 8 devices (diloco/device_codec.py), residual and all. One hash per outer
+    encodes on its 8 devices (diloco/device_codec.py), residual and all, its encoding launched
+    at the window before the next round's steps. One hash per outer
     step, loss falls, node 0's residual stays on its devices like its params (and in its
     checkpoint), and only the codec's bytes left them."""
     import json
@@ -184,7 +185,8 @@ def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
     enc = DeviceEncoder(ring.mode, ring.block_size, ring.bucket_numel, ring.piece_numel)
     stores = [MemoryStore(), MemoryStore()]
     try:
-        outs = run_local(LoopConfig(inner_steps=H, outer_steps=outer, feedback=0.9, ckpt_every=H),
+        outs = run_local(LoopConfig(inner_steps=H, outer_steps=outer, feedback=0.9, ckpt_every=H, overlap=True,
+                                    overlap_delay=2),
                          [TrainerInner(trainers[0], dpgs[0], enc), TrainerInner(trainers[1], dpgs[1])], ring,
                          stores=stores)
         rows = [[json.loads(line) for line in (t.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -4,8 +4,8 @@ On the plain device path (:mod:`.device_pg`) a pseudo-gradient leaves the device
 pieces and the host adds the error-feedback residual and encodes the result with the wire
 codec: 1.06 bytes per value over PCIe, a host encoding pass (numpy: 0.13 s per 25M values for
 top-1 of 4, about 53 s per outer step at 10B), and one int8 rounding that error feedback never
-sees. With ``diloco.encode = "device"`` (the default where the Triton kernel runs, i.e. on GPU
-nodes) a ``topk<K>`` or ``top1of<G>`` contribution is made where the pseudo-gradient lives:
+sees. With ``diloco.encode = "device"`` (the default on GPU nodes) a ``topk<K>`` or
+``top1of<G>`` contribution is made where the pseudo-gradient lives:
 
 1. per bucket of the ring (``net.tree.make_buckets``, the same leaves in the same order), one
    jitted program takes the leaves of ``d = anchor - params`` and of the residual ``e`` (kept on
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from intellect_jax.kernels import codecs_xla
-from intellect_jax.net import codecs, tree as treelib
+from intellect_jax.net import codecs, quant, tree as treelib
 from intellect_jax.net.gather import Encoded, gather_plan, shapes
 
 __all__ = ["DeviceEncoder", "DeviceContribution", "supported"]
@@ -113,8 +114,7 @@ class DeviceEncoder:
 
     def norm(self, d: Any) -> float:
         """The L2 norm of ``d`` (inf if any value is not finite), for the node's own check."""
-        ss, ok = _sumsq(jax.tree.leaves(d))
-        return float(f"{math.sqrt(float(ss)):.6g}") if bool(ok) else math.inf
+        return DeviceContribution(d, self).norm()
 
     def encode(self, d: Any, residual: Any, beta: float, mute: bool, like: Any = None) -> tuple[Encoded, Any, bool]:
         """(the contribution ``d + beta * residual`` encoded, or zeros if ``mute``; the next
@@ -122,6 +122,11 @@ class DeviceEncoder:
         (zeros), host arrays (a restored checkpoint: placed like ``d``) or device arrays.
         ``like``: the tree the ring reduces (the outer params: its structure signs the
         all-reduce, as a host node's tree does; default ``d``'s)."""
+        return self.dispatch(d, residual, beta, mute, like)()
+
+    def dispatch(self, d: Any, residual: Any, beta: float, mute: bool, like: Any = None) -> Callable[[], Any]:
+        """:meth:`encode`'s device programs, launched now; the returned function waits for them
+        and pulls the sections (only transfers: no device program of its own)."""
         leaves, treedef = jax.tree.flatten(d)
         like = d if like is None else like
         if [np.shape(x) for x in jax.tree.leaves(like)] != [x.shape for x in leaves]:
@@ -136,7 +141,7 @@ class DeviceEncoder:
                    for r, x in zip(res, leaves)]
         beta_, mute_ = jnp.float32(beta), jnp.bool_(mute)
         runs, nxt = [], []
-        for idx in treelib.make_buckets([x.size for x in leaves], self.bucket_numel):  # dispatched, not waited on
+        for idx in treelib.make_buckets([x.size for x in leaves], self.bucket_numel):
             n = sum(leaves[i].size for i in idx)
             if n == 0:  # nothing to send (the ring skips an empty bucket too)
                 runs.append(((), None, 0))
@@ -147,15 +152,39 @@ class DeviceEncoder:
                                            placed=tuple(leaves[i].sharding for i in idx))
             runs.append((secs, ok, n))
             nxt.extend(out)
-        payloads, pulled = [], 0
-        finite = jnp.all(jnp.stack([ok for _, ok, _ in runs if ok is not None] or [jnp.bool_(True)]))
-        for secs, _, n in runs:  # only the codec's sections leave the devices
-            host = [tuple(np.asarray(a) for a in sec) for sec in secs]
-            pulled += sum(a.nbytes for sec in host for a in sec)
-            payloads.append(self._pieces(host, n) if n else ())
-        self.last_bytes = pulled
-        enc = Encoded(shapes(like), tuple(payloads), self.mode, self.chunk, self.bucket_numel, self.piece_numel)
-        return enc, jax.tree.unflatten(treedef, nxt), bool(finite)
+        oks = [ok for _, ok, _ in runs if ok is not None]
+
+        def collect() -> tuple[Encoded, Any, bool]:
+            payloads, pulled = [], 0
+            for secs, _, n in runs:  # only the codec's sections leave the devices
+                host = [tuple(np.asarray(a) for a in sec) for sec in secs]
+                pulled += sum(a.nbytes for sec in host for a in sec)
+                payloads.append(self._pieces(host, n) if n else ())
+            self.last_bytes = pulled
+            enc = Encoded(shapes(like), tuple(payloads), self.mode, self.chunk, self.bucket_numel, self.piece_numel)
+            return enc, jax.tree.unflatten(treedef, nxt), all(bool(ok) for ok in oks)
+
+        return collect
+
+    def zeros(self, like: Any) -> Encoded:
+        """A contribution of zeros for ``like``'s shapes, made on the host without a pass over
+        any values (a node sitting a round out; no device program): every chunk of zeros
+        encodes to the same sections, so a piece is those repeated, and a last partial chunk
+        is encoded as it is."""
+        C, mode = self.chunk, self.mode
+        one = _sections(np.zeros(C, np.float32), mode, C)
+        payloads = []
+        for idx in treelib.make_buckets([int(np.prod(np.shape(x))) for x in jax.tree.leaves(like)], self.bucket_numel):
+            n = sum(int(np.prod(np.shape(x))) for x in [jax.tree.leaves(like)[i] for i in idx])
+            p, pieces = gather_plan(n, C, self.piece_numel), []
+            for j in range(p.pieces if n else 0):
+                a, b = p.piece(0, j)
+                full, r = (b - a) // C, (b - a) % C
+                tail = _sections(np.zeros(r, np.float32), mode, C) if r else (b"", b"", b"")
+                pieces.append(np.frombuffer(b"".join(one[m] * full + tail[m] for m in range(3)), np.uint8).copy())
+            payloads.append(tuple(pieces))
+        self.last_bytes = 0
+        return Encoded(shapes(like), tuple(payloads), mode, C, self.bucket_numel, self.piece_numel)
 
     def _pieces(self, secs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], n: int) -> tuple[np.ndarray, ...]:
         """The ring's pieces of one bucket from its rows' sections (full chunks, then the tail)."""
@@ -176,17 +205,47 @@ class DeviceEncoder:
         return tuple(out)
 
 
+def _sections(x: np.ndarray, mode: str, chunk: int) -> tuple[bytes, bytes, bytes]:
+    """(levels, positions, codes) bytes of one chunk (or a shorter last one), by the host codec."""
+    wire = quant.encode(x, mode, chunk)
+    nl = 8 * -(-x.size // chunk)
+    kept = codecs_xla.kept(mode, x.size)
+    npos = -(-kept // 2) * 3 if codecs_xla.index_bits(mode, chunk) == 12 else \
+        -(-kept * codecs_xla.index_bits(mode, chunk) // 8)
+    return wire[:nl].tobytes(), wire[nl: nl + npos].tobytes(), wire[nl + npos:].tobytes()
+
+
 @dataclass
 class DeviceContribution:
     """A round's pseudo-gradient held on the devices, to be encoded there (what the trainer hands
-    the outer loop instead of a host tree when its node encodes on the devices)."""
+    the outer loop instead of a host tree when its node encodes on the devices).
+
+    :meth:`start` launches the norm and the encoding at once: an overlapped node calls it at
+    the window, before the next round's steps are launched, so that programs with collectives
+    (these, the train step) reach every device in one order (two host threads launching
+    multi-device programs with collectives can interleave them differently per GPU and hang);
+    what runs beside training afterwards only waits and copies."""
 
     diff: Any  # anchor - params, float32, sharded like the params
     encoder: DeviceEncoder
     like: Any = None  # the outer params (host): the tree the ring reduces
+    _norm: Any = None
+    _started: tuple[Any, float, Callable[[], Any]] | None = None
+
+    def start(self, residual: Any, beta: float) -> None:
+        self._norm = _sumsq(jax.tree.leaves(self.diff))
+        self._started = (residual, beta, self.encoder.dispatch(self.diff, residual, beta, False, self.like))
 
     def norm(self) -> float:
-        return self.encoder.norm(self.diff)
+        ss, ok = self._norm if self._norm is not None else _sumsq(jax.tree.leaves(self.diff))
+        return float(f"{math.sqrt(float(ss)):.6g}") if bool(ok) else math.inf
 
     def encode(self, residual: Any, beta: float, mute: bool) -> tuple[Encoded, Any, bool]:
-        return self.encoder.encode(self.diff, residual, beta, mute, self.like)
+        """As :meth:`DeviceEncoder.encode` (zeros made on the host when ``mute``; the started
+        encoding when it was started with these arguments)."""
+        if mute:
+            return self.encoder.zeros(self.like if self.like is not None else self.diff), None, True
+        st, self._started = self._started, None
+        if st is not None and st[0] is residual and st[1] == beta:
+            return st[2]()
+        return self.encoder.encode(self.diff, residual, beta, False, self.like)

@@ -233,6 +233,9 @@ class NodeLoop:
                     closed[1]["delay_steps"] = ended.delay  # the round that merged this average
                     self._publish(*closed, last, held=False)
                 captured = p.inner.capture() if cfg.overlap else None
+                if cfg.overlap and getattr(p.inner, "encoder", None) is not None:  # launched before the
+                    captured = p.inner.pull(captured, self.state.outer_params)  # next round's steps
+                    captured.start(self.state.residual if cfg.feedback else None, cfg.feedback)
                 r += 1
         finally:
             if running is not None:  # evicted or failed mid-round: the trainer is left idle first
@@ -250,7 +253,10 @@ class NodeLoop:
         p, s = self.p, self.state
         assert s is not None
         t1 = p.clock.now()
-        pg = p.inner.pull(captured, s.outer_params) if self.cfg.overlap else p.inner.pseudo_gradient(s.outer_params)
+        if isinstance(captured, DeviceContribution):  # its encoding started at the window
+            pg = captured
+        else:
+            pg = p.inner.pull(captured, s.outer_params) if self.cfg.overlap else p.inner.pseudo_gradient(s.outer_params)
         o = self.outer(s, pg, report)
         s = o.state
         if gate is None:  # nothing trains: the trainer takes the outer params now
@@ -384,7 +390,7 @@ class NodeLoop:
         """(the contribution encoded on the devices, the next residual there or None: keep the
         old one, whether it is finite): ``_with_feedback`` where the pseudo-gradient lives."""
         fb = self.cfg.feedback
-        if sits_out:  # zeros, and the residual kept for the next round (not even placed)
+        if sits_out:  # zeros made on the host, and the residual kept for the next round
             return pg.encode(None, 0.0, True)[0], None, None
         enc, nxt, finite = pg.encode(s.residual if fb else None, fb, False)
         return (enc, nxt, finite) if fb else (enc, None, None)

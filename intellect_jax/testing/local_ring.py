@@ -199,7 +199,8 @@ def _decoded(enc: gather.Encoded, cfg: RingConfig) -> Any:
     for bi, idx in enumerate(treelib.make_buckets([x.size for x in leaves], cfg.bucket_numel)):
         n = sum(leaves[i].size for i in idx)
         p = gather.gather_plan(n, cfg.block_size, cfg.piece_numel)
-        res = gather.combine([enc.payloads[bi]], p, cfg.mode, cfg.block_size, np.empty(n, np.float32))
+        res = gather.combine([enc.payloads[bi]], p, cfg.mode, cfg.block_size, np.empty(n, np.float32)) if n else \
+            np.empty(0, np.float32)  # an empty bucket is never exchanged
         out.extend(treelib.scatter(res, leaves, idx))
     return rebuild(out)
 
