@@ -244,4 +244,4 @@ def test_the_device_encoder_compiles_for_eight_h100s_and_keeps_the_residual_shar
         assert sections < n * (0.15 if mode == "top1of4" else 0.05)
     c, n = compiled([0, 1, 2]), sum(int(np.prod(s)) for s in shapes)
     assert [r.is_equivalent_to(o, len(s)) for r, o, s in zip(c.output_shardings[1], on, shapes)] == [True] * 3
-    assert c.memory_analysis().temp_size_in_bytes < 3 * 4 * n  # bounded by the bucket
+    assert c.memory_analysis().temp_size_in_bytes < 1.5 * 4 * n  # about the bucket, gathered once
