@@ -28,3 +28,12 @@ from helpers import coordinator  # noqa: E402,F401  (the shared socket-coordinat
 def cache_dir(tmp_path_factory):
     """One tokenizer/data cache for the session's small trainers."""
     return str(tmp_path_factory.mktemp("cache"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`) the slow multi-process tests run one after
+    another on one worker, beside the in-process tests on the other: two of them at once load
+    the two cores enough to shift their timings (a node's start-up outlasting a short run)."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("processes"))

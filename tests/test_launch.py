@@ -92,7 +92,8 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
         pytest.fail("the run never reached outer step 1")
     base = [sys.executable, "-m", "intellect_jax.train", "--config", "configs/debug_diloco.toml",
             "--diloco.coordinator", f"127.0.0.1:{port}", "--run.out_dir", str(tmp_path / "bad"),
-            *LAUNCH_TINY, "--data.cache_dir", str(tmp_path / "cache")]
+            *LAUNCH_TINY, "--data.cache_dir", str(tmp_path / "cache"), "--diloco.register_timeout", "120",
+            "--diloco.reconnect_timeout", "60"]  # a refusal never comes after these: fail, not hang
     Authority.init(tmp_path / "elsewhere", "intellect-jax").issue("intruder")
     Authority.load(keys).issue("other")  # the operator lets "other" in; its model differs
     bad = [
