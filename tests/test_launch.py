@@ -67,11 +67,13 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     """The one launcher run end to end: 2 founders, node2 joins after outer step 1 by live transfer
     (its donor trains meanwhile), the coordinator is SIGKILLed after step 3 and restarted from its
     journal; a node of another run authority and one with another model are refused in one line.
-    node2's process starts at outer step 1 of 10: the run must outlast its start-up (imports,
+    node2's process starts at outer step 1 of 20: the run must outlast its start-up (imports,
     compilation) on a loaded machine, or it would be told that the run is complete."""
     port = free_port()
     env = dict(os.environ)
-    p = launch(tmp_path, "--nodes", "2", "--join", "node2@1", "--kill-coordinator", "3", "--run.steps", "50",
+    # 20 outer steps: the refused nodes below start at outer step 1 and must meet a live
+    # coordinator, however slow their start-up on a loaded machine (two test workers)
+    p = launch(tmp_path, "--nodes", "2", "--join", "node2@1", "--kill-coordinator", "3", "--run.steps", "100",
                 port=port, env=env)
     # once the run is going: a node of another authority and one with another model are refused
     from intellect_jax.coordinator.client import coordinator_status
@@ -111,7 +113,7 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     assert "SIGKILL coordinator" in out and "resumed member" in out and "journal: the run is at outer step" in out
     ref = one_history(rows(tmp_path / "runs" / "debug_diloco" / n) for n in ["node0", "node1"])
     steps = one_history(rows(tmp_path / "runs" / "debug_diloco" / n) for n in ["node0", "node1", "node2"])
-    assert sorted(steps) == list(range(1, 11))
+    assert sorted(steps) == list(range(1, 21))
     joiner, _ = run_rows(tmp_path, "node2")
     first = joiner[0]["outer_step"]
     assert first >= 2 and joiner[0]["nodes"] == 3
