@@ -173,9 +173,9 @@ class DeviceEncoder:
         is encoded as it is."""
         C, mode = self.chunk, self.mode
         one = _sections(np.zeros(C, np.float32), mode, C)
-        payloads = []
-        for idx in treelib.make_buckets([int(np.prod(np.shape(x))) for x in jax.tree.leaves(like)], self.bucket_numel):
-            n = sum(int(np.prod(np.shape(x))) for x in [jax.tree.leaves(like)[i] for i in idx])
+        payloads, sizes = [], [int(np.prod(np.shape(x))) for x in jax.tree.leaves(like)]
+        for idx in treelib.make_buckets(sizes, self.bucket_numel):
+            n = sum(sizes[i] for i in idx)
             p, pieces = gather_plan(n, C, self.piece_numel), []
             for j in range(p.pieces if n else 0):
                 a, b = p.piece(0, j)
