@@ -96,11 +96,66 @@ def test_handshake_and_zero_copy_roundtrip() -> None:
 
 def test_wrong_run_id_rejected() -> None:
     with Listener(_cfg()) as lst:
-        with pytest.raises(AuthError, match="dropped the connection"):
+        t0 = time.monotonic()
+        with pytest.raises(AuthError, match="refused the connection on channel 'data/1': .*another run id"):
             connect(_cfg("t-b", "another-run"), lst.address, "data/1", timeout=5)
+        assert time.monotonic() - t0 < 4  # told at once, not left to guess at the deadline
         # the listener side rejected it: nothing handed over, the rejection recorded
         with pytest.raises(PeerTimeout, match="recently rejected: .*another run id"):
             lst.accept("data/1", timeout=0.5)
+
+
+def _dropping_server(cfg: TransportConfig, drops: int) -> tuple[tuple[str, int], list[int], threading.Thread]:
+    """A server that completes TLS and hangs up on its first ``drops`` connections (as one killed
+    mid-handshake does), then accepts the next properly; returns its address and attempt count."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    lsock.settimeout(10)
+    seen = [0]
+
+    def serve() -> None:
+        try:
+            while True:
+                sock, _ = lsock.accept()
+                seen[0] += 1
+                tls = cfg.identity.server_context.wrap_socket(sock, server_side=True)
+                if seen[0] <= drops:
+                    tls.close()
+                    continue
+                conn = Connection(tls, cfg, "client")
+                conn.recv(MsgType.HELLO, deadline=_deadline(5))
+                conn.send(MsgType.ACCEPT, deadline=_deadline(5))
+                time.sleep(0.5)
+                conn.close()
+                return
+        except OSError:
+            return  # the test is over (listening socket closed)
+        finally:
+            lsock.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return lsock.getsockname(), seen, t
+
+
+def test_a_peer_that_drops_us_after_tls_is_retried_not_blamed() -> None:
+    """A coordinator SIGKILLed between our TLS handshake and its ACCEPT is not a refusal of our
+    certificate: the dial retries and gets through once it answers again."""
+    cfg = _cfg()
+    addr, seen, t = _dropping_server(cfg, drops=2)
+    conn = connect(cfg, addr, "coordinator", timeout=10)
+    assert seen[0] == 3
+    conn.close()
+    t.join(5)
+
+
+def test_a_peer_that_always_drops_us_after_tls_is_an_auth_error_at_the_deadline() -> None:
+    cfg = _cfg()
+    addr, seen, t = _dropping_server(cfg, drops=10**6)
+    t0 = time.monotonic()
+    with pytest.raises(AuthError, match="dropped the connection on channel 'x' after the TLS handshake, still "
+                                        "after 1.0s \\(our certificate refused\\?\\)"):
+        connect(cfg, addr, "x", timeout=1.0)
+    assert seen[0] >= 2 and time.monotonic() - t0 < 3
 
 
 def test_listener_routes_by_channel_and_connect_retries() -> None:

@@ -149,6 +149,7 @@ class Listener:
         cfg = self.cfg
         ident = None  # set once this connection holds one of its identity's pending places
         kind = None  # ... and once it holds one of its channel prefix's
+        conn = None  # once TLS is done
         try:
             try:  # a stranger: its whole hello within first_bytes_timeout, TLS done within twice that
                 t0 = time.monotonic()
@@ -186,6 +187,8 @@ class Listener:
                 raise AuthError(f"{conn.peer}: {refusal}")
             conn.send(MsgType.ACCEPT, deadline=deadline)
         except Exception as e:  # noqa: BLE001 - any failure rejects this client only
+            if conn is not None and isinstance(e, FrameError):  # say why, or it cannot tell us from a crash
+                self._reject(conn, str(e).removeprefix(f"{conn.peer}: "), time.monotonic() + 1.0, drain=True)
             self._note(str(e) if peer in str(e) else f"{peer}: {e}",
                        "no handshake in time" if isinstance(e, (PeerTimeout, TimeoutError)) else
                        "refused" if isinstance(e, AuthError) else "handshake failed")
@@ -234,9 +237,13 @@ class Listener:
             del self._per_kind[kind]
 
     @staticmethod
-    def _reject(conn: Connection, reason: str, deadline: float) -> None:
+    def _reject(conn: Connection, reason: str, deadline: float, drain: bool = False) -> None:
+        """Tell the client why (best effort). ``drain``: read what it sent until it hangs up (to
+        ``deadline``), since closing over unread bytes resets the connection and loses the reason."""
         try:
             conn.send(MsgType.REJECT, reason.encode(), deadline=deadline)
+            while drain and conn.drain(deadline):
+                pass
         except (NetError, OSError, ssl.SSLError):
             pass  # best effort; the connection is dropped anyway
 

@@ -216,6 +216,16 @@ class Connection:
             got += k
         self.bytes_received += n
 
+    def drain(self, deadline: float) -> bool:
+        """Read and drop what the peer sent: False once it has closed the connection."""
+        self._arm(socket.SO_RCVTIMEO, self._timeout(deadline, "draining"))
+        try:
+            return len(self._sock.recv(4096)) > 0
+        except (TimeoutError, BlockingIOError):
+            raise PeerTimeout(f"{self.peer}: still sending while we drain the connection") from None
+        except (OSError, ssl.SSLError):
+            return False
+
     def send(
         self, mtype: MsgType, payload: Buffer = b"", *, deadline: float | None = None, ptag: bytes | None = None
     ) -> bytes:
@@ -335,6 +345,9 @@ def connect(cfg: TransportConfig, address: Address, channel: str, *, expect: str
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
+            if isinstance(last, PeerClosed):  # the last try got through TLS and no further
+                raise AuthError(f"{peer} dropped the connection on channel {channel!r} after the TLS handshake, "
+                                f"still after {timeout:.1f}s (our certificate refused?): {last}")
             raise PeerTimeout(f"could not connect to {peer} within {timeout:.1f}s ({last})")
         try:
             return _open(cfg, address, channel, expect, peer, min(left, cfg.handshake_timeout), deadline)
@@ -378,9 +391,11 @@ def _open(cfg: TransportConfig, address: Address, channel: str, expect: str | No
         try:
             conn.send(MsgType.HELLO, channel.encode(), deadline=hs_deadline)
             conn.recv(MsgType.ACCEPT, deadline=hs_deadline, max_len=0)
-        except (FrameError, PeerClosed) as e:  # TLS 1.3: a refused client certificate shows up here
-            raise AuthError(f"{peer} dropped the connection on channel {channel!r} (our certificate "
-                            f"refused?): {e}") from None
+        except FrameError as e:  # it answered, not with ACCEPT: a TLS alert (TLS 1.3 refuses a client
+            # certificate after the handshake), or a frame of another run or protocol
+            raise AuthError(f"{peer} refused the connection on channel {channel!r}: {e}") from None
+        except PeerClosed as e:  # dropped without a word: most likely it went away (killed, restarted)
+            raise _Retry() from e  # ... or its TLS alert was lost to a reset: an AuthError at the deadline
     except BaseException:
         sock.close()
         raise
