@@ -145,6 +145,24 @@ def test_foreign_authority_is_refused_both_ways(tmp_path: Path) -> None:
             connect(home, lst.address, "chan/1", timeout=5)
 
 
+def test_a_client_certificate_refused_in_tls_is_told_at_once(tmp_path: Path) -> None:
+    """A client that trusts the listener but holds a certificate of another authority: the
+    listener's TLS refuses it with an alert, and lingers so that no reset loses the alert; the
+    client says so at once instead of retrying to its deadline."""
+    Authority.init(tmp_path / "f", "id-run").issue("id-x")
+    home = transport_config("id-a", "id-run")
+    foreign = Credentials.load(tmp_path / "f", "id-x")
+    both = tmp_path / "both.crt"  # it trusts the run's authority too
+    both.write_bytes(Path(home.identity.ca).read_bytes() + Path(foreign.ca).read_bytes())
+    client = TransportConfig("id-run", Credentials("id-x", both, foreign.cert, foreign.key, foreign.revocations))
+    with Listener(home) as lst:
+        for _ in range(3):
+            t0 = time.monotonic()
+            with pytest.raises(AuthError, match="refused the connection on channel 'chan/1': .*TLS error"):
+                connect(client, lst.address, "chan/1", timeout=10)
+            assert time.monotonic() - t0 < 3
+
+
 def test_revocation_refuses_the_next_connection_at_once(tmp_path: Path) -> None:
     auth = Authority.init(tmp_path, "r")
     for n in ("srv", "m1", "m2"):

@@ -342,17 +342,23 @@ def connect(cfg: TransportConfig, address: Address, channel: str, *, expect: str
     deadline = time.monotonic() + timeout
     peer = name or f"{address[0]}:{address[1]}"
     delay, last = 0.02, None
+    drops = others = 0  # tries that got through TLS and no further; tries that failed otherwise
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            if isinstance(last, PeerClosed):  # the last try got through TLS and no further
+            if drops >= 2 and not others:  # never refused, never silent: it hangs up on us after TLS
                 raise AuthError(f"{peer} dropped the connection on channel {channel!r} after the TLS handshake, "
-                                f"still after {timeout:.1f}s (our certificate refused?): {last}")
+                                f"{drops} times in {timeout:.1f}s (our certificate refused?): {last}")
             raise PeerTimeout(f"could not connect to {peer} within {timeout:.1f}s ({last})")
         try:
             return _open(cfg, address, channel, expect, peer, min(left, cfg.handshake_timeout), deadline)
         except _Retry as e:
-            last = e.__cause__
+            cause = e.__cause__
+            if isinstance(cause, PeerClosed):
+                drops += 1
+            elif not (isinstance(cause, TimeoutError) and time.monotonic() >= deadline):  # not cut short by us
+                others += 1
+            last = cause
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(2 * delay, 0.5)
 
@@ -389,7 +395,11 @@ def _open(cfg: TransportConfig, address: Address, channel: str, expect: str | No
         conn = Connection(tls, cfg, peer, channel, ident, serial, cert)
         hs_deadline = max(min(deadline, time.monotonic() + cfg.handshake_timeout), time.monotonic() + 0.05)
         try:
-            conn.send(MsgType.HELLO, channel.encode(), deadline=hs_deadline)
+            try:
+                conn.send(MsgType.HELLO, channel.encode(), deadline=hs_deadline)
+            except PeerClosed:  # it hung up already: its alert, if it sent one, is still to be read
+                conn.recv(MsgType.ACCEPT, deadline=hs_deadline, max_len=0)
+                raise
             conn.recv(MsgType.ACCEPT, deadline=hs_deadline, max_len=0)
         except FrameError as e:  # it answered, not with ACCEPT: a TLS alert (TLS 1.3 refuses a client
             # certificate after the handshake), or a frame of another run or protocol
