@@ -58,18 +58,14 @@ def main() -> None:
     ap.add_argument("--device-pg", action="store_true",
                     help="pseudo-gradients by the device path (per-shard int8, as GPU and overlapped nodes)")
     ap.add_argument("--feedback-local", type=float, default=0.0, metavar="ALPHA",
-                    help="an experiment, not in the node yet: each node starts its round from the outer params "
-                         "less ALPHA x feedback x its residual (that share of its unsent progress kept in its own "
-                         "params) and sends the rest as usual; synchronous rounds on the host path only")
+                    help="diloco.feedback_local: each node starts its round from the outer params less ALPHA x "
+                         "feedback x its residual (that share of its unsent progress kept in its own params)")
     ap.add_argument("--encode-device", action="store_true",
                     help="topk, top1: encode each contribution on the devices (XLA, as GPU nodes do; implies --device-pg)")
     ap.add_argument("--eval-seqs", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/sweep", help="data cache and run directories")
     a = ap.parse_args()
-    if a.feedback_local and (a.overlap or a.device_pg or a.encode_device):
-        sys.exit("error: --feedback-local is for synchronous rounds on the host path (no --overlap, --device-pg, "
-                 "--encode-device)")
 
     import jax
     import numpy as np
@@ -142,13 +138,12 @@ def main() -> None:
 
         loop = LoopConfig(inner_steps=a.inner_steps, outer_steps=a.steps // a.inner_steps, outer_lr=a.outer_lr,
                           outer_momentum=a.outer_momentum, overlap=a.overlap, overlap_delay=a.overlap_delay,
-                          feedback=a.feedback if d.gathered else 0.0)
+                          feedback=a.feedback if d.gathered else 0.0,
+                          feedback_local=a.feedback_local if d.gathered else 0.0)
         device = a.overlap or a.device_pg or a.encode_device
         dpg = (lambda: DevicePseudoGradient(64, host_quantize)) if device else (lambda: None)
         enc = (lambda: DeviceEncoder(ring.mode, ring.block_size, ring.bucket_numel, ring.piece_numel)) \
             if a.encode_device else (lambda: None)
-        if a.feedback_local:
-            _local_feedback(a.feedback_local)
         run_local(loop, [Inner(t, dpg(), enc()) for t in trainers], ring)
     vl = val_loss(t0.state.params)
     print(f"final val loss {vl:.4f} ({time.time() - start:.0f} s); {sent} bytes sent per node per outer step "
@@ -157,46 +152,6 @@ def main() -> None:
         t.close(save=False)
     print(json.dumps({"args": vars(a), "val_loss": vl, "seconds": round(time.time() - start, 1),
                       "bytes_per_outer_step": sent, "numel": numel}))
-
-
-def _local_feedback(alpha: float) -> None:
-    """The experiment of --feedback-local, patched into this process's outer loop: a node's next
-    round starts from ``outer - alpha * feedback * residual`` (its pseudo-gradient then already
-    holds that share of the residual), and ``(1 - alpha) * feedback * residual`` is added to
-    what it sends. ``alpha = 0`` is plain error feedback."""
-    import jax
-    import numpy as np
-
-    from intellect_jax.diloco import loop as L
-
-    def with_feedback(self, s, pg, sits_out):  # noqa: ANN001, ANN202
-        if not self.cfg.feedback or sits_out:
-            return pg, None
-        fb = np.float32(self.cfg.feedback * (1 - alpha))
-        if s.residual is not None and fb:
-            pg = jax.tree.map(lambda g, e: (np.asarray(g, np.float32) + fb * e).astype(np.float32), pg, s.residual)
-        else:
-            pg = jax.tree.map(lambda g: np.array(g, np.float32), pg)
-        return pg, jax.tree.map(lambda g: np.empty(np.shape(g), np.float32), pg)
-
-    outer0, close0 = L.NodeLoop.outer, L.NodeLoop._close
-
-    def outer(self, s, pg, report):  # noqa: ANN001, ANN202
-        o = outer0(self, s, pg, report)
-        r, k = o.state.residual, np.float32(self.cfg.feedback * alpha)
-        self._start = o.state.outer_params if r is None else jax.tree.map(
-            lambda w, e: (w - k * e).astype(np.float32), o.state.outer_params, r)
-        return o
-
-    def close(self, *args, **kw):  # noqa: ANN001, ANN202
-        inner, real = self.p.inner, self.p.inner.set_params
-        inner.set_params = lambda params: real(getattr(self, "_start", params))
-        try:
-            return close0(self, *args, **kw)
-        finally:
-            inner.set_params = real
-
-    L.NodeLoop._with_feedback, L.NodeLoop.outer, L.NodeLoop._close = with_feedback, outer, close
 
 
 if __name__ == "__main__":

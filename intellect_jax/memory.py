@@ -180,7 +180,8 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
 
     d = cfg.diloco
     encodes = pg_path(d, 1, kernel=gpu, gpu=gpu).encode  # a single-process node's path on this target
-    out["diloco"] = _diloco(abstract, n, device_pg, (d.wire_mode, d.wire_block) if encodes else None)
+    out["diloco"] = _diloco(abstract, n, device_pg, (d.wire_mode, d.wire_block) if encodes else None,
+                            shifted=bool(encodes and d.feedback_local))
     held = out["diloco"]["resident_bytes"]
     out["node_peak_bytes"] = out["train"]["peak_bytes"] + held
     # evaluation runs at a window, beside the train state and what DiLoCo holds; a DiLoCo node
@@ -194,7 +195,8 @@ def _report(cfg: Any, args: argparse.Namespace, target: str) -> dict:
     return out
 
 
-def _diloco(abstract: Any, n: int, device_pg: Any, sparse: tuple[str, int] | None = None) -> dict[str, Any]:
+def _diloco(abstract: Any, n: int, device_pg: Any, sparse: tuple[str, int] | None = None,
+            shifted: bool = False) -> dict[str, Any]:
     """The DiLoCo device programs, compiled for the largest leaf (they run one leaf at a time),
     and what an overlapped node keeps on its devices while a round trains: the anchor (the
     params the round started from), the captured pseudo-gradient (fp32) until it is pulled, the
@@ -202,7 +204,8 @@ def _diloco(abstract: Any, n: int, device_pg: Any, sparse: tuple[str, int] | Non
     ``sparse``: (wire mode, chunk) of a top-k / top-1 contribution encoded on the devices
     (``diloco/device_codec.py``), which also keeps its error-feedback residual there (fp32), the
     next one while it encodes, and the encoding's temporaries (its program compiled for the
-    largest leaf, a bucket of its own), beside the next round's first steps."""
+    largest leaf, a bucket of its own), beside the next round's first steps. ``shifted``: with
+    local feedback the placed outer params are shifted by the residual there, into a new copy."""
     import jax
 
     params = abstract.params
@@ -223,6 +226,8 @@ def _diloco(abstract: Any, n: int, device_pg: Any, sparse: tuple[str, int] | Non
                                                    placed=(big.sharding,)).compile())
         held |= {"feedback_residual": _bytes(params, n, "float32"), "next_residual": _bytes(params, n, "float32"),
                  "encode_temporaries": r["encode"]["temporaries_bytes"]}
+        if shifted:
+            held["shifted_start"] = _bytes(params, n)
     r["held_bytes"] = held
     r["resident_bytes"] = sum(held.values())
     return r

@@ -214,8 +214,8 @@ def _numpy_nodes(n, device, poison_at=None):
     class DeviceInner(NumpyInner):
         rounds = 0
 
-        def pseudo_gradient(self, outer_params):
-            pg = super().pseudo_gradient(outer_params)
+        def pseudo_gradient(self, outer_params):  # measured from where set_params left it, as on devices
+            pg = super().pseudo_gradient(self.anchor)
             self.rounds += 1
             if poison_at == self.rounds and self is inners[0]:
                 pg = {k: np.full_like(v, np.nan) for k, v in pg.items()}
@@ -226,9 +226,11 @@ def _numpy_nodes(n, device, poison_at=None):
     return inners
 
 
-def test_the_loop_with_device_contributions_follows_the_host_encoders():
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_the_loop_with_device_contributions_follows_the_host_encoders(alpha):
     """Node 0 encodes on the devices: one history, the same final state as all-host encoding
-    (to float32 rounding of the levels), and its residual is device arrays."""
+    (to float32 rounding of the levels), and its residual is device arrays. With local feedback
+    (``alpha``) its rounds start from params shifted on the devices, by its device residual."""
     from intellect_jax.diloco.parts import LoopConfig
     from intellect_jax.diloco.store import MemoryStore
     from intellect_jax.testing.local import run_local
@@ -237,7 +239,8 @@ def test_the_loop_with_device_contributions_follows_the_host_encoders():
     finals = []
     for device in ({0}, set()):
         inners, stores = _numpy_nodes(n, device), [MemoryStore() for _ in range(n)]
-        run_local(LoopConfig(inner_steps=H, outer_steps=R, feedback=0.8, ckpt_every=H), inners, TOP1, stores=stores)
+        run_local(LoopConfig(inner_steps=H, outer_steps=R, feedback=0.8, feedback_local=alpha, ckpt_every=H),
+                  inners, TOP1, stores=stores)
         hashes = [{m["outer_step"]: m["outer_hash"] for _, m in x.records} for x in inners]
         assert hashes[0] == hashes[1] == hashes[2] and sorted(hashes[0]) == list(range(1, R + 1))
         finals.append(inners[1].weights)
@@ -246,7 +249,8 @@ def test_the_loop_with_device_contributions_follows_the_host_encoders():
         np.testing.assert_allclose(finals[0][k], finals[1][k], rtol=1e-4, atol=1e-5)
 
 
-def test_a_device_node_sits_out_a_poisoned_round_and_starts_a_broken_residual_anew():
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_a_device_node_sits_out_a_poisoned_round_and_starts_a_broken_residual_anew(alpha):
     from intellect_jax.diloco.parts import LoopConfig
     from intellect_jax.diloco.state import init_state, nesterov_sgd
     from intellect_jax.diloco.store import MemoryStore
@@ -259,7 +263,7 @@ def test_a_device_node_sits_out_a_poisoned_round_and_starts_a_broken_residual_an
     bad = bad._replace(residual={k: np.full(np.shape(v), np.nan, np.float32) for k, v in bad.outer_params.items()})
     lines: list[str] = []
     stores_of_node0 = MemoryStore(bad)
-    run_local(LoopConfig(inner_steps=H, outer_steps=R, feedback=1.0, ckpt_every=H), inners, TOP1,
+    run_local(LoopConfig(inner_steps=H, outer_steps=R, feedback=1.0, feedback_local=alpha, ckpt_every=H), inners, TOP1,
               stores=[stores_of_node0] + [MemoryStore() for _ in range(n - 1)], log=lines.append)
     assert any("[node0]" in ln and "residual is not finite" in ln for ln in lines), lines
     assert sum("outer step 1 skipped" in ln for ln in lines) == n  # the poisoned average, skipped by all

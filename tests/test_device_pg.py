@@ -163,7 +163,8 @@ def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
     encodes on its 8 devices (diloco/device_codec.py), residual and all, its encoding launched
     at the window before the next round's steps. One hash per outer
     step, loss falls, node 0's residual stays on its devices like its params (and in its
-    checkpoint), and only the codec's bytes left them."""
+    checkpoint), and only the codec's bytes left them. With local feedback: each merge lands on
+    the outer params shifted by the residual where it lives, and both end on the outer params."""
     import json
 
     import jax
@@ -176,6 +177,11 @@ def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
     from intellect_jax.net.comm import RingConfig
     from intellect_jax.trainer.loop import Role, Trainer
 
+    class Merging(TrainerInner):
+        def merge(self, placed):
+            self.merged = getattr(self, "merged", []) + [(self.step, jax.device_get(placed))]
+            super().merge(placed)
+
     H, outer = 4, 4
     ring = RingConfig(mode="top1of4", block_size=4096)
     trainers = [Trainer(tiny_cfg(tmp_path / f"n{i}", cache_dir, run={"steps": H * outer, "log_every": 1}),
@@ -184,14 +190,15 @@ def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
     dpgs = [DevicePseudoGradient(BLOCK, host_quantize) for _ in trainers]
     enc = DeviceEncoder(ring.mode, ring.block_size, ring.bucket_numel, ring.piece_numel)
     stores = [MemoryStore(), MemoryStore()]
+    inners = [Merging(trainers[0], dpgs[0], enc), Merging(trainers[1], dpgs[1])]
     try:
-        outs = run_local(LoopConfig(inner_steps=H, outer_steps=outer, feedback=0.9, ckpt_every=H, overlap=True,
-                                    overlap_delay=2),
-                         [TrainerInner(trainers[0], dpgs[0], enc), TrainerInner(trainers[1], dpgs[1])], ring,
-                         stores=stores)
+        outs = run_local(LoopConfig(inner_steps=H, outer_steps=outer, feedback=0.9, feedback_local=0.5, ckpt_every=H,
+                                    overlap=True, overlap_delay=2),
+                         inners, ring, stores=stores)
         rows = [[json.loads(line) for line in (t.run_dir / "metrics.jsonl").read_text().splitlines()]
                 for t in trainers]
         params = trainers[0].state.params
+        ends = [jax.device_get(t.state.params) for t in trainers]
     finally:
         for t in trainers:
             t.close(save=False)
@@ -208,3 +215,13 @@ def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
                for x, p in zip(jax.tree.leaves(r0), jax.tree.leaves(params)))
     assert any(np.any(np.asarray(x)) for x in jax.tree.leaves(r0))
     assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(stores[1].states[H * outer].residual))
+    final = stores[0].states[H * outer].outer_params
+    for end in ends:  # the last round ends on the outer params, not on a shifted start
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(end), jax.tree.leaves(final)))
+    for inner, st in zip(inners, stores):  # round r merged step r's outer params less 0.45 x its residual
+        assert [step for step, _ in inner.merged] == [r * H + 2 for r in range(1, outer)]
+        for step, placed in inner.merged:
+            s = st.states[step - 2]
+            want = jax.tree.map(lambda w, e: w - np.float32(0.45) * np.asarray(e), s.outer_params, s.residual)
+            for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(want)):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -3,6 +3,7 @@ bit, feedback recovers what top-k drops, a node's residual is its own, and the c
 names what it needs."""
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -27,21 +28,24 @@ def _task(n, dim=64, seed=3):
     return targets, init, np.mean(targets, axis=0)
 
 
-def reference(n, H, R, fb, ring=TOPK):
+def reference(n, H, R, fb, ring=TOPK, alpha=0.0, outers=None):
     """Synchronous DiLoCo with error feedback, written plainly: node i sends c_i = pg_i + fb x e_i
-    and keeps e_i = c_i - decode(encode(c_i)). -> hashes by outer step, final state, residuals."""
+    and keeps e_i = c_i - decode(encode(c_i)); with local feedback ``alpha`` it starts each round
+    but the last from outer - alpha x fb x e_i and measures pg_i from there. -> hashes by outer
+    step, final state, residuals (``outers``: a dict filled with the outer params by step)."""
     guard = GuardConfig()
     targets, init, goal = _task(n)
     nodes = [NumpyInner(targets[i], init, goal) for i in range(n)]
     tx = nesterov_sgd(0.7, 0.9)
     s = init_state(copy.deepcopy(init), tx, None, 0)
     res = [None] * n
+    starts = [s.outer_params] * n
     hashes = {}
     for r in range(R):
         cs = []
         for i, x in enumerate(nodes):
             x.train((r + 1) * H)
-            pg = pseudo_gradient(s.outer_params, x.weights)
+            pg = pseudo_gradient(starts[i], x.weights)
             if fb and res[i] is not None:
                 pg = {k: (v + np.float32(fb) * res[i][k]).astype(np.float32) for k, v in pg.items()}
             cs.append(pg)
@@ -53,8 +57,13 @@ def reference(n, H, R, fb, ring=TOPK):
         assert why is None
         s = outer_step(s, avg, tx, inner_step=(r + 1) * H)._replace(norms=remember(s.norms, norm, guard))
         hashes[s.outer_step] = state_hash(s)
-        for x in nodes:
-            x.set_params(s.outer_params)
+        if outers is not None:
+            outers[s.outer_step] = s.outer_params
+        k = np.float32(alpha * fb)
+        for i, x in enumerate(nodes):
+            starts[i] = s.outer_params if not k or r == R - 1 or res[i] is None else \
+                {n_: (w - k * res[i][n_]).astype(np.float32) for n_, w in s.outer_params.items()}
+            x.set_params(starts[i])
     return hashes, s, res
 
 
@@ -70,6 +79,88 @@ def test_loop_with_feedback_equals_the_reference_bit_for_bit(fb):
         assert {m["outer_step"]: m["outer_hash"] for _, m in x.records} == want
     # and feedback is a different algorithm: without it the same task makes other states
     assert reference(n, H, R, 0.0)[0][R] != want[R]
+
+
+class HeldEvalInner(NumpyInner):
+    """Evaluates only the params it holds, as a multi-process node's lead does."""
+
+    def evaluate(self, params=None):
+        assert params is None, "evaluate(params) is not available on this node"
+        return super().evaluate()
+
+
+def test_local_feedback_equals_the_reference_bit_for_bit_and_ends_on_the_outer_params():
+    """Each round starts from outer - alpha x fb x the node's residual, its pseudo-gradient is
+    measured from there; every evaluation is of the outer params (held by the trainer first,
+    shifted after), and the last round ends on them (what is exported)."""
+    n, H, R, fb, alpha = 3, 5, 6, 0.9, 0.5
+    targets, init, goal = _task(n)
+    inners = [HeldEvalInner(targets[i], init, goal) for i in range(n)]
+    run_local(LoopConfig(inner_steps=H, outer_steps=R, feedback=fb, feedback_local=alpha, eval_every=H),
+              inners, TOPK)
+    outers: dict = {}
+    want, final, _ = reference(n, H, R, fb, alpha=alpha, outers=outers)
+    judge = NumpyInner(targets[0], init, goal)
+    for x in inners:
+        assert {m["outer_step"]: m["outer_hash"] for _, m in x.records} == want
+        assert all(np.array_equal(x.weights[k], final.outer_params[k]) for k in final.outer_params)
+        evals = {m["outer_step"]: m["val_loss"] for _, m in x.records}
+        assert evals == {k: judge.evaluate(o) for k, o in outers.items()}
+    assert reference(n, H, R, fb)[0][R] != want[R]  # and it is not plain error feedback
+
+
+def test_local_feedback_resumes_where_it_stopped():
+    """Stopped after 3 of 6 outer steps and resumed from each node's checkpoint (its residual
+    included): the trainer restarts from the shifted point, and the run equals the unbroken one."""
+    n, H, R, fb, alpha = 3, 5, 6, 1.0, 0.5
+    targets, init, goal = _task(n)
+    want = reference(n, H, R, fb, alpha=alpha)[0]
+    stores = [MemoryStore() for _ in range(n)]
+    cfg = LoopConfig(inner_steps=H, outer_steps=R, feedback=fb, feedback_local=alpha, ckpt_every=H)
+    first = [NumpyInner(targets[i], init, goal) for i in range(n)]
+    run_local(dataclasses.replace(cfg, stop_at=3), first, TOPK, stores=stores)
+    assert all(st.states[3 * H].residual is not None for st in stores)
+    again = [NumpyInner(targets[i], init, goal) for i in range(n)]
+    run_local(cfg, again, TOPK, stores=[MemoryStore(st.states[3 * H]) for st in stores])
+    for a, b in zip(first, again):
+        assert [m["outer_step"] for _, m in b.records] == [4, 5, 6]  # resumed, not started over
+        assert {m["outer_step"]: m["outer_hash"] for _, m in a.records + b.records} == want
+
+
+def test_local_feedback_in_overlapped_rounds_merges_onto_the_shifted_start():
+    """Overlapped rounds merge each average onto outer - alpha x fb x residual, keeping the
+    progress since the window: one history, every node ends on the outer params, and the run
+    differs from plain error feedback's."""
+    n, H, R, fb = 3, 5, 6, 0.9
+
+    class Merging(NumpyInner):
+        def merge(self, placed):
+            self.merged.append((self.step, copy.deepcopy(placed)))
+            super().merge(placed)
+
+    targets, init, goal = _task(n)
+    finals = {}
+    for alpha in (0.0, 0.5):
+        inners = [Merging(targets[i], init, goal) for i in range(n)]
+        for x in inners:
+            x.merged = []
+        stores = [MemoryStore() for _ in range(n)]
+        run_local(LoopConfig(inner_steps=H, outer_steps=R, feedback=fb, feedback_local=alpha, overlap=True,
+                             overlap_delay=2, ckpt_every=H), inners, TOPK, stores=stores)
+        hashes = [{m["outer_step"]: m["outer_hash"] for _, m in x.records} for x in inners]
+        assert hashes[0] == hashes[1] == hashes[2] and sorted(hashes[0]) == list(range(1, R + 1))
+        final = stores[0].states[R * H].outer_params
+        assert all(np.array_equal(x.weights[k], final[k]) for x in inners for k in final)
+        for x, st in zip(inners, stores):  # round r merged the outer params of step r, shifted by its residual
+            assert [step for step, _ in x.merged] == [r * H + 2 for r in range(1, R)]
+            for step, placed in x.merged:
+                s = st.states[step - 2]
+                k = np.float32(alpha * fb)
+                want = s.outer_params if s.residual is None or not k else \
+                    {n_: (w - k * s.residual[n_]).astype(np.float32) for n_, w in s.outer_params.items()}
+                assert all(np.array_equal(placed[n_], want[n_]) for n_ in want)
+        finals[alpha] = hashes[0][R]
+    assert finals[0.0] != finals[0.5]
 
 
 def test_feedback_recovers_what_topk_drops():
@@ -114,10 +205,12 @@ def test_residual_is_the_nodes_own_and_survives_its_checkpoint():
 
 def test_simulation_with_topk_and_feedback_keeps_one_history():
     """The seeded fault simulation with the gathered top-k exchange: kills, stalls, restarts,
-    rollbacks and joins keep one hash per outer step (the simulation's own checks)."""
+    rollbacks and joins keep one hash per outer step (the simulation's own checks); every fourth
+    seed pair with local feedback."""
     bad = []
     for seed in range(60):
-        r = Sim(seed, SimParams(mode="top1of4" if seed % 3 == 2 else "topk4", overlap=seed % 2 == 1)).run()
+        r = Sim(seed, SimParams(mode="top1of4" if seed % 3 == 2 else "topk4", overlap=seed % 2 == 1,
+                                feedback_local=0.5 if seed % 4 >= 2 else 0.0)).run()
         if not r["ok"]:
             bad.append((seed, r["problems"]))
     assert not bad, bad[:3]
@@ -134,15 +227,23 @@ def test_config_names_the_codec_and_its_limits():
         DilocoConfig(mode="top1", top1_group=6)
     with pytest.raises(ValueError, match="feedback"):
         DilocoConfig(mode="int2", feedback=1.5)
+    with pytest.raises(ValueError, match="feedback_local must be in"):
+        DilocoConfig(mode="top1", feedback_local=-0.1)
+    with pytest.raises(ValueError, match="feedback_local is a share of the error feedback of a gathered codec"):
+        DilocoConfig(mode="int8", feedback_local=0.5)
+    with pytest.raises(ValueError, match="feedback > 0"):
+        DilocoConfig(mode="top1", feedback=0.0, feedback_local=0.5)
     from intellect_jax.diloco.device_pg import pg_path
 
     assert pg_path(DilocoConfig(mode="topk"), 1, False).overlap  # lossy codes: overlapped by default
     assert not pg_path(DilocoConfig(mode="fp32"), 1, False).overlap
 
 
-def test_a_broken_residual_is_started_anew_and_the_run_goes_on():
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_a_broken_residual_is_started_anew_and_the_run_goes_on(alpha):
     """A node whose residual is not finite (a damaged checkpoint, a poisoned wire) poisons one
-    round at most: every node skips that average, the node starts its residual anew, one history."""
+    round at most: every node skips that average, the node starts its residual anew, one history
+    (with local feedback the broken residual shifts nothing: the node trains from finite params)."""
     n, H, R = 3, 5, 4
     targets, init, goal = _task(n)
     inners = [NumpyInner(targets[i], init, goal) for i in range(n)]
@@ -151,7 +252,8 @@ def test_a_broken_residual_is_started_anew_and_the_run_goes_on():
     bad = bad._replace(residual={k: np.full(np.shape(v), np.nan, np.float32) for k, v in bad.outer_params.items()})
     stores = [MemoryStore(bad)] + [MemoryStore() for _ in range(n - 1)]
     lines: list[str] = []
-    run_local(LoopConfig(inner_steps=H, outer_steps=R, feedback=1.0), inners, TOPK, stores=stores, log=lines.append)
+    run_local(LoopConfig(inner_steps=H, outer_steps=R, feedback=1.0, feedback_local=alpha), inners, TOPK, stores=stores,
+              log=lines.append)
     assert any("[node0]" in ln and "residual is not finite" in ln for ln in lines), lines
     assert sum("outer step 1 skipped" in ln for ln in lines) == n  # every node skipped the poisoned average
     hashes = [{m["outer_step"]: m["outer_hash"] for _, m in x.records} for x in inners]

@@ -42,3 +42,11 @@ def test_bad_input_names_the_culprit():
     p = subprocess.run([sys.executable, "-m", "intellect_jax.memory", "--config", "configs/debug.toml",
                         "--devices", "0"], capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 2 and "--devices 0: one node has 1 to 1024" in p.stderr and p.stdout == ""
+
+
+def test_a_node_encoding_on_its_devices_counts_its_residuals_and_shifted_start():
+    r = main([*DEBUG, "--diloco.mode", "top1", "--diloco.encode", "device", "--diloco.feedback_local", "0.5"])
+    held, per_device_fp32 = r["diloco"]["held_bytes"], r["params"] * 4 // 8
+    assert held["feedback_residual"] == held["next_residual"] == per_device_fp32
+    assert held["shifted_start"] == held["placed_outer"] and held["encode_temporaries"] > 0
+    assert "shifted_start" not in main([*DEBUG, "--diloco.mode", "top1", "--diloco.encode", "device"])["diloco"]["held_bytes"]

@@ -62,6 +62,12 @@ class OuterResult:
                 "sat_out": self.sat_out, "skipped": self.skipped, "contributors": ep.world_size - len(ep.sitting_out)}
 
 
+@jax.jit
+def _shift(w: Any, e: Any, k: Any) -> Any:
+    """``w - k * e`` leaf by leaf where both live (sharded alike)."""
+    return jax.tree.map(lambda a, b: a - k * b, w, e)
+
+
 def _finite(tree: Any) -> bool:
     """Every value finite (a residual kept on the devices is checked there)."""
     return all(bool(jnp.isfinite(x).all()) if isinstance(x, jax.Array) else np.isfinite(x).all()
@@ -99,6 +105,11 @@ class NodeLoop:
         self._pending: dict[str, Any] | None = None  # metrics of the newest outer step, until recorded
         self._opened: tuple[DilocoState, dict[str, Any], str] | None = None  # the last state hashed
         self.t_first: float | None = None  # when this node's first round began (rows carry elapsed_s)
+        # local feedback: the host params the running round started from (its pseudo-gradient's
+        # anchor on the host path; None: the outer params), and the start the trainer takes once
+        # the outer params it holds are evaluated (synchronous rounds)
+        self._anchor: Any = None
+        self._then: Any = None
 
     @property
     def stop_at(self) -> int:
@@ -256,16 +267,20 @@ class NodeLoop:
         if isinstance(captured, DeviceContribution):  # its encoding started at the window
             pg = captured
         else:
-            pg = p.inner.pull(captured, s.outer_params) if self.cfg.overlap else p.inner.pseudo_gradient(s.outer_params)
+            anchor = s.outer_params if self._anchor is None else self._anchor  # where the round started
+            pg = p.inner.pull(captured, s.outer_params) if self.cfg.overlap else p.inner.pseudo_gradient(anchor)
         o = self.outer(s, pg, report)
         s = o.state
-        if gate is None:  # nothing trains: the trainer takes the outer params now
-            p.inner.set_params(s.outer_params)
+        if gate is None:  # nothing trains: the trainer takes the outer params now (and then its next start)
+            start = self._start(s, placed=False, last=s.outer_step >= self.stop_at)
+            evaluated = start is not s.outer_params and self.due(self.cfg.eval_every, s.outer_step)
+            p.inner.set_params(s.outer_params if evaluated else start)
+            self._then = start if evaluated else None
         self.state, h = s, self._hash(s)[1]
         p.client.hold(s.outer_step, h)
         sync_s = p.clock.now() - t1
         if gate is not None:
-            gate.open(p.inner.place(s.outer_params))  # host -> device off the training path
+            gate.open(self._start(s, placed=True))  # host -> device off the training path
         if ckpt:  # off the training thread, after the gate opened
             opt, data = (host_copy(keep[0]), keep[1]) if keep else (p.inner.live_opt_state(), p.inner.data_state())
             p.store.save(s._replace(inner_opt_state=opt, data=data))
@@ -301,6 +316,9 @@ class NodeLoop:
         self._serve(o.ep, s)
         if self.due(self.cfg.eval_every, s.outer_step):
             row["val_loss"] = self.p.inner.evaluate(None if held else s.outer_params)
+        if self._then is not None:  # the outer params evaluated: the next round's start now
+            self.p.inner.set_params(self._then)
+            self._then = None
         self._pending = row
         self._say(s.outer_step, o, last, row["sync_s"], row["outer_hash"])
 
@@ -395,6 +413,32 @@ class NodeLoop:
         enc, nxt, finite = pg.encode(s.residual if fb else None, fb, False)
         return (enc, nxt, finite) if fb else (enc, None, None)
 
+    def _start(self, s: DilocoState, *, placed: bool, last: bool = False, vet: bool = False) -> Any:
+        """Where the next round starts: the outer params, less ``feedback_local x feedback x`` the
+        residual under local feedback (the outer params after the ``last`` round). ``placed``: on
+        the devices (:meth:`Inner.place`; an overlapped round's merge point), else as the trainer
+        takes them at the window (and then, on the host, the anchor of the round's host
+        pseudo-gradient; the device paths measure from where the trainer's params were set).
+        A residual kept on the devices shifts the placed params there, one on the host the host
+        params. ``vet``: a residual not made by this loop's last outer step (a checkpoint's, a
+        held state's) shifts nothing unless finite; the next outer step starts a broken one anew."""
+        k = np.float32(self.cfg.feedback_local * self.cfg.feedback)
+        e = None if last or not k else s.residual
+        if e is not None and vet and not _finite(e):
+            e = None
+        self._anchor = None
+        if e is None:
+            return self.p.inner.place(s.outer_params) if placed else s.outer_params
+        if isinstance(jax.tree.leaves(e)[0], jax.Array):  # the device encoder's residual
+            w = self.p.inner.place(s.outer_params)
+            at = jax.tree.map(lambda a: a.sharding, w if isinstance(jax.tree.leaves(w)[0], jax.Array) else e)
+            return _shift(jax.device_put(w, at), jax.device_put(e, at), k)  # sharded alike: no collectives
+        start = jax.tree.map(lambda w, r: np.subtract(w, k * r, dtype=np.float32), s.outer_params, e)
+        if placed:
+            return self.p.inner.place(start)
+        self._anchor = start
+        return start
+
     def _hash(self, s: DilocoState) -> tuple[dict[str, Any], str]:
         """(opening, hash) of ``s`` (:func:`~.state.hash_opening`), computed once per state: a
         window hashes the new state, and the next outer step needs it again (a pass over
@@ -470,6 +514,7 @@ class NodeLoop:
 
     def _adopt(self, s: DilocoState) -> DilocoState:
         """Make ``s`` the node's state; the live inner optimizer state stays in the trainer."""
-        self.p.inner.adopt(s)
+        start = self._start(s, placed=False, vet=True)
+        self.p.inner.adopt(s if start is s.outer_params else s._replace(outer_params=start))
         self.state = s._replace(inner_opt_state=None, data=None)
         return self.state

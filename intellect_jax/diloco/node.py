@@ -52,7 +52,7 @@ def loop_config(cfg: TrainConfig, path: PgPath) -> LoopConfig:
                       transfer_timeout=d.transfer_timeout, admission_timeout=d.admission_timeout,
                       watch_interval=d.heartbeat_interval, ckpt_every=cfg.ckpt.every, eval_every=cfg.run.eval_every,
                       overlap=path.overlap, overlap_delay=d.overlap_delay,
-                      feedback=d.feedback if d.gathered else 0.0)
+                      feedback=d.feedback if d.gathered else 0.0, feedback_local=d.feedback_local)
 
 
 def node_pg_path(cfg: TrainConfig) -> PgPath:

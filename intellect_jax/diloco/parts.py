@@ -112,6 +112,10 @@ class LoopConfig:
     # error feedback (gathered codecs only): each contribution is pg + feedback x the residual the
     # last one left, and what its encoding drops becomes the next residual (0: off)
     feedback: float = 0.0
+    # local feedback (alpha): each round starts from ``outer - alpha x feedback x residual`` (that
+    # share of the node's unsent progress kept in its own params) and its pseudo-gradient is
+    # measured from there; the contribution is still pg + feedback x residual (0: off)
+    feedback_local: float = 0.0
 
 
 @dataclass

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from intellect_jax.coordinator.client import CoordinatorClient
@@ -77,9 +78,9 @@ class NumpyInner:
     def init_state(self, tx: Any) -> DilocoState:
         return init_state(self.weights, tx, None, self.step)
 
-    def set_params(self, params: Any) -> None:
-        self.weights = copy.deepcopy(params)
-        self.anchor = copy.deepcopy(params)
+    def set_params(self, params: Any) -> None:  # host or device arrays (local feedback's start)
+        self.weights = jax.tree.map(lambda a: np.array(a, np.float32), params)
+        self.anchor = copy.deepcopy(self.weights)
 
     def capture(self) -> Any:
         pg = pseudo_gradient(self.anchor, self.weights)
@@ -93,8 +94,9 @@ class NumpyInner:
         return copy.deepcopy(outer_params)
 
     def merge(self, placed: Any) -> None:
+        placed = jax.tree.map(lambda a: np.array(a, np.float32), placed)
         self.weights = {k: (placed[k] + (w - self.anchor[k])).astype(np.float32) for k, w in self.weights.items()}
-        self.anchor = copy.deepcopy(placed)
+        self.anchor = placed
 
     def snapshot(self) -> Any:
         return copy.deepcopy(self.opt)

@@ -53,12 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap", action="store_true", help="the nodes run overlapped rounds")
     ap.add_argument("--mode", default="int8", help="the exchange's codec, e.g. int8, int4, int2, topk4 (chunks "
                     "of 32 values)")
+    ap.add_argument("--feedback-local", type=float, default=0.0, metavar="ALPHA",
+                    help="a gathered codec's local feedback (diloco.feedback_local)")
     a = ap.parse_args(argv)
     seeds = [a.seed] if a.seed is not None else range(*map(int, a.seeds.split(":")))
     bad, total = 0, Counter()
     t0 = time.monotonic()
     for seed in seeds:
-        r = Sim(seed, SimParams(overlap=a.overlap, mode=a.mode)).run()
+        r = Sim(seed, SimParams(overlap=a.overlap, mode=a.mode, feedback_local=a.feedback_local)).run()
         total.update(r["faults"])
         if a.verbose:
             print("\n".join(r["log"]))

@@ -59,7 +59,8 @@ class Sim(World):
                                    outer_momentum=p.outer_momentum, transfer_timeout=p.transfer_timeout,
                                    admission_timeout=p.max_time, watch_interval=p.heartbeat_interval,
                                    ckpt_every=ckpt * p.inner_steps, eval_every=0, overlap=p.overlap,
-                                   overlap_delay=tau, feedback=p.feedback if gathered(p.mode) else 0.0)
+                                   overlap_delay=tau, feedback=p.feedback if gathered(p.mode) else 0.0,
+                                   feedback_local=p.feedback_local if gathered(p.mode) else 0.0)
         self.procs: list[Proc] = []
         self.disks: dict[str, dict[int, DilocoState]] = {}
         self.forced: dict[str, str] = {}  # node -> how the operator wants it restarted
