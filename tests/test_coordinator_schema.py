@@ -19,7 +19,7 @@ from intellect_jax.coordinator.schema import parse_request
 from intellect_jax.coordinator.service import CoordinatorService
 from helpers import FP
 
-OPS = ("register", "hb", "sync", "admit", "received", "leave", "status")
+OPS = ("register", "hb", "sync", "admit", "received", "leave", "status", "lease")
 
 
 def _templates(sess: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -35,6 +35,7 @@ def _templates(sess: dict[str, str]) -> dict[str, dict[str, Any]]:
         "admit": {**a, "requeue": False},
         "received": {**a, "step": 1},
         "leave": a,
+        "lease": {**a, "round": 0, "round_steps": 10, "unit_steps": 5, "unit_tokens": 640},
     }
 
 

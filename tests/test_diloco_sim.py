@@ -192,7 +192,7 @@ def test_coordinator_paused_20s_mid_run_evicts_nobody(overlap: bool) -> None:
     own stall: no eviction at all, and the run completes with one hash per outer step."""
     sim, r = run(Script(events=[(3.0, "pause", "20")]), nodes=3, inner_steps=40, overlap=overlap)
     assert lines(r, r"coordinator paused \(SIGSTOP\) for 20.00s")
-    assert lines(r, r"\] sync: no answer from the coordinator within 10.0s")  # requests timed out meanwhile
+    assert lines(r, r"\] (sync|lease): no answer from the coordinator within 10.0s")  # requests timed out meanwhile
     assert not lines(r, r"coord\] evicted"), "\n".join(t for _, t in lines(r, r"evicted"))
     stall = lines(r, r"coord\] WARNING coordinator stalled for (19\.\d|20\.0)s")
     assert stall and 22.9 <= stall[0][0] <= 23.1

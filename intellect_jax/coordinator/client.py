@@ -33,8 +33,8 @@ from intellect_jax.coordinator.clock import REAL, Clock
 from intellect_jax.coordinator.protocol import (PROTOCOL, Admission, CoordinatorError, CoordinatorUnavailable, Epoch,
                                                 Evicted, ProtocolError, RegisterReply, RegistrationRefused, Resume,
                                                 RunCompleted, StaleSession)
-from intellect_jax.coordinator.schema import (AdmissionOk, EpochOk, Ok, ReceivedOk, RegisterOk, StatusOk, ViewOk,
-                                              parse_reply)
+from intellect_jax.coordinator.schema import (AdmissionOk, EpochOk, LeaseOk, Ok, ReceivedOk, RegisterOk, StatusOk,
+                                              ViewOk, parse_reply)
 from intellect_jax.coordinator.wire import TRANSIENT, SocketWire, Wire, coordinator_status, reply_error
 from intellect_jax.net import Address, AuthError, PeerTimeout, TransportConfig
 from intellect_jax.net.identity import IdentityError, vote
@@ -249,6 +249,13 @@ class CoordinatorClient:
             else:  # until the next heartbeat says otherwise
                 self._view = {**self._view, "role": "admitted", "admission": adm.outer_step, "donor": adm.donor_id}
         return adm
+
+    def lease(self, rnd: int, round_steps: int, unit_steps: int, unit_tokens: int) -> list[tuple[int, int]]:
+        """The units of the training stream (``[a, b)`` ranges) this node trains in round ``rnd``,
+        leased by the coordinator (the same ones if asked again; coordinator/leases.py)."""
+        reply = self._call("lease", {"round": rnd, "round_steps": round_steps, "unit_steps": unit_steps,
+                                     "unit_tokens": unit_tokens})
+        return [(a, b) for a, b in parse_reply(LeaseOk, reply, "lease", self._name).units]
 
     def state_received(self, k: int) -> bool:
         """Joiner: we hold the state after outer step ``k``; False means re-queued (wait_admission again)."""

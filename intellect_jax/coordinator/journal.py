@@ -8,7 +8,8 @@ authority's certificate, e.g. ``python -m intellect_jax.coordinator --verify-jou
 coordinator writes it to a small JSON file after every change (:func:`~intellect_jax.files.atomic_write`:
 a crash leaves the old or the new record, never half of one) and reloads it on
 restart, so a restarted coordinator still knows which states are behind, and a finished run
-stays finished.
+stays finished. It also holds the run's data leases (:class:`~.leases.Ledger`, as ranges): which
+units of the training stream are trained, in which recent step, and which are out.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from intellect_jax.coordinator.leases import Ledger
 from intellect_jax.files import atomic_write
 
 VERSION = 1
@@ -45,6 +47,7 @@ class RunRecord:
     # certs: certificate key (sha256 of the DER, 16 hex) -> certificate (DER, hex)
     votes: dict[int, dict[str, Any]] = field(default_factory=dict)
     certs: dict[str, str] = field(default_factory=dict)
+    leases: Ledger | None = None  # the run's data leases (coordinator/leases.py), once a node asked for one
     rev: int = field(default=0, repr=False, compare=False)  # bumped by sign(): the journal saves then
 
     def record(self, step: int, state_hash: str, keep: int) -> None:
@@ -90,6 +93,8 @@ class RunRecord:
         self.votes = {k: v for k, v in self.votes.items() if k <= step}
         self.hwm_step, self.hwm_hash = step, self.hashes.get(step)
         self.completed = False
+        if self.leases is not None:  # the forgotten steps' units are trained again
+            self.leases.rollback(step)
 
     def to_json(self, votes: bool = True) -> dict[str, Any]:
         """The record as JSON; ``votes=False``: without the signed votes (cheap to compare)."""
@@ -97,6 +102,8 @@ class RunRecord:
                                            "completed", "next_epoch")}
         d["hashes"] = {str(k): h for k, h in self.hashes.items()}
         d["rollbacks"] = [dict(r) for r in self.rollbacks]
+        if self.leases is not None:
+            d["leases"] = self.leases.to_json()
         if votes:
             d["votes"] = {str(k): v for k, v in self.votes.items()}
             d["certs"] = dict(self.certs)
@@ -111,6 +118,11 @@ class RunRecord:
         d["votes"] = {int(k): v for k, v in d.get("votes", {}).items()}
         if not isinstance(d.get("certs", {}), dict):
             raise JournalError("certs is not an object")
+        if d.get("leases") is not None:
+            try:
+                d["leases"] = Ledger.from_json(d["leases"])
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise JournalError(f"leases: {e}") from None
         return cls(**d)
 
 

@@ -20,9 +20,10 @@ from typing import Any
 from intellect_jax.coordinator import admission
 from intellect_jax.coordinator.history import History
 from intellect_jax.coordinator.journal import RunRecord
-from intellect_jax.coordinator.policing import Police
+from intellect_jax.coordinator.leases import LeaseError, Ledger, Ranges
+from intellect_jax.coordinator.policing import Police, average_skipped
 from intellect_jax.coordinator.protocol import (PROTOCOL, Admission, CoordinatorConfig, Epoch, Evicted, ProtocolError,
-                                                RegisterReply, Resume)
+                                                RegisterReply, Resume, RunCompleted)
 from intellect_jax.coordinator.roster import (Arrival, Barrier, Node, Role, Sessions, describe, forming, ordered, view,
                                               waiting)
 from intellect_jax.coordinator.schema import Report
@@ -98,7 +99,8 @@ class Membership:
                 "joiners": [n["node_id"] for n in nodes if n["role"] != "member"],
                 "high_water_mark": {"outer_step": rec.hwm_step, "hash": rec.hwm_hash},
                 "completed": rec.completed, "outer_steps": rec.outer_steps, "waiting": self.history.waiting,
-                "hashes": {str(k): v for k, v in self.history.hashes.items()}, "evictions": list(self._evictions)}
+                "hashes": {str(k): v for k, v in self.history.hashes.items()}, "evictions": list(self._evictions),
+                "data": rec.leases.status() if rec.leases is not None else None}
 
     # ---- requests ------------------------------------------------------------------------
     def register(self, node_id: str, addr: str, devices: int, protocol: int, fingerprint: str, now: float,
@@ -202,6 +204,31 @@ class Membership:
         node.arrival, node.outbox = Arrival(step, t0, state_hash, retry, sits_out, report, vote), None
         self._advance(now)
         return node.outbox
+
+    def lease(self, node_id: str, session: str, rnd: int, round_steps: int, unit_steps: int, unit_tokens: int,
+              now: float) -> Ranges:
+        """The units of the training stream ``node_id`` trains in round ``rnd`` (the same ones if
+        asked again): a member's or an admitted joiner's, for the round it trains now or next."""
+        node = self._get(node_id, session)
+        node.last_seen = now
+        if node.role is Role.PENDING:
+            raise ProtocolError(f"node {node_id} is a joiner waiting for admission: no data before it is admitted")
+        if self.record.completed:
+            raise RunCompleted(f"the run is complete: no round {rnd} to train")
+        lo = self._last.step if self._last else self._floor
+        if rnd < lo:
+            self._expel(node, now, f"behind: asked for the data of round {rnd}, the run trains round {lo} or later")
+        if rnd > lo + 2:
+            raise ProtocolError(f"node {node_id}: round {rnd} is not one the run trains now (rounds {lo} to "
+                                f"{lo + 2})", "lease")
+        rec = self.record
+        led = rec.leases or Ledger()
+        try:
+            units = led.lease(node_id, rnd, round_steps, unit_steps, unit_tokens)
+        except LeaseError as e:
+            raise ProtocolError(f"node {node_id}: {e}", "lease") from None
+        rec.leases = led
+        return units
 
     def epoch_for(self, node_id: str, session: str) -> Epoch | None:
         """Poll the result of the barrier this node waits at (raises :class:`Evicted` if it was evicted)."""
@@ -361,6 +388,11 @@ class Membership:
             self._remove(n, now, why)
         if members and recorded is not None:
             self.history.complete(step, recorded)
+            led = self.record.leases
+            if led is not None:  # the contributions to outer step ``step`` made it (or were skipped by all)
+                led.recorded(step, average_skipped(members), self.config.history)
+                if self.record.completed:
+                    led.finish()
         members, evict = self.police.judge(step, members, self.record.run_id, self.record.hashes.get(step - 1))
         for n, why in evict:
             self._remove(n, now, why)
@@ -382,6 +414,8 @@ class Membership:
             epoch_id = prev.epoch_id  # type: ignore[union-attr]
         mismatch = self.history.mismatch(step)
         sitting_out = tuple(n.node_id for n in members if n.arrival.sits_out)  # type: ignore[union-attr]
+        if rec.leases is not None:  # the round-``step`` units of those not sitting out go into step + 1
+            rec.leases.contributions(step, [p[0] for p in pairs if p[0] not in sitting_out])
         self.history.formed()
         self.police.formed(step, epoch_id, tuple(p[0] for p in pairs))
         for n in members:

@@ -135,8 +135,20 @@ class Status(Msg):
     op: Literal["status"]
 
 
-Request = Annotated[Register | Heartbeat | Sync | Admit | Received | Leave | Status, Field(discriminator="op")]
-OPS = ("register", "hb", "sync", "admit", "received", "leave", "status")
+class Lease(Msg):
+    """The units of the training stream this node trains in round ``round`` (coordinator/leases.py)."""
+
+    op: Literal["lease"]
+    node: NodeId
+    session: Token
+    round: Count
+    round_steps: Annotated[int, Field(ge=1, le=1 << 30)]  # H
+    unit_steps: Annotated[int, Field(ge=1, le=1 << 30)]
+    unit_tokens: Annotated[int, Field(ge=1, le=2**53)]
+
+
+Request = Annotated[Register | Heartbeat | Sync | Admit | Received | Leave | Status | Lease, Field(discriminator="op")]
+OPS = ("register", "hb", "sync", "admit", "received", "leave", "status", "lease")
 _REQUEST: TypeAdapter[Request] = TypeAdapter(Request)
 
 
@@ -232,6 +244,21 @@ class ReceivedOk(Ok):
 
 class StatusOk(Ok):
     status: dict[str, Any]
+
+
+class LeaseOk(Ok):
+    """Sorted, disjoint ``[a, b)`` ranges of unit numbers."""
+
+    units: Annotated[list[Annotated[list[Count], Field(min_length=2, max_length=2)]], Field(min_length=1, max_length=4096)]
+
+    @model_validator(mode="after")
+    def _ranges(self) -> LeaseOk:
+        end = -1
+        for a, b in self.units:
+            if not end < a < b:
+                raise ValueError(f"units: [{a}, {b}) is empty, or not after the range before")
+            end = b
+        return self
 
 
 class ErrorReply(Msg):

@@ -22,8 +22,8 @@ from intellect_jax.coordinator.journal import Journal, RunRecord
 from intellect_jax.coordinator.membership import Membership
 from intellect_jax.coordinator.protocol import (CoordinatorConfig, CoordinatorError, ProtocolError,
                                                 RegistrationRefused, Resume)
-from intellect_jax.coordinator.schema import (MAX_MESSAGE, Admit, Heartbeat, Leave, Received, Register, Request, Status,
-                                              Sync, parse_request)
+from intellect_jax.coordinator.schema import (MAX_MESSAGE, Admit, Heartbeat, Lease, Leave, Received, Register, Request,
+                                              Status, Sync, parse_request)
 from intellect_jax.net.errors import NetError, PeerClosed, PeerTimeout
 from intellect_jax.net.identity import verify, vote
 
@@ -205,6 +205,9 @@ class CoordinatorService:
             case Leave():
                 self.locked(lambda now: m.leave(msg.node, msg.session, now))
                 return {"ok": True}
+            case Lease():
+                return {"ok": True, "units": self.locked(lambda now: m.lease(
+                    msg.node, msg.session, msg.round, msg.round_steps, msg.unit_steps, msg.unit_tokens, now))}
         raise ProtocolError(f"{msg.op!r} on a connection that {'already' if session else 'never'} registered")
 
     def _register(self, msg: Register) -> dict[str, Any]:

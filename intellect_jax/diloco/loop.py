@@ -287,8 +287,13 @@ class NodeLoop:
         return o, self._row(o, h, ended, sync_s, idle_s)
 
     def _round(self, r: int, gate: Gate | None, *, thread: bool) -> Round:
-        """Round r's inner steps, on a thread merging what ``gate`` brings (overlapped) or here."""
+        """Round r's inner steps, on a thread merging what ``gate`` brings (overlapped) or here;
+        with data leases, on the units the coordinator leased this node for round r."""
         tau, H = self.cfg.overlap_delay, self.cfg.inner_steps  # tau None: merge when ready
+        if self.cfg.data_units is not None:
+            u, tokens = self.cfg.data_units
+            units = self.p.client.lease(r, H, u, tokens)
+            self.p.inner.lease(r, [(a * u, b * u) for a, b in units])
         rd = Round(self.p.inner, self.p.clock, (r + 1) * H, merge_at=None if tau is None else r * H + tau,
                    gate=gate, thread=thread)
         self.t_first = rd.t0 if self.t_first is None else self.t_first

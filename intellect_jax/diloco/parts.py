@@ -57,6 +57,10 @@ class Inner(Protocol):
 
     def record(self, step: int, metrics: dict[str, Any]) -> None: ...
 
+    # data leases (LoopConfig.data_units): round ``rnd`` trains these [a, b) ranges of the global
+    # batch stream, in order, one batch per inner step
+    def lease(self, rnd: int, batches: list[tuple[int, int]]) -> None: ...
+
     # overlapped rounds (LoopConfig.overlap, .overlap): the params a round started from are its anchor
     def capture(self) -> Any: ...  # the round's pseudo-gradient (anchor - params), cheaply; anchor := params
 
@@ -116,6 +120,9 @@ class LoopConfig:
     # share of the node's unsent progress kept in its own params) and its pseudo-gradient is
     # measured from there; the contribution is still pg + feedback x residual (0: off)
     feedback_local: float = 0.0
+    # data leases (coordinator/leases.py): (inner steps per unit, tokens per unit); each round's
+    # data is leased from the coordinator and handed to the trainer (None: the node's own shard)
+    data_units: tuple[int, int] | None = None
 
 
 @dataclass

@@ -41,6 +41,7 @@ class NumpyInner:
         self.opt = {"m": np.zeros_like(init["w"])}
         self.step = 0
         self.data = {"pos": 0}
+        self.plan: tuple[int, list[int]] | None = None  # data leases: (first step, global batch per step)
         self.records: list[tuple[int, dict[str, Any]]] = []
 
     def _pause(self, seconds: float, phase: str) -> None:
@@ -62,7 +63,10 @@ class NumpyInner:
     def _steps(self, until: int) -> dict[str, Any]:
         w = self.weights
         for _ in range(self.step, until):
-            seed = [self.data["pos"], int(abs(float(self.target[0])) * 1e6)]
+            pos = self.data["pos"]
+            if self.plan is not None and 0 <= self.step - self.plan[0] < len(self.plan[1]):
+                pos = 1 << 40 | self.plan[1][self.step - self.plan[0]]  # a leased batch of the global stream
+            seed = [pos, int(abs(float(self.target[0])) * 1e6)]
             noise = np.random.default_rng(seed).standard_normal(w["w"].shape).astype(np.float32)
             g = w["w"] - self.target + np.float32(0.1) * noise
             self.opt["m"] = (np.float32(0.9) * self.opt["m"] + g).astype(np.float32)
@@ -129,6 +133,9 @@ class NumpyInner:
 
     def record(self, step: int, metrics: dict[str, Any]) -> None:
         self.records.append((step, dict(metrics)))
+
+    def lease(self, rnd: int, batches: list[tuple[int, int]]) -> None:
+        self.plan = (self.step, [b for a, z in batches for b in range(a, z)])
 
 
 class LocalRing:

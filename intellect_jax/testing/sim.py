@@ -55,12 +55,13 @@ def main(argv: list[str] | None = None) -> int:
                     "of 32 values)")
     ap.add_argument("--feedback-local", type=float, default=0.0, metavar="ALPHA",
                     help="a gathered codec's local feedback (diloco.feedback_local)")
+    ap.add_argument("--no-leases", action="store_true", help="nodes read their own data (no coordinator leases)")
     a = ap.parse_args(argv)
     seeds = [a.seed] if a.seed is not None else range(*map(int, a.seeds.split(":")))
     bad, total = 0, Counter()
     t0 = time.monotonic()
     for seed in seeds:
-        r = Sim(seed, SimParams(overlap=a.overlap, mode=a.mode, feedback_local=a.feedback_local)).run()
+        r = Sim(seed, SimParams(overlap=a.overlap, mode=a.mode, feedback_local=a.feedback_local, leases=not a.no_leases)).run()
         total.update(r["faults"])
         if a.verbose:
             print("\n".join(r["log"]))

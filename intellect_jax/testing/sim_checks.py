@@ -1,8 +1,9 @@
 """The invariants a fault simulation (:mod:`.sim`) checks, as functions of what it recorded:
 never two hashes for one outer step (:func:`forks`), every process ends cleanly (:func:`ends`),
 no eviction that only the coordinator's own stall explains (:func:`stall_evictions`), nobody
-evicted as a poisoner on a false accusation (:func:`framed`), and no process that lingers long
-after the run completed (:func:`late_ends`). Each returns the
+evicted as a poisoner on a false accusation (:func:`framed`), no process that lingers long
+after the run completed (:func:`late_ends`), and every unit of data trained exactly once
+(:func:`leases`). Each returns the
 violations as lines; :meth:`.Sim.check` gathers them."""
 
 from __future__ import annotations
@@ -32,6 +33,35 @@ def forks(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord) -> list[s
             out.append(f"FORK: outer step {k} has {len(hs)} hashes: {sorted(h[:12] for h in hs)}")
         elif k in rec.hashes and rec.hashes[k] not in hs:
             out.append(f"FORK: outer step {k} recorded {rec.hashes[k][:12]}, nodes logged {list(hs)[0][:12]}")
+    return out
+
+
+def leases(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord, groups: dict[tuple[int, int], Any],
+           final: bool) -> list[str]:
+    """Data leases (coordinator/leases.py): every unit in exactly one place, none trained twice;
+    each recorded outer step's trained units are exactly those its contributors trained (what
+    the ring itself saw: who sent in the epoch the nodes' rows name, not sitting out, on which
+    leased batches), none for a skipped average; at the run's end (``final``) nothing is out."""
+    led = rec.leases
+    if led is None:
+        return []
+    out = [f"LEASES: {p}" for p in led.problems()]
+    epochs: dict[int, set[tuple[int, bool]]] = {}
+    for _, _, row in rows:
+        epochs.setdefault(row["outer_step"], set()).add((row["epoch"], bool(row.get("skipped"))))
+    u = led.unit_steps
+    for s, seen in sorted(epochs.items()):
+        g = groups.get((next(iter(seen))[0], s - 1)) if len(seen) == 1 else None
+        if g is None or s not in rec.hashes:
+            continue
+        skipped = next(iter(seen))[1]
+        want = {} if skipped else {q.node_id: [[a // u, b // u] for a, b in g.units[r]]
+                                   for r, q in g.members.items() if q.node_id not in g.sitting_out and g.units.get(r)}
+        got = led.commits.get(s, {})
+        if got != want:
+            out.append(f"LEASES: outer step {s} recorded the units {got} as trained, its ring carried {want}")
+    if final and led.outstanding():
+        out.append(f"LEASES: {led.outstanding()} units still out or pending after the run completed")
     return out
 
 

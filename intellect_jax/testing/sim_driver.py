@@ -27,7 +27,8 @@ from intellect_jax.diloco.state import DilocoState, state_hash
 from intellect_jax.testing import sim_checks
 from intellect_jax.testing.local_coordinator import LocalCoordinator
 from intellect_jax.testing.sim_parts import SimInner, _Comm, _Disk, _Gated, _StallWire, _Transport
-from intellect_jax.testing.sim_plan import Fault, Script, SimParams, draw_faults, draw_frames, draw_schedule
+from intellect_jax.testing.sim_plan import (Fault, Script, SimParams, draw_faults, draw_frames, draw_schedule,
+                                           unit_steps)
 from intellect_jax.testing.sim_world import Killed, Proc, World
 
 __all__ = ["Sim"]
@@ -60,7 +61,9 @@ class Sim(World):
                                    admission_timeout=p.max_time, watch_interval=p.heartbeat_interval,
                                    ckpt_every=ckpt * p.inner_steps, eval_every=0, overlap=p.overlap,
                                    overlap_delay=tau, feedback=p.feedback if gathered(p.mode) else 0.0,
-                                   feedback_local=p.feedback_local if gathered(p.mode) else 0.0)
+                                   feedback_local=p.feedback_local if gathered(p.mode) else 0.0,
+                                   data_units=(unit_steps(p.inner_steps), 1000 * unit_steps(p.inner_steps))
+                                   if p.leases else None)
         self.procs: list[Proc] = []
         self.disks: dict[str, dict[int, DilocoState]] = {}
         self.forced: dict[str, str] = {}  # node -> how the operator wants it restarted
@@ -405,6 +408,7 @@ class Sim(World):
         self._note_rollbacks()
         rec = self.journal.load("sim")
         problems = sim_checks.forks(self.rows, rec)
+        problems += sim_checks.leases(self.rows, rec, self.groups, final and rec.completed)
         if final:
             if not rec.completed or rec.hwm_step != self.p.outer_steps:
                 problems.append(f"run not completed: high-water mark {rec.hwm_step}, completed {rec.completed}")

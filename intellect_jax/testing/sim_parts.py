@@ -140,6 +140,10 @@ class SimInner(NumpyInner):
     def capture(self) -> Any:
         return self.step, super().capture()
 
+    def lease(self, rnd: int, batches: list[tuple[int, int]]) -> None:
+        self.sim.leased[(self.proc.name, rnd)] = [list(b) for b in batches]
+        super().lease(rnd, batches)
+
     def pull(self, captured: Any, like: Any) -> Any:
         step, pg = captured  # the round that made it (the trainer has moved on by now)
         return self.sim.poison(self.proc, "own", step // self.sim.p.inner_steps, pg)
@@ -153,6 +157,7 @@ class _Comm:
         self.sim, self.proc, self.rank, self.world_size, self.epoch = sim, proc, ep.rank, ep.world_size, ep.epoch_id
         self.step = ep.outer_step + 1
         self.group = sim.groups.setdefault((ep.epoch_id, ep.outer_step), Group(ep.world_size))
+        self.group.sitting_out = tuple(ep.sitting_out)
         self.last_stats = CommStats(world_size=ep.world_size, mode=sim.ring_cfg.mode)
         self.inspect: Any = None  # as the socket ring's: shown the predecessor's own contribution
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
@@ -164,6 +169,7 @@ class _Comm:
         deadline = clock.now() + sim.p.ring_deadline
         with sim.cond:
             g.inputs[self.rank], g.members[self.rank], g.drops[self.rank] = tree, self.proc, dropped
+            g.units[self.rank] = sim.leased.get((self.proc.name, self.step - 1))  # the round that made it
             if len(g.inputs) == g.world and g.results is None and g.error is None:
                 ordered = [g.inputs[r] for r in range(g.world)]
                 g.results = LocalGroup(g.world, sim.ring_cfg, epoch=self.epoch).all_reduce_mean_all(

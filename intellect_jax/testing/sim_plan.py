@@ -52,8 +52,14 @@ class SimParams:
     mode: str = "int8"  # the exchange's codec (blocks and top-k chunks of 32 values), e.g. "topk4"
     feedback: float = 1.0  # error feedback of a gathered codec (int2, topk<K>, top1of<G>)
     feedback_local: float = 0.0  # the share of it kept in each node's own params (diloco.feedback_local)
+    leases: bool = True  # each round's data leased from the coordinator (coordinator/leases.py), units of H/2 steps
     frame_prob: float = 0.15  # chance that an incarnation accuses its ring predecessor falsely (1-2 rounds)
 
+
+
+def unit_steps(inner_steps: int) -> int:
+    """The simulation's data unit: half a round (two units per round) when H is even."""
+    return inner_steps // 2 if inner_steps % 2 == 0 else inner_steps
 
 @dataclass(frozen=True)
 class Fault:

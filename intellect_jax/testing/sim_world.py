@@ -73,6 +73,8 @@ class Group:
         self.results: list[Any] | None = None
         self.error: str | None = None
         self.fail_ranks: set[int] = set()
+        self.units: dict[int, Any] = {}  # the batch ranges each rank's contribution was trained on (data leases)
+        self.sitting_out: tuple[str, ...] = ()  # the epoch's
 
 
 class World:
@@ -87,6 +89,7 @@ class World:
         self.ring_cfg = RingConfig(mode=self.p.mode, block_size=32, piece_numel=64, deadline=self.p.ring_deadline)
         self.rows: list[tuple[str, int, dict[str, Any]]] = []  # (proc, inner step, row) as recorded
         self.groups: dict[tuple[int, int], Group] = {}  # (epoch, boundary): an epoch spans steps
+        self.leased: dict[tuple[str, int], Any] = {}  # (process, round) -> the batch ranges it was leased
         self.by_addr: dict[str, Proc] = {}
         self.injected: Counter = Counter()
         self.paused_until = 0.0  # the coordinator is SIGSTOPped until then

@@ -1,0 +1,224 @@
+"""Data leases (coordinator/leases.py): the range set, the ledger's every transition keeping the
+partition of units, and the membership driving it at barriers, evictions, rollbacks and restarts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from intellect_jax.coordinator.journal import JournalError, RunRecord
+from intellect_jax.coordinator.leases import Ledger, LeaseError, RangeSet, count
+from intellect_jax.coordinator.protocol import ProtocolError
+from intellect_jax.coordinator.schema import LeaseOk, parse_reply
+
+from helpers import Run
+
+H, U, T = 10, 5, 640  # a round of 10 inner steps is 2 units of 5 steps (640 tokens each)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "remove", "take"]), st.integers(0, 60), st.integers(0, 12)),
+                max_size=40))
+def test_a_range_set_is_the_set_it_stands_for(ops):
+    rs, ref = RangeSet(), set()
+    for op, a, n in ops:
+        if op == "add":
+            assert rs.add(a, a + n) == len(ref & set(range(a, a + n)))
+            ref |= set(range(a, a + n))
+        elif op == "remove":
+            inside = set(range(a, a + n)) <= ref
+            if inside:
+                rs.remove(a, a + n)
+                ref -= set(range(a, a + n))
+            else:
+                with pytest.raises(ValueError):
+                    rs.remove(a, a + n)
+        else:
+            got = {v for x, y in rs.take(n) for v in range(x, y)}
+            assert got == set(sorted(ref)[:n])
+            ref -= got
+        assert {v for x, y in rs.ranges() for v in range(x, y)} == ref and len(rs) == len(ref)
+        r = rs.ranges()
+        assert all(x < y for x, y in r) and all(r[i][1] < r[i + 1][0] for i in range(len(r) - 1))
+
+
+def _lease(led, node, rnd):
+    return led.lease(node, rnd, H, U, T)
+
+
+def test_a_round_s_units_are_trained_once_its_outer_step_is_recorded():
+    led = Ledger()
+    a0, b0 = _lease(led, "a", 0), _lease(led, "b", 0)
+    assert (a0, b0) == ([[0, 2]], [[2, 4]]) and _lease(led, "a", 0) == a0  # asked again: the same
+    led.contributions(0, ["a", "b"])  # barrier 0 formed: both contribute to outer step 1
+    assert led.pending == {1: {"a": a0, "b": b0}} and not led.out
+    a1 = _lease(led, "a", 1)  # overlapped: round 1 leased before step 1 is recorded
+    led.recorded(1, skipped=False, keep=10)
+    assert led.trained.ranges() == [[0, 4]] and led.commits == {1: {"a": a0, "b": b0}} and a1 == [[4, 6]]
+    assert _lease(led, "b", 0) == [[6, 8]]  # round 0 again (behind, or rolled back): never units of the past
+    assert led.status()["tokens_trained"] == 4 * T and led.status()["goodput"] == 1.0
+    assert led.problems() == []
+
+
+def test_a_sit_out_a_failed_ring_a_skipped_average_and_a_death_give_units_back():
+    led = Ledger()
+    for n in "abc":
+        _lease(led, n, 0)
+    led.contributions(0, ["a", "b"])  # c sits out: its lease stays out until round 0 is over
+    assert led.out == {"c": {0: [[4, 6]]}}
+    led.contributions(0, ["a"])  # the ring failed; the retry's epoch lost b, whose lease is out again
+    assert led.out == {"b": {0: [[2, 4]]}, "c": {0: [[4, 6]]}} and led.pending == {1: {"a": [[0, 2]]}}
+    led.contributions(0, ["a", "b"])  # b came back to the same barrier, formed once more
+    assert led.pending == {1: {"a": [[0, 2]], "b": [[2, 4]]}} and led.problems() == []
+    led.recorded(1, skipped=True, keep=10)  # every node skipped the average; round 0 is over
+    assert led.free.ranges() == [[0, 6]] and len(led.trained) == 0 and not led.out and led.discarded == 6
+    assert _lease(led, "c", 1) == [[0, 2]]  # released units are handed out first, lowest first
+    _lease(led, "a", 1)
+    led.contributions(1, ["a"])  # c died in round 1
+    led.recorded(2, skipped=False, keep=10)  # ... its lease goes back once step 2 is recorded
+    assert led.trained.ranges() == [[2, 4]] and led.free.ranges() == [[0, 2], [4, 6]] and not led.out
+    assert led.problems() == [] and led.status()["duplicates"] == 0
+
+
+def test_a_node_gone_with_its_contribution_in_the_ring_counts_if_the_step_is_recorded():
+    led = Ledger()
+    _lease(led, "a", 0), _lease(led, "b", 0)
+    led.contributions(0, ["a", "b"])  # b dies after sending: the others' average holds its contribution
+    led.recorded(1, skipped=False, keep=10)
+    assert led.trained.ranges() == [[0, 4]] and led.problems() == []
+
+
+def test_a_rollback_trains_the_forgotten_steps_units_again():
+    led = Ledger()
+    for r in range(3):
+        _lease(led, "a", r)
+        led.contributions(r, ["a"])
+        led.recorded(r + 1, skipped=False, keep=10)
+    _lease(led, "b", 1)  # b resumed from step 1 already (the barrier that rolls back is forming)
+    led.rollback(1)  # back to outer step 1: steps 2 and 3 are forgotten, b's new lease stays
+    assert led.trained.ranges() == [[0, 2]] and sorted(led.commits) == [1] and led.out == {"b": {1: [[6, 8]]}}
+    assert led.free.ranges() == [[2, 6]] and led.problems() == []
+    assert _lease(led, "a", 1) == [[2, 4]]
+    led.contributions(1, ["a", "b"])
+    assert led.pending == {2: {"a": [[2, 4]], "b": [[6, 8]]}}
+
+
+def test_the_run_s_end_gives_back_what_is_out_and_old_commits_fold():
+    led = Ledger()
+    for r in range(5):
+        _lease(led, "a", r)
+        led.contributions(r, ["a"])
+        led.recorded(r + 1, skipped=False, keep=2)
+    assert sorted(led.commits) == [4, 5] and led.trained.ranges() == [[0, 10]]
+    _lease(led, "a", 5)
+    led.finish()
+    assert not led.out and not led.pending and led.free.ranges() == [[10, 12]] and led.problems() == []
+
+
+def test_the_partition_check_sees_a_unit_in_two_places_or_lost():
+    led = Ledger()
+    _lease(led, "a", 0)
+    led.free.add(0, 1)
+    assert any("also elsewhere" in p for p in led.problems())
+    led = Ledger()
+    _lease(led, "a", 0)
+    led.out.clear()
+    assert any("some lost" in p for p in led.problems())
+
+
+def test_the_geometry_is_the_run_s():
+    led = Ledger()
+    with pytest.raises(LeaseError, match="not whole units"):
+        led.lease("a", 0, 10, 3, T)
+    _lease(led, "a", 0)
+    with pytest.raises(LeaseError, match="this run's units are 5 inner steps"):
+        led.lease("b", 0, 10, 2, T)
+
+
+def test_the_ledger_survives_the_journal_and_a_bad_one_is_refused():
+    rec = RunRecord(run_id="r")
+    rec.leases = Ledger()
+    _lease(rec.leases, "a", 0)
+    rec.leases.contributions(0, ["a"])
+    _lease(rec.leases, "a", 1)
+    back = RunRecord.from_json(json.loads(json.dumps(rec.to_json())))
+    assert back.leases.to_json() == rec.leases.to_json() and back.leases.problems() == []
+    bad = rec.to_json()
+    bad["leases"]["free"] = [[3, 1]]
+    with pytest.raises(JournalError, match="leases: not a list of"):
+        RunRecord.from_json(bad)
+    assert RunRecord.from_json(RunRecord(run_id="r").to_json()).leases is None  # a run without leases
+
+
+def test_a_lease_reply_must_be_sorted_ranges():
+    assert parse_reply(LeaseOk, {"ok": True, "units": [[0, 2], [5, 6]]}, "lease", "c").units == [[0, 2], [5, 6]]
+    for units in ([[2, 2]], [[3, 4], [0, 2]], [[0, 2], [2, 3]], [], [[0, -1]]):
+        with pytest.raises(ProtocolError, match="malformed lease reply"):
+            parse_reply(LeaseOk, {"ok": True, "units": units}, "lease", "c")
+
+
+# ---- the membership drives it ----------------------------------------------------------------------
+def _lease_m(r, node, rnd):
+    return r.m.lease(node, r.s[node], rnd, H, U, T, r.now)
+
+
+def test_barriers_commit_what_made_it_and_evictions_give_back_what_did_not():
+    r = Run(min_nodes=3)
+    for n in "abc":
+        r.reg(n)
+    for n in "abc":
+        _lease_m(r, n, 0)
+    r.m.arrive("a", r.s["a"], 0, r.now, "h0")
+    r.m.arrive("b", r.s["b"], 0, r.now, "h0")
+    r.m.arrive("c", r.s["c"], 0, r.now, "h0", sits_out="a NaN")  # c's round-0 units come back ...
+    led = r.m.record.leases
+    assert sorted(led.pending[1]) == ["a", "b"] and led.out == {"c": {0: [[4, 6]]}}
+    for n in "abc":
+        _lease_m(r, n, 1)
+    r.barrier(1, ["a", "b", "c"], "h1")  # outer step 1 recorded: a's and b's round 0 trained
+    assert led.trained.ranges() == [[0, 4]] and sorted(led.pending[2]) == ["a", "b", "c"]
+    assert "c" not in led.out and [4, 6] in led.free.ranges()  # ... once round 0 is over
+    for n in "abc":
+        _lease_m(r, n, 2)
+    r.silent.add("a")
+    r.tick(6.0)  # a stops heartbeating and is evicted: its round-2 lease goes back once round 2 is over
+    r.barrier(2, ["b", "c"], "h2")
+    assert "a" in led.out and sorted(led.pending[3]) == ["b", "c"]
+    for n in "bc":
+        _lease_m(r, n, 3)
+    r.barrier(3, ["b", "c"], "h3")
+    assert 2 not in led.out.get("a", {}) and led.problems() == []
+    st_ = r.m.status(r.now)["data"]
+    assert st_["units_trained"] == 14 and st_["duplicates"] == 0 and 0 < st_["goodput"] < 1
+
+
+def test_lease_requests_are_checked_against_the_run():
+    r = Run(min_nodes=1)
+    r.reg("a")
+    with pytest.raises(ProtocolError, match="round 5 is not one the run trains now"):
+        _lease_m(r, "a", 5)
+    _lease_m(r, "a", 0)
+    with pytest.raises(ProtocolError, match="this run's units are 5 inner steps"):
+        r.m.lease("a", r.s["a"], 0, H, 2, T, r.now)
+
+
+def test_a_restarted_coordinator_keeps_the_leases_and_commits_on():
+    """Killed after barrier 0 (round 0's units in the ring): the reloaded journal still has them
+    pending, and the restarted coordinator's barrier 1 records them as trained."""
+    from intellect_jax.coordinator.protocol import Resume
+
+    r = Run(min_nodes=2)
+    for n in "ab":
+        r.reg(n)
+        _lease_m(r, n, 0)
+    eps = r.barrier(0, ["a", "b"], "h0")
+    rec = RunRecord.from_json(json.loads(json.dumps(r.m.record.to_json())))  # the journal, reloaded
+    r2 = Run(record=rec, min_nodes=2)
+    for n in "ab":  # they did outer step 1 meanwhile
+        r2.reg(n, resume=Resume(1, eps[n].epoch_id, eps[n].rank, "h1", ("a", "b")))
+    r2.barrier(1, ["a", "b"], "h1")
+    led = r2.m.record.leases
+    assert led.trained.ranges() == [[0, 4]] and led.problems() == []
+    assert count(_lease_m(r2, "a", 1)) == 2
