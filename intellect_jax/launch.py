@@ -206,9 +206,11 @@ class Launcher:
             self.authority()
         cmd = [sys.executable, "-m", "intellect_jax.train", "--config", self.args.config,
                "--diloco.enabled", "--diloco.coordinator", f"127.0.0.1:{self.port}",
-               "--diloco.node_id", name, "--diloco.keys", str(self.keys), "--diloco.data_rank", str(i % max(len(self.names), 1)),
-               "--diloco.data_ranks", str(max(len(self.names), 1)), "--run.no-progress",
+               "--diloco.node_id", name, "--diloco.keys", str(self.keys), "--run.no-progress",
                "--run.out_dir", self.args.out_dir, *self.extra]
+        if not self.cfg.diloco.leases:  # without leases every node reads a shard of its own
+            n = max(len(self.names), 1)
+            cmd += ["--diloco.data_rank", str(i % n), "--diloco.data_ranks", str(n)]
         cmd += ["--run.name", f"{self.run_name}/{name}"]
         if resume:
             cmd += ["--ckpt.resume"]

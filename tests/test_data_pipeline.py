@@ -247,3 +247,35 @@ def test_resume_survives_moving_data_and_cache(tmp_path, tok):
     it2 = make_train_iter(cfg2, tok)
     it2.set_state(state)
     np.testing.assert_array_equal(next(it2)["tokens"], want)
+
+
+def test_a_leased_iterator_yields_exactly_the_stream_s_batches_it_was_told(tmp_path, tok):
+    """Data leases: the node's stream is the whole stream; a lease of [a, b) ranges yields those
+    global batches in order and then refuses (the next round's lease comes first); its state
+    resumes inside the lease; every process layout names the same stream."""
+    srcs = [make_src(tmp_path, "s0", 30, "a", 0, weight=0.6), make_src(tmp_path, "s1", 20, "b", 1, weight=0.4)]
+    cfg = make_cfg(tmp_path, srcs)
+    stream = take(make_train_iter(cfg, tok), 12)  # global batches 0..11
+    it = make_train_iter(cfg, tok)
+    it.lease([(6, 8), (2, 3)])
+    got = take(it, 2)
+    state = json.loads(json.dumps(it.get_state()))
+    got += take(it, 1)
+    for g, want in zip(got, [6, 7, 2]):
+        np.testing.assert_array_equal(g, stream[want])
+    with pytest.raises(DataError, match="the leased batches .* are used up"):
+        next(it)
+    fresh = make_train_iter(cfg, tok)
+    fresh.set_state(state)  # resumed inside the lease: batch 2 is next
+    np.testing.assert_array_equal(next(fresh)["tokens"], stream[2])
+    it.lease([(11, 12)])
+    np.testing.assert_array_equal(next(it)["tokens"], stream[11])
+    with pytest.raises(DataError, match="non-empty"):
+        it.lease([(3, 3)])
+    bad = {**state, "plan": [[2, 1]]}
+    with pytest.raises(DataError, match="plan is not"):
+        fresh.set_state(bad)
+    halves = [make_train_iter(cfg, tok, process_index=i, process_count=2) for i in range(2)]
+    assert halves[0].stream == halves[1].stream == it.stream and halves[0].fingerprint != it.fingerprint
+    other = make_train_iter(make_cfg(tmp_path, srcs, seed=cfg.seed + 1), tok)
+    assert other.stream != it.stream

@@ -3,6 +3,7 @@ run has done K outer steps (its units, no processes), and the one launcher run e
 a joiner by live transfer over sockets, the coordinator SIGKILLed and restarted from its journal,
 strangers refused)."""
 
+import json
 import os
 import re
 import subprocess
@@ -13,6 +14,8 @@ import pytest
 
 from helpers import LAUNCH_TINY, ROOT, free_port, launch, one_history, rows, run_rows
 
+from intellect_jax.coordinator.journal import RunRecord
+from intellect_jax.coordinator.leases import count
 from intellect_jax.launch import Launcher, parse
 from intellect_jax.model.config import ConfigError
 
@@ -74,7 +77,7 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     # 20 outer steps: the refused nodes below start at outer step 1 and must meet a live
     # coordinator, however slow their start-up on a loaded machine (two test workers)
     p = launch(tmp_path, "--nodes", "2", "--join", "node2@1", "--kill-coordinator", "3", "--run.steps", "100",
-                port=port, env=env)
+               "--diloco.leases", "--diloco.unit_steps", "1", port=port, env=env)
     # once the run is going: a node of another authority and one with another model are refused
     from intellect_jax.coordinator.client import coordinator_status
     from intellect_jax.net.identity import Authority, Credentials
@@ -125,6 +128,17 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     donor, t0, t1 = m.group(1), float(m.group(2)), float(m.group(3))
     _, inner = run_rows(tmp_path, donor)
     assert [r["step"] for r in inner if t0 <= r["time"] <= t1 + 2.0], (t0, t1)
+    # every round's data was leased (units of 1 inner step): across the joiner and the coordinator's
+    # SIGKILL, each recorded step trained exactly its contributors' units, none twice, nothing out
+    assert "data leased from the coordinator in units of 1 inner steps" in out
+    rec = RunRecord.from_json(json.loads((tmp_path / "runs" / "debug_diloco" / "coordinator.journal").read_text()))
+    led = rec.leases
+    contributors = {r["outer_step"]: r["contributors"] for n in ("node0", "node1", "node2")
+                    for r in run_rows(tmp_path, n)[0]}
+    assert led.problems() == [] and led.outstanding() == 0 and led.status()["duplicates"] == 0
+    assert {s: len(per) for s, per in led.commits.items()} == contributors
+    assert all(count(u) == 5 for per in led.commits.values() for u in per.values())
+    assert len(led.trained) == 5 * sum(contributors.values())
 
 
 def test_a_node_that_exits_badly_says_why():

@@ -135,6 +135,10 @@ def test_the_geometry_is_the_run_s():
     _lease(led, "a", 0)
     with pytest.raises(LeaseError, match="this run's units are 5 inner steps"):
         led.lease("b", 0, 10, 2, T)
+    led = Ledger()
+    led.lease("a", 0, H, U, T, "s1")
+    with pytest.raises(LeaseError, match="its data stream s2 is not this run's s1"):
+        led.lease("b", 0, H, U, T, "s2")
 
 
 def test_the_ledger_survives_the_journal_and_a_bad_one_is_refused():
@@ -222,3 +226,69 @@ def test_a_restarted_coordinator_keeps_the_leases_and_commits_on():
     led = r2.m.record.leases
     assert led.trained.ranges() == [[0, 4]] and led.problems() == []
     assert count(_lease_m(r2, "a", 1)) == 2
+
+
+# ---- real trainers ---------------------------------------------------------------------------------
+def test_real_trainers_train_exactly_the_units_they_are_leased(tmp_path, cache_dir, monkeypatch):
+    """Two real trainers reading the one stream, each round's data leased: every inner step
+    trains the next batch of the node's lease, in order, and the two nodes' units are disjoint
+    and cover the stream's first units, with none twice."""
+    from intellect_jax.data.pipeline import DataIterator
+    from intellect_jax.diloco.inner import TrainerInner
+    from intellect_jax.diloco.parts import LoopConfig, Outcome
+    from intellect_jax.net.comm import RingConfig
+    from intellect_jax.testing.local import run_local
+    from intellect_jax.trainer.loop import Role, Trainer
+
+    from helpers import tiny_cfg
+
+    H, R, U = 4, 3, 2
+    trained: dict[int, list[int]] = {}  # id(iterator) -> the global batches it yielded
+    nxt = DataIterator.__next__
+
+    def recording(self):
+        if self._plan is not None:
+            flat = [b for a, z in self._plan for b in range(a, z)]
+            trained.setdefault(id(self), []).append(flat[self._step])
+        return nxt(self)
+
+    monkeypatch.setattr(DataIterator, "__next__", recording)
+    trainers = [Trainer(tiny_cfg(tmp_path / f"n{i}", cache_dir, run={"steps": H * R}), role=Role.INNER)
+                for i in range(2)]
+    leased: dict[int, list[tuple[int, list]]] = {0: [], 1: []}
+
+    class Leased(TrainerInner):
+        def lease(self, rnd, batches):
+            leased[trainers.index(self.t)].append((rnd, [b for a, z in batches for b in range(a, z)]))
+            super().lease(rnd, batches)
+
+    stream = trainers[0].data.stream
+    assert trainers[1].data.stream == stream
+    try:
+        outs = run_local(LoopConfig(inner_steps=H, outer_steps=R, data_units=(U, U * 8 * 32, stream)),
+                         [Leased(t) for t in trainers], RingConfig(mode="int8"))
+        ids = [id(t.data) for t in trainers]
+    finally:
+        for t in trainers:
+            t.close(save=False)
+    assert set(outs) <= {Outcome.FINISHED, Outcome.COMPLETED}
+    for i in range(2):
+        assert [r for r, _ in leased[i]] == list(range(R))
+        assert trained[ids[i]] == [b for _, bs in leased[i] for b in bs]  # what it trained is what it leased
+    units = sorted(b // U for i in range(2) for _, bs in leased[i] for b in bs[::U])
+    assert units == list(range(2 * R * H // U))  # disjoint, no gaps: the stream's first units, once each
+
+
+def test_the_config_names_what_leases_replace():
+    from pydantic import ValidationError
+
+    from intellect_jax.diloco.config import DilocoConfig
+
+    assert DilocoConfig(leases=True, inner_steps=100).lease_unit == 25
+    assert DilocoConfig(leases=True, inner_steps=50).lease_unit == 25
+    assert DilocoConfig(leases=True, inner_steps=12).lease_unit == 12
+    assert DilocoConfig(leases=True, inner_steps=100, unit_steps=10).lease_unit == 10
+    with pytest.raises(ValidationError, match="leases hand out the data: drop data_rank"):
+        DilocoConfig(leases=True, data_rank=1, data_ranks=2)
+    with pytest.raises(ValidationError, match="unit_steps \\(30\\) must divide inner_steps \\(100\\)"):
+        DilocoConfig(leases=True, inner_steps=100, unit_steps=30)

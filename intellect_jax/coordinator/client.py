@@ -250,11 +250,13 @@ class CoordinatorClient:
                 self._view = {**self._view, "role": "admitted", "admission": adm.outer_step, "donor": adm.donor_id}
         return adm
 
-    def lease(self, rnd: int, round_steps: int, unit_steps: int, unit_tokens: int) -> list[tuple[int, int]]:
+    def lease(self, rnd: int, round_steps: int, unit_steps: int, unit_tokens: int,
+              stream: str = "") -> list[tuple[int, int]]:
         """The units of the training stream (``[a, b)`` ranges) this node trains in round ``rnd``,
-        leased by the coordinator (the same ones if asked again; coordinator/leases.py)."""
+        leased by the coordinator (the same ones if asked again; coordinator/leases.py);
+        ``stream``: the fingerprint of the data stream (the run's first lease fixes it)."""
         reply = self._call("lease", {"round": rnd, "round_steps": round_steps, "unit_steps": unit_steps,
-                                     "unit_tokens": unit_tokens})
+                                     "unit_tokens": unit_tokens, "stream": stream})
         return [(a, b) for a, b in parse_reply(LeaseOk, reply, "lease", self._name).units]
 
     def state_received(self, k: int) -> bool:

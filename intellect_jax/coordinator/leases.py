@@ -130,6 +130,7 @@ class Ledger:
     round_steps: int = 0
     unit_steps: int = 0
     unit_tokens: int = 0
+    stream: str = ""  # the fingerprint of the data stream the units are cut from (every node's the same)
     next_unit: int = 0
     free: RangeSet = field(default_factory=RangeSet)
     out: dict[str, dict[int, Ranges]] = field(default_factory=dict)  # node -> round -> units
@@ -144,11 +145,12 @@ class Ledger:
     def per_round(self) -> int:
         return self.round_steps // self.unit_steps if self.unit_steps else 0
 
-    def lease(self, node: str, rnd: int, round_steps: int, unit_steps: int, unit_tokens: int) -> Ranges:
+    def lease(self, node: str, rnd: int, round_steps: int, unit_steps: int, unit_tokens: int,
+              stream: str = "") -> Ranges:
         """``node``'s units for round ``rnd`` (the same ones if asked again while they are out;
         new ones once its round was contributed: a node training a round again, after a
         rollback or behind the run, never holds units of the history it left)."""
-        self._geometry(round_steps, unit_steps, unit_tokens)
+        self._geometry(round_steps, unit_steps, unit_tokens, stream)
         held = self.out.get(node, {}).get(rnd)
         if held is not None:
             return held
@@ -161,12 +163,16 @@ class Ledger:
         self.out.setdefault(node, {})[rnd] = units
         return units
 
-    def _geometry(self, round_steps: int, unit_steps: int, unit_tokens: int) -> None:
+    def _geometry(self, round_steps: int, unit_steps: int, unit_tokens: int, stream: str) -> None:
         if unit_steps < 1 or round_steps < 1 or round_steps % unit_steps or unit_tokens < 1:
             raise LeaseError(f"a round of {round_steps} inner steps is not whole units of {unit_steps} "
                              f"(of {unit_tokens} tokens each)")
         if not self.unit_steps:
             self.round_steps, self.unit_steps, self.unit_tokens = round_steps, unit_steps, unit_tokens
+            self.stream = stream
+        elif stream != self.stream:
+            raise LeaseError(f"its data stream {stream or '(none)'} is not this run's {self.stream or '(none)'} "
+                             "(other sources, tokenizer, sequence length, batch size or data seed)")
         elif (round_steps, unit_steps, unit_tokens) != (self.round_steps, self.unit_steps, self.unit_tokens):
             raise LeaseError(f"this run's units are {self.unit_steps} inner steps of {self.unit_tokens} tokens, "
                              f"{self.per_round} per round of {self.round_steps}; asked for {unit_steps} of "
@@ -290,6 +296,7 @@ class Ledger:
     # ---- journal -----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         return {"round_steps": self.round_steps, "unit_steps": self.unit_steps, "unit_tokens": self.unit_tokens,
+                "stream": self.stream,
                 "next_unit": self.next_unit, "free": self.free.ranges(),
                 "out": {n: {str(r): u for r, u in rs.items()} for n, rs in self.out.items()},
                 "pending": {str(s): p for s, p in self.pending.items()},
@@ -307,7 +314,7 @@ class Ledger:
             return [list(r) for r in x]
 
         return cls(round_steps=int(d["round_steps"]), unit_steps=int(d["unit_steps"]),
-                   unit_tokens=int(d["unit_tokens"]), next_unit=int(d["next_unit"]),
+                   unit_tokens=int(d["unit_tokens"]), stream=str(d["stream"]), next_unit=int(d["next_unit"]),
                    free=RangeSet(ranges(d["free"])),
                    out={str(n): {int(r): ranges(u) for r, u in rs.items()} for n, rs in d["out"].items()},
                    pending={int(s): {str(n): ranges(u) for n, u in p.items()} for s, p in d["pending"].items()},

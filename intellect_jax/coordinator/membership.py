@@ -206,7 +206,7 @@ class Membership:
         return node.outbox
 
     def lease(self, node_id: str, session: str, rnd: int, round_steps: int, unit_steps: int, unit_tokens: int,
-              now: float) -> Ranges:
+              now: float, stream: str = "") -> Ranges:
         """The units of the training stream ``node_id`` trains in round ``rnd`` (the same ones if
         asked again): a member's or an admitted joiner's, for the round it trains now or next."""
         node = self._get(node_id, session)
@@ -224,7 +224,7 @@ class Membership:
         rec = self.record
         led = rec.leases or Ledger()
         try:
-            units = led.lease(node_id, rnd, round_steps, unit_steps, unit_tokens)
+            units = led.lease(node_id, rnd, round_steps, unit_steps, unit_tokens, stream)
         except LeaseError as e:
             raise ProtocolError(f"node {node_id}: {e}", "lease") from None
         rec.leases = led

@@ -145,6 +145,7 @@ class Lease(Msg):
     round_steps: Annotated[int, Field(ge=1, le=1 << 30)]  # H
     unit_steps: Annotated[int, Field(ge=1, le=1 << 30)]
     unit_tokens: Annotated[int, Field(ge=1, le=2**53)]
+    stream: Annotated[str, Field(pattern=r"^[0-9a-z-]{0,64}$")] = ""  # the data stream's fingerprint
 
 
 Request = Annotated[Register | Heartbeat | Sync | Admit | Received | Leave | Status | Lease, Field(discriminator="op")]

@@ -207,7 +207,8 @@ class CoordinatorService:
                 return {"ok": True}
             case Lease():
                 return {"ok": True, "units": self.locked(lambda now: m.lease(
-                    msg.node, msg.session, msg.round, msg.round_steps, msg.unit_steps, msg.unit_tokens, now))}
+                    msg.node, msg.session, msg.round, msg.round_steps, msg.unit_steps, msg.unit_tokens, now,
+                    msg.stream))}
         raise ProtocolError(f"{msg.op!r} on a connection that {'already' if session else 'never'} registered")
 
     def _register(self, msg: Register) -> dict[str, Any]:

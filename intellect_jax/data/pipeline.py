@@ -147,16 +147,34 @@ class DataIterator:
 
     ``get_state()`` is a small JSON-serializable dict; ``set_state()`` on an iterator built
     from the same config/data/layout resumes exactly (DataError if they differ).
+
+    With data leases (``lease``) it yields the batches of the stream it was told, in order, and
+    no others: a DiLoCo node whose coordinator hands out each round's data (the node's stream is
+    then the whole stream, shard 0 of 1; ``stream`` names it, whatever the process layout).
     """
 
-    def __init__(self, batches: grain.MapDataset, fingerprint: str, info: dict, num_workers: int):
+    def __init__(self, batches: grain.MapDataset, fingerprint: str, info: dict, num_workers: int,
+                 stream: str = ""):
         self._batches, self.fingerprint, self.info = batches, fingerprint, info
+        self.stream = stream
         self._num_workers = num_workers
         self._step = 0
+        self._plan: list[list[int]] | None = None  # leased [a, b) ranges of batches; _step counts within
         self._it = None
 
+    def lease(self, ranges: list[tuple[int, int]]) -> None:
+        """From now on the stream's batches ``ranges`` (``[a, b)``, in order), then nothing."""
+        if not ranges or any(not 0 <= a < b for a, b in ranges):
+            raise DataError(f"a lease must be non-empty [a, b) ranges of batches, not {list(ranges)[:4]}")
+        self.close()
+        self._plan, self._step = [[int(a), int(b)] for a, b in ranges], 0
+
     def _open(self):
-        ds = self._batches[self._step :].to_iter_dataset(
+        if self._plan is None:
+            ds = self._batches[self._step :]
+        else:
+            ds = grain.MapDataset.concatenate([self._batches[a:b] for a, b in self._plan])[self._step :]
+        ds = ds.to_iter_dataset(
             grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
         )
         if self._num_workers > 0:
@@ -177,7 +195,11 @@ class DataIterator:
     def __next__(self) -> dict:
         if self._it is None:
             self._it = self._open()
-        batch = next(self._it)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            raise DataError(f"the leased batches {self._plan} are used up: the coordinator's lease of "
+                            "the next round must come first") from None
         self._step += 1
         return batch
 
@@ -187,7 +209,8 @@ class DataIterator:
         return self._step
 
     def get_state(self) -> dict:
-        return {"version": STATE_VERSION, "step": self._step, "fingerprint": self.fingerprint}
+        state = {"version": STATE_VERSION, "step": self._step, "fingerprint": self.fingerprint}
+        return state if self._plan is None else {**state, "plan": [list(r) for r in self._plan]}
 
     def set_state(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
@@ -197,8 +220,13 @@ class DataIterator:
                 "data iterator state is from a different data pipeline (sources, "
                 "tokenizer, seq_len, batch, seed or node/process layout changed)"
             )
+        plan = state.get("plan")
+        if plan is not None and not (isinstance(plan, list) and all(
+                isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) and 0 <= r[0] < r[1]
+                for r in plan) and plan):
+            raise DataError(f"data iterator state: plan is not [a, b) ranges of batches: {str(plan)[:80]}")
         self.close()
-        self._step = int(state["step"])
+        self._step, self._plan = int(state["step"]), plan
 
     def close(self) -> None:
         """Stop prefetch threads / worker processes (the iterator reopens on next())."""
@@ -264,8 +292,13 @@ def make_train_iter(
         },
         sort_keys=True,
     )
+    whole = json.loads(blob)  # the stream itself, without this host's place in its node
+    for k in ("process_index", "process_count", "host_batch"):
+        whole.pop(k)
+    stream = hashlib.sha256(json.dumps({**whole, "batch_size": cfg.batch_size}, sort_keys=True).encode())
     return DataIterator(
-        batches, hashlib.sha256(blob.encode()).hexdigest()[:16], info, cfg.num_workers
+        batches, hashlib.sha256(blob.encode()).hexdigest()[:16], info, cfg.num_workers,
+        stream.hexdigest()[:16],
     )
 
 

@@ -61,6 +61,12 @@ class DilocoConfig(BaseModel):
     keys: str | None = None
     data_rank: NonNegativeInt = 0  # this node's data shard ...
     data_ranks: PositiveInt = 1  # ... out of this many
+    # data leases: each round's data is handed out by the coordinator in units of unit_steps
+    # inner steps' worth of batches of the one stream every node reads (coordinator/leases.py):
+    # every unit trained once, none lost with a dead node; replaces data_rank / data_ranks.
+    # unit_steps default: the largest divisor of inner_steps up to 25
+    leases: bool = False
+    unit_steps: PositiveInt | None = None
     allreduce_deadline: PositiveFloat = 120.0  # seconds for one all-reduce before it is aborted
     max_retries: NonNegativeInt = 5  # new epochs tried for one outer step before giving up
     heartbeat_interval: PositiveFloat = 1.0
@@ -81,6 +87,12 @@ class DilocoConfig(BaseModel):
     def wire_block(self) -> int:
         """The codec's block: values per scale, or per chunk for top-k and top-1."""
         return self.sparse_chunk if self.mode in ("topk", "top1") else self.block_size
+
+    @property
+    def lease_unit(self) -> int:
+        """Inner steps per leased unit of data."""
+        H = self.inner_steps
+        return self.unit_steps or next(u for u in range(min(25, H), 0, -1) if H % u == 0)
 
     @property
     def gathered(self) -> bool:
@@ -116,6 +128,11 @@ class DilocoConfig(BaseModel):
                              f"on the device pseudo-gradient (pseudo_gradient {self.pseudo_gradient!r})")
         if not 0.0 <= self.feedback <= 1.0:
             raise ValueError(f"feedback must be in [0, 1], got {self.feedback}")
+        if self.leases and (self.data_rank, self.data_ranks) != (0, 1):
+            raise ValueError(f"leases hand out the data: drop data_rank ({self.data_rank}) and data_ranks "
+                             f"({self.data_ranks})")
+        if self.unit_steps is not None and self.inner_steps % self.unit_steps:
+            raise ValueError(f"unit_steps ({self.unit_steps}) must divide inner_steps ({self.inner_steps})")
         if not 0.0 <= self.feedback_local <= 1.0:
             raise ValueError(f"feedback_local must be in [0, 1], got {self.feedback_local}")
         if self.feedback_local and not (self.gathered and self.feedback):

@@ -114,6 +114,9 @@ class TrainerInner:
         self.t.set_params(dpg.merged(placed, self.t.state.params))
         dpg.mark(placed, copy=False)  # placed is the loop's own copy, never donated
 
+    def lease(self, rnd: int, batches: list[tuple[int, int]]) -> None:
+        self.t.data.lease(batches)
+
     def record(self, step: int, metrics: dict[str, Any]) -> None:
         if self.t.logger is not None:
             self.t.logger.log(step, metrics)

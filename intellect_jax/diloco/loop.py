@@ -291,8 +291,8 @@ class NodeLoop:
         with data leases, on the units the coordinator leased this node for round r."""
         tau, H = self.cfg.overlap_delay, self.cfg.inner_steps  # tau None: merge when ready
         if self.cfg.data_units is not None:
-            u, tokens = self.cfg.data_units
-            units = self.p.client.lease(r, H, u, tokens)
+            u, tokens, stream = self.cfg.data_units
+            units = self.p.client.lease(r, H, u, tokens, stream)
             self.p.inner.lease(r, [(a * u, b * u) for a, b in units])
         rd = Round(self.p.inner, self.p.clock, (r + 1) * H, merge_at=None if tau is None else r * H + tau,
                    gate=gate, thread=thread)

@@ -8,6 +8,7 @@ and the checkpoint store over the trainer's one `Checkpointer`.
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 
@@ -131,7 +132,16 @@ class DilocoNode:
                                                                       rc.piece_numel))
         self._log(self.path.describe(d.overlap_delay))
         parts = NodeParts(self.node_id, inner, self.client, self._ring, transport, store, log=self._log)
-        self.loop = NodeLoop(self.loop_cfg, parts)
+        loop_cfg = self.loop_cfg
+        if d.leases:
+            if multi:
+                raise DilocoError("diloco.leases: a node of several processes does not lease its data yet (its "
+                                  "other processes read their rows of the node's own stream); use data_rank")
+            u, data = d.lease_unit, self.cfg.data
+            loop_cfg = dataclasses.replace(loop_cfg, data_units=(u, u * data.batch_size * data.seq_len,
+                                                                 self.trainer.data.stream))
+            self._log(f"data leased from the coordinator in units of {u} inner steps")
+        self.loop = NodeLoop(loop_cfg, parts)
         return self.loop.run()
 
     def close(self) -> None:

@@ -120,9 +120,10 @@ class LoopConfig:
     # share of the node's unsent progress kept in its own params) and its pseudo-gradient is
     # measured from there; the contribution is still pg + feedback x residual (0: off)
     feedback_local: float = 0.0
-    # data leases (coordinator/leases.py): (inner steps per unit, tokens per unit); each round's
-    # data is leased from the coordinator and handed to the trainer (None: the node's own shard)
-    data_units: tuple[int, int] | None = None
+    # data leases (coordinator/leases.py): (inner steps per unit, tokens per unit, the data
+    # stream's fingerprint); each round's data is leased from the coordinator and handed to the
+    # trainer (None: the node's own shard)
+    data_units: tuple[int, int, str] | None = None
 
 
 @dataclass

@@ -62,7 +62,7 @@ class Sim(World):
                                    ckpt_every=ckpt * p.inner_steps, eval_every=0, overlap=p.overlap,
                                    overlap_delay=tau, feedback=p.feedback if gathered(p.mode) else 0.0,
                                    feedback_local=p.feedback_local if gathered(p.mode) else 0.0,
-                                   data_units=(unit_steps(p.inner_steps), 1000 * unit_steps(p.inner_steps))
+                                   data_units=(unit_steps(p.inner_steps), 1000 * unit_steps(p.inner_steps), "sim")
                                    if p.leases else None)
         self.procs: list[Proc] = []
         self.disks: dict[str, dict[int, DilocoState]] = {}
