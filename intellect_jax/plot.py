@@ -2,7 +2,8 @@
 
 Writes loss.png (train and validation loss), lr.png and throughput.png into the run directory
 (or --out); for a DiLoCo node also utilization.png, sync.png (sync time and the inner loop's
-wait per outer step) and nodes.png (active nodes over steps). Several runs (e.g. a node of a
+wait per outer step), nodes.png (active nodes over steps) and, with data leases, goodput.png
+(the run's tokens trained / tokens computed, as the coordinator counted them). Several runs (e.g. a node of a
 synchronous and of an overlapped run) are drawn on the same axes."""
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ PLOTS = {
     "utilization": ("compute utilization", [("utilization", "compute / (compute + idle)")]),
     "sync": ("seconds per outer step", [("sync_s", "sync"), ("overlap_wait_s", "inner loop waited")]),
     "nodes": ("active nodes", [("nodes", "nodes in the epoch")]),
+    "goodput": ("goodput (data leases)", [("goodput", "tokens trained / computed")]),
 }
-MARKED = {"val_loss", "utilization", "sync_s", "overlap_wait_s"}
+MARKED = {"val_loss", "utilization", "sync_s", "overlap_wait_s", "goodput"}
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -69,8 +69,9 @@ def _reference_val_loss(tmp_path, nodes: int = 1) -> float:
 
 @pytest.mark.slow
 def test_chaos_real_processes(tmp_path):
-    """A seeded schedule of five faults of five kinds (CHAOS_SEEDS), 30 outer steps: no fork,
-    every node ends cleanly. Every outer step keeps at least one contributor, so each run ends
+    """A seeded schedule of five faults of five kinds (CHAOS_SEEDS), 30 outer steps, each round's
+    data leased from the coordinator: no fork, every node ends cleanly, every unit of data
+    trained once (the journal's bookkeeping holds; what the faults threw away is counted). Every outer step keeps at least one contributor, so each run ends
     no worse than one node training alone without faults (3% slack for rejoins: a joiner's
     first round and its data position); that reference runs in this process (the same config,
     data shard and outer loop: `--reference 1` of the chaos tool without its processes), on a thread
@@ -80,7 +81,8 @@ def test_chaos_real_processes(tmp_path):
     summaries = []
     with ThreadPoolExecutor(1) as pool:
         for i, seed in enumerate(CHAOS_SEEDS):
-            args = ["--nodes", "3", "--seed", str(seed), "--faults", "5", "--heartbeat-timeout", "5"]
+            args = ["--nodes", "3", "--seed", str(seed), "--faults", "5", "--heartbeat-timeout", "5", "--diloco.leases",
+                    "--diloco.unit_steps", "1"]
             p = launch(tmp_path, *args, tiny=CHAOS, module="intellect_jax.testing.chaos")
             if i == 0:  # while the faults keep the run's processes waiting (SIGSTOPs, restarts)
                 t0 = time.monotonic()
@@ -95,8 +97,11 @@ def test_chaos_real_processes(tmp_path):
             assert set(s["node_exits"].values()) == {"done"} and s["late_registration_exit"] == 0
             assert len(s["faults"]) >= 3 and 1 <= s["mean_contributors"] <= 3
             assert sum(1 for n in s["fault_counts"].values() if n) >= 3, s["fault_counts"]  # faults of several kinds
+            d = s["data"]  # every round's data leased: each unit trained once, what faults threw away counted
+            assert d["problems"] == [] and d["duplicates"] == 0 and d["units_outstanding"] == 0, d
+            assert d["tokens_trained"] > 0 and d["tokens_discarded"] > 0 and 0 < d["goodput"] < 1, d
         ref, ref_s = ref_job.result()
     for s in summaries:
         assert s["final_val_loss"] <= 1.03 * ref, (s["final_val_loss"], ref)
-    print(json.dumps([{k: s[k] for k in ("seed", "faults", "final_val_loss", "mean_contributors", "seconds")}
+    print(json.dumps([{k: s[k] for k in ("seed", "faults", "final_val_loss", "mean_contributors", "data", "seconds")}
                       for s in summaries] + [{"reference_val_loss": ref, "seconds": round(ref_s, 1)}]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -233,7 +234,7 @@ def test_real_trainers_train_exactly_the_units_they_are_leased(tmp_path, cache_d
     """Two real trainers reading the one stream, each round's data leased: every inner step
     trains the next batch of the node's lease, in order, and the two nodes' units are disjoint
     and cover the stream's first units, with none twice."""
-    from intellect_jax.data.pipeline import DataIterator
+    from intellect_jax.data.pipeline import DataIterator, make_train_iter
     from intellect_jax.diloco.inner import TrainerInner
     from intellect_jax.diloco.parts import LoopConfig, Outcome
     from intellect_jax.net.comm import RingConfig
@@ -243,14 +244,13 @@ def test_real_trainers_train_exactly_the_units_they_are_leased(tmp_path, cache_d
     from helpers import tiny_cfg
 
     H, R, U = 4, 3, 2
-    trained: dict[int, list[int]] = {}  # id(iterator) -> the global batches it yielded
+    trained: dict[int, list] = {}  # id(iterator) -> the token arrays it yielded
     nxt = DataIterator.__next__
 
     def recording(self):
-        if self._plan is not None:
-            flat = [b for a, z in self._plan for b in range(a, z)]
-            trained.setdefault(id(self), []).append(flat[self._step])
-        return nxt(self)
+        batch = nxt(self)
+        trained.setdefault(id(self), []).append(np.asarray(batch["tokens"]))
+        return batch
 
     monkeypatch.setattr(DataIterator, "__next__", recording)
     trainers = [Trainer(tiny_cfg(tmp_path / f"n{i}", cache_dir, run={"steps": H * R}), role=Role.INNER)
@@ -268,13 +268,17 @@ def test_real_trainers_train_exactly_the_units_they_are_leased(tmp_path, cache_d
         outs = run_local(LoopConfig(inner_steps=H, outer_steps=R, data_units=(U, U * 8 * 32, stream)),
                          [Leased(t) for t in trainers], RingConfig(mode="int8"))
         ids = [id(t.data) for t in trainers]
+        whole = make_train_iter(trainers[0].cfg.data, trainers[0].tok)  # the stream, unleased
+        global_batches = [np.asarray(next(whole)["tokens"]) for _ in range(2 * R * H)]
+        whole.close()
     finally:
         for t in trainers:
             t.close(save=False)
     assert set(outs) <= {Outcome.FINISHED, Outcome.COMPLETED}
     for i in range(2):
         assert [r for r, _ in leased[i]] == list(range(R))
-        assert trained[ids[i]] == [b for _, bs in leased[i] for b in bs]  # what it trained is what it leased
+        want = [global_batches[b] for _, bs in leased[i] for b in bs]  # what it trained is what it leased
+        assert len(trained[ids[i]]) == len(want) and all(np.array_equal(a, b) for a, b in zip(trained[ids[i]], want))
     units = sorted(b // U for i in range(2) for _, bs in leased[i] for b in bs[::U])
     assert units == list(range(2 * R * H // U))  # disjoint, no gaps: the stream's first units, once each
 

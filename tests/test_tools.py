@@ -185,3 +185,17 @@ def test_plot_draws_several_runs_on_one_axes(tmp_path, monkeypatch):
                                                     "overlap/node0: compute / (compute + idle)"]
     assert [list(line.get_ydata()) for line in lines] == [runs["sync"][1], runs["overlap"][1]]
     assert len(by_name["sync"].axes[0].get_lines()) == 4  # sync_s and overlap_wait_s of each run
+
+
+def test_plot_draws_the_goodput_of_a_leasing_node(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    d = tmp_path / "node0"
+    d.mkdir()
+    rows = [{"step": 5 * (i + 1), "goodput": g, "nodes": 2} for i, g in enumerate([1.0, 0.8, 0.85])]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    paths = plot_tool.main([str(d)])
+    fig = figs[[p.name for p in paths].index("goodput.png")]
+    assert list(fig.axes[0].get_lines()[0].get_ydata()) == [1.0, 0.8, 0.85]

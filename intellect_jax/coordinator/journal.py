@@ -96,13 +96,19 @@ class RunRecord:
         if self.leases is not None:  # the forgotten steps' units are trained again
             self.leases.rollback(step)
 
+    def key(self) -> tuple[Any, ...]:
+        """What tells whether the record changed since it was saved (cheap: the votes and the
+        data leases, which grow with nodes x steps, by their revisions)."""
+        return self.to_json(votes=False), self.rev, self.leases.rev if self.leases is not None else -1
+
     def to_json(self, votes: bool = True) -> dict[str, Any]:
-        """The record as JSON; ``votes=False``: without the signed votes (cheap to compare)."""
+        """The record as JSON; ``votes=False``: without the signed votes and the data leases
+        (cheap to compare)."""
         d = {k: getattr(self, k) for k in ("run_id", "fingerprint", "outer_steps", "hwm_step", "hwm_hash",
                                            "completed", "next_epoch")}
         d["hashes"] = {str(k): h for k, h in self.hashes.items()}
         d["rollbacks"] = [dict(r) for r in self.rollbacks]
-        if self.leases is not None:
+        if votes and self.leases is not None:
             d["leases"] = self.leases.to_json()
         if votes:
             d["votes"] = {str(k): v for k, v in self.votes.items()}
@@ -147,14 +153,14 @@ class Journal:
         rec = self.load_any()
         if rec.run_id != run_id:
             raise JournalError(f"journal {self.path} belongs to run {rec.run_id!r}, not {run_id!r}")
-        self._saved = (rec.to_json(votes=False), rec.rev)
+        self._saved = rec.key()
         return rec
 
     def save(self, rec: RunRecord) -> bool:
         """Write ``rec`` if it changed since the last save; True if written. (Called under the
         coordinator's lock after every request: the signed votes, which grow with nodes x
         steps, are compared by their revision, not by value.)"""
-        key = (rec.to_json(votes=False), rec.rev)
+        key = rec.key()
         if key == self._saved:
             return False
         atomic_write(self.path, json.dumps(rec.to_json(), sort_keys=True))
@@ -174,7 +180,7 @@ class MemoryJournal(Journal):
         return RunRecord.from_json(self._stored) if self._stored else RunRecord(run_id=run_id)
 
     def save(self, rec: RunRecord) -> bool:
-        key = (rec.to_json(votes=False), rec.rev)
+        key = rec.key()
         if key == self._saved:
             return False
         self._stored = json.loads(json.dumps(rec.to_json()))

@@ -137,6 +137,7 @@ class Ledger:
     pending: dict[int, dict[str, Ranges]] = field(default_factory=dict)  # outer step -> node -> units
     commits: dict[int, dict[str, Ranges]] = field(default_factory=dict)  # recent recorded step -> node -> units
     trained: RangeSet = field(default_factory=RangeSet)
+    rev: int = field(default=0, compare=False)  # bumped by every change (the journal saves then)
     discarded: int = 0  # units trained (or being trained) whose contribution did not make it
     duplicates: int = 0  # units recorded a second time (never, if the bookkeeping holds)
 
@@ -154,6 +155,7 @@ class Ledger:
         held = self.out.get(node, {}).get(rnd)
         if held is not None:
             return held
+        self.rev += 1
         units = self.free.take(self.per_round)
         short = self.per_round - count(units)
         if short:
@@ -184,6 +186,7 @@ class Ledger:
         ``step + 1``. A barrier formed again (its ring failed) replaces the earlier epoch's; a
         node of that epoch left out of this one keeps its lease (its process may come back and
         contribute it to a later forming of the same barrier): only :meth:`recorded` ends a round."""
+        self.rev += 1
         before = self.pending.pop(step + 1, {})
         now: dict[str, Ranges] = {}
         for n in contributors:
@@ -206,6 +209,7 @@ class Ledger:
 
     def recorded(self, step: int, skipped: bool, keep: int) -> None:
         """Outer step ``step``'s hash was recorded; ``skipped``: its average was not applied."""
+        self.rev += 1
         got = self.pending.pop(step, {})
         if skipped:
             for units in got.values():
@@ -225,11 +229,14 @@ class Ledger:
     def rollback(self, to: int) -> None:
         """The run went back to outer step ``to``: every later step's units are trained again.
         Leases out stay: the nodes that resume from ``to`` may hold them for the rounds they
-        train again (a lease nobody contributes is released when its round's barrier forms)."""
+        train again (a lease nobody contributes is released when its round's barrier forms).
+        Steps older than the ``commits`` kept (a rollback deeper than the history) stay trained."""
+        self.rev += 1
         for s in [s for s in self.commits if s > to]:
             for units in self.commits.pop(s).values():
                 for a, b in units:
-                    self.trained.remove(a, b)
+                    if self.trained.overlap(a, b) == b - a:  # (always, unless the record was damaged)
+                        self.trained.remove(a, b)
                 self._release(units)
         for s in [s for s in self.pending if s > to]:
             for units in self.pending.pop(s).values():
@@ -237,6 +244,7 @@ class Ledger:
 
     def finish(self) -> None:
         """The run is complete: nothing more is trained; whatever is out or pending goes back."""
+        self.rev += 1
         for per in self.pending.values():
             for units in per.values():
                 self._release(units)
@@ -314,7 +322,7 @@ class Ledger:
             return [list(r) for r in x]
 
         return cls(round_steps=int(d["round_steps"]), unit_steps=int(d["unit_steps"]),
-                   unit_tokens=int(d["unit_tokens"]), stream=str(d["stream"]), next_unit=int(d["next_unit"]),
+                   unit_tokens=int(d["unit_tokens"]), stream=str(d.get("stream", "")), next_unit=int(d["next_unit"]),
                    free=RangeSet(ranges(d["free"])),
                    out={str(n): {int(r): ranges(u) for r, u in rs.items()} for n, rs in d["out"].items()},
                    pending={int(s): {str(n): ranges(u) for n, u in p.items()} for s, p in d["pending"].items()},

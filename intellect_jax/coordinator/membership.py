@@ -222,6 +222,10 @@ class Membership:
             raise ProtocolError(f"node {node_id}: round {rnd} is not one the run trains now (rounds {lo} to "
                                 f"{lo + 2})", "lease")
         rec = self.record
+        if rec.leases is None and ((rec.hwm_step or 0) > 0 or self.history.unknown):
+            raise ProtocolError(f"node {node_id}: this run's journal holds no data leases, yet the run is past "
+                                f"outer step 0 (it started without leases, or the journal was lost): leases "
+                                "cannot start mid-run, or units already trained would be trained again", "lease")
         led = rec.leases or Ledger()
         try:
             units = led.lease(node_id, rnd, round_steps, unit_steps, unit_tokens, stream)
@@ -427,8 +431,12 @@ class Membership:
             pending = ordered(n for n in self._nodes.values() if n.role is Role.PENDING)
             self._seq = admission.admit(pending, members, step, epoch_id, self._seq, self._event)
         serve = admission.serving(ordered(self._nodes.values()), step + 1)
+        data = None
+        if rec.leases is not None:
+            d = rec.leases.status()
+            data = (d["tokens_trained"], d["tokens_discarded"])
         self._last = Barrier(step, epoch_id, pairs, tuple(n.session for n in members), serve, mismatch, changed,
-                             sitting_out)
+                             sitting_out, data)
         for n in members:
             n.outbox = view(self._last, n.node_id)
         if changed:

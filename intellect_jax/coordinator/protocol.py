@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROTOCOL = 5  # coordinator protocol version; bump on any incompatible change (5: accusations with evidence)
+PROTOCOL = 6  # coordinator protocol version; bump on any incompatible change (6: data leases)
 
 
 class CoordinatorError(Exception):
@@ -119,6 +119,7 @@ class Epoch:
     hash_mismatch: tuple[Peer, ...] = ()  # (node_id, state hash) of every member when they disagree
     changed: bool = True  # membership differs from the previous epoch (or a retry)
     sitting_out: tuple[str, ...] = ()  # members that contribute zeros to this all-reduce (failed own checks)
+    data: tuple[int, int] | None = None  # data leases: the run's tokens trained and discarded so far
 
     @property
     def world_size(self) -> int:

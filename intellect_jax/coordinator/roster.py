@@ -67,6 +67,7 @@ class Barrier:
     hash_mismatch: tuple[Peer, ...] = ()
     changed: bool = True
     sitting_out: tuple[str, ...] = ()
+    data: tuple[int, int] | None = None  # data leases: tokens trained and discarded when it formed
 
 
 class Sessions:
@@ -136,4 +137,4 @@ def view(b: Barrier, node_id: str) -> Epoch:
     """Barrier ``b`` as member ``node_id`` receives it."""
     rank = [p[0] for p in b.members].index(node_id)
     return Epoch(b.epoch_id, b.step, b.members, rank, b.serve.get(node_id, ()), b.hash_mismatch, b.changed,
-                 b.sitting_out)
+                 b.sitting_out, b.data)

@@ -185,6 +185,7 @@ class EpochMsg(Msg):
     hash_mismatch: Pairs = []
     changed: bool = True
     sitting_out: NodeIds = []
+    data: Annotated[list[Count], Field(min_length=2, max_length=2)] | None = None  # tokens trained, discarded
 
     @model_validator(mode="after")
     def _rank_in_ring(self) -> EpochMsg:
@@ -197,7 +198,8 @@ class EpochMsg(Msg):
             return tuple((a, b) for a, b in ps)
 
         return Epoch(self.epoch_id, self.outer_step, pairs(self.members), self.rank, pairs(self.serve),
-                     pairs(self.hash_mismatch), self.changed, tuple(self.sitting_out))
+                     pairs(self.hash_mismatch), self.changed, tuple(self.sitting_out),
+                     None if self.data is None else (self.data[0], self.data[1]))
 
 
 class EpochOk(Ok):

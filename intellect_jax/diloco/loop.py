@@ -59,7 +59,10 @@ class OuterResult:
         return {"outer_step": self.state.outer_step, "outer_hash": h, "epoch": ep.epoch_id, "nodes": ep.world_size,
                 "bytes_sent": self.stats.bytes_sent, "bytes_received": self.stats.bytes_received,
                 "allreduce_tries": self.tries, "pg_norm": self.pg_norm, "avg_norm": self.avg_norm,
-                "sat_out": self.sat_out, "skipped": self.skipped, "contributors": ep.world_size - len(ep.sitting_out)}
+                "sat_out": self.sat_out, "skipped": self.skipped, "contributors": ep.world_size - len(ep.sitting_out),
+                **({} if ep.data is None else {  # data leases: the run's account when this step's barrier formed
+                    "tokens_trained": ep.data[0], "tokens_discarded": ep.data[1],
+                    "goodput": round(ep.data[0] / max(1, sum(ep.data)), 4)})}
 
 
 @jax.jit
@@ -520,6 +523,8 @@ class NodeLoop:
     def _adopt(self, s: DilocoState) -> DilocoState:
         """Make ``s`` the node's state; the live inner optimizer state stays in the trainer."""
         start = self._start(s, placed=False, vet=True)
+        if self.cfg.data_units is not None:  # leased data: a data position means nothing (each round is leased)
+            s = s._replace(data=None)
         self.p.inner.adopt(s if start is s.outer_params else s._replace(outer_params=start))
         self.state = s._replace(inner_opt_state=None, data=None)
         return self.state

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from intellect_jax.cli import run_main
+from intellect_jax.coordinator.journal import RunRecord
 from intellect_jax.launch import Launcher, NodeView, parse, parser
 from intellect_jax.model.config import ConfigError
 
@@ -259,7 +260,9 @@ def rows(run_dir: Path) -> dict[str, list[dict]]:
 
 
 def summarize(run_dir: Path, outer_steps: int) -> dict[str, Any]:
-    """Hash agreement over every row any node ever wrote, steps done, final validation loss."""
+    """Hash agreement over every row any node ever wrote, steps done, final validation loss;
+    with data leases, the journal's account of the data (tokens trained and discarded,
+    duplicates, goodput) and whether its bookkeeping holds (every unit in one place)."""
     by_step: dict[int, set[str]] = {}
     contributors: dict[int, int] = {}
     finals = []
@@ -271,10 +274,13 @@ def summarize(run_dir: Path, outer_steps: int) -> dict[str, Any]:
                 if r["outer_step"] == outer_steps and r.get("val_loss") is not None:
                     finals.append(r["val_loss"])
     journal = run_dir / "coordinator.journal"
-    completed = json.loads(journal.read_text()).get("completed", False) if journal.exists() else None
+    rec = RunRecord.from_json(json.loads(journal.read_text())) if journal.exists() else None
+    led = rec.leases if rec is not None else None
     return {"outer_steps": max(by_step, default=0), "forked_steps": sorted(k for k, h in by_step.items() if len(h) > 1),
-            "final_val_loss": statistics.mean(finals) if finals else None, "completed": completed,
-            "mean_contributors": round(statistics.mean(contributors.values()), 2) if contributors else None}
+            "final_val_loss": statistics.mean(finals) if finals else None,
+            "completed": rec.completed if rec is not None else None,
+            "mean_contributors": round(statistics.mean(contributors.values()), 2) if contributors else None,
+            "data": None if led is None else {**led.status(), "problems": led.problems()}}
 
 
 def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
@@ -313,12 +319,14 @@ def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
         late_code = late_code if any("nothing to do" in line for line in late.lines) else f"{late_code} (not told)"
     late_ok = late_code == 0
     ok = (not s["forked_steps"] and s["completed"] and s["outer_steps"] == n_outer and late_ok
-          and all(st == "done" for st in statuses.values()))
+          and all(st == "done" for st in statuses.values())
+          and (s["data"] is None or (not s["data"]["problems"] and s["data"]["duplicates"] == 0)))
     out = {"seed": args.seed, "ok": ok, "faults": chaos.injected, "fault_counts": dict(chaos.fired),
            "not_fired": [f"{kind} at outer step {k}" for k, kind in chaos.plan] + dropped, **s, "node_exits": statuses,
            "late_registration_exit": late_code, "seconds": round(time.monotonic() - t0, 1)}
     if ref is not None:
         out["reference_nodes"], out["reference_val_loss"] = n_ref, ref["final_val_loss"]
+        out["reference_data"] = ref["data"]
         if s["final_val_loss"] and ref["final_val_loss"]:
             out["val_loss_ratio"] = round(s["final_val_loss"] / ref["final_val_loss"], 4)
     print(json.dumps(out), flush=True)

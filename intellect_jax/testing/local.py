@@ -42,6 +42,7 @@ class NumpyInner:
         self.step = 0
         self.data = {"pos": 0}
         self.plan: tuple[int, list[int]] | None = None  # data leases: (first step, global batch per step)
+        self.trained: dict[int, list[int]] = {}  # data leases: first step of a lease -> the batches trained on it
         self.records: list[tuple[int, dict[str, Any]]] = []
 
     def _pause(self, seconds: float, phase: str) -> None:
@@ -64,8 +65,13 @@ class NumpyInner:
         w = self.weights
         for _ in range(self.step, until):
             pos = self.data["pos"]
-            if self.plan is not None and 0 <= self.step - self.plan[0] < len(self.plan[1]):
-                pos = 1 << 40 | self.plan[1][self.step - self.plan[0]]  # a leased batch of the global stream
+            if self.plan is not None:  # leased data: the next batch of the lease, or nothing
+                i = self.step - self.plan[0]
+                if not 0 <= i < len(self.plan[1]):
+                    raise RuntimeError(f"step {self.step} is outside the lease of steps {self.plan[0]}.."
+                                       f"{self.plan[0] + len(self.plan[1])}")
+                self.trained.setdefault(self.plan[0], []).append(self.plan[1][i])
+                pos = 1 << 40 | self.plan[1][i]  # a leased batch of the global stream
             seed = [pos, int(abs(float(self.target[0])) * 1e6)]
             noise = np.random.default_rng(seed).standard_normal(w["w"].shape).astype(np.float32)
             g = w["w"] - self.target + np.float32(0.1) * noise
@@ -136,6 +142,7 @@ class NumpyInner:
 
     def lease(self, rnd: int, batches: list[tuple[int, int]]) -> None:
         self.plan = (self.step, [b for a, z in batches for b in range(a, z)])
+        self.trained[self.step] = []
 
 
 class LocalRing:

@@ -36,27 +36,38 @@ def forks(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord) -> list[s
     return out
 
 
+def units_of(batches: list[int], u: int) -> list[list[int]]:
+    """The units (``[a, b)`` ranges, merged) of a run of global batches trained whole, in order."""
+    from intellect_jax.coordinator.leases import RangeSet
+
+    return RangeSet([[b // u, b // u + 1] for b in batches[::u]]).ranges() if batches else []
+
+
 def leases(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord, groups: dict[tuple[int, int], Any],
            final: bool) -> list[str]:
     """Data leases (coordinator/leases.py): every unit in exactly one place, none trained twice;
     each recorded outer step's trained units are exactly those its contributors trained (what
     the ring itself saw: who sent in the epoch the nodes' rows name, not sitting out, on which
-    leased batches), none for a skipped average; at the run's end (``final``) nothing is out."""
+    batches it trained), none for a skipped average; at the run's end (``final``) nothing is out."""
     led = rec.leases
     if led is None:
         return []
     out = [f"LEASES: {p}" for p in led.problems()]
     epochs: dict[int, set[tuple[int, bool]]] = {}
-    for _, _, row in rows:
-        epochs.setdefault(row["outer_step"], set()).add((row["epoch"], bool(row.get("skipped"))))
+    for _, _, row in rows:  # the rows of the history the run kept (its recorded hashes)
+        if rec.hashes.get(row["outer_step"]) == row["outer_hash"]:
+            epochs.setdefault(row["outer_step"], set()).add((row["epoch"], bool(row.get("skipped"))))
     u = led.unit_steps
     for s, seen in sorted(epochs.items()):
-        g = groups.get((next(iter(seen))[0], s - 1)) if len(seen) == 1 else None
-        if g is None or s not in rec.hashes:
+        if len(seen) != 1:
+            out.append(f"LEASES: outer step {s} was logged from several epochs or skip verdicts: {sorted(seen)}")
             continue
-        skipped = next(iter(seen))[1]
-        want = {} if skipped else {q.node_id: [[a // u, b // u] for a, b in g.units[r]]
-                                   for r, q in g.members.items() if q.node_id not in g.sitting_out and g.units.get(r)}
+        (epoch, skipped), = seen
+        g = groups.get((epoch, s - 1))
+        if g is None:
+            continue
+        want = {} if skipped else {q.node_id: units_of(g.units[r], u) for r, q in g.members.items()
+                                   if q.node_id not in g.sitting_out and g.units.get(r)}
         got = led.commits.get(s, {})
         if got != want:
             out.append(f"LEASES: outer step {s} recorded the units {got} as trained, its ring carried {want}")

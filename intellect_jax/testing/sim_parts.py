@@ -141,8 +141,8 @@ class SimInner(NumpyInner):
         return self.step, super().capture()
 
     def lease(self, rnd: int, batches: list[tuple[int, int]]) -> None:
-        self.sim.leased[(self.proc.name, rnd)] = [list(b) for b in batches]
         super().lease(rnd, batches)
+        self.sim.leased[(self.proc.name, rnd)] = self.trained[self.step]  # filled as it trains them
 
     def pull(self, captured: Any, like: Any) -> Any:
         step, pg = captured  # the round that made it (the trainer has moved on by now)
