@@ -296,3 +296,37 @@ def test_the_config_names_what_leases_replace():
         DilocoConfig(leases=True, data_rank=1, data_ranks=2)
     with pytest.raises(ValidationError, match="unit_steps \\(30\\) must divide inner_steps \\(100\\)"):
         DilocoConfig(leases=True, inner_steps=100, unit_steps=30)
+
+
+def test_a_reloaded_memory_journal_saves_the_next_lease_of_a_new_lifetime():
+    """A coordinator restarted on the same in-memory journal: its ledger's revisions start again,
+    and the first change after the reload is still saved (not taken for the old lifetime's)."""
+    from intellect_jax.coordinator.journal import MemoryJournal
+
+    j = MemoryJournal()
+    rec = j.load("r")
+    rec.leases = Ledger()
+    _lease(rec.leases, "a", 0)
+    assert j.save(rec)
+    again = j.load("r")  # the restarted coordinator: two new leases bring its revision to the old one's
+    _lease(again.leases, "b", 0)
+    _lease(again.leases, "c", 0)
+    assert j.save(again) and sorted(j.load("r").leases.out) == ["a", "b", "c"]
+
+
+def test_a_ledger_from_before_streams_were_named_takes_the_first_one():
+    d = Ledger()
+    d.lease("a", 0, H, U, T)
+    old = d.to_json()
+    del old["stream"]
+    led = Ledger.from_json(old)
+    rev = led.rev
+    assert led.lease("b", 0, H, U, T, "s1") == [[2, 4]] and led.stream == "s1" and led.rev > rev
+
+
+def test_the_simulation_counts_only_whole_units_a_node_trained():
+    from intellect_jax.testing.sim_checks import units_of
+
+    assert units_of([4, 5, 6, 7, 0, 1], 2) == [[0, 1], [2, 4]]
+    assert "not whole units" in units_of([10, 11, 12], 2)
+    assert "not whole units" in units_of([11, 12], 2)

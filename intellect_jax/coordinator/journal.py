@@ -177,7 +177,9 @@ class MemoryJournal(Journal):
         self._stored: dict[str, Any] | None = None
 
     def load(self, run_id: str) -> RunRecord:
-        return RunRecord.from_json(self._stored) if self._stored else RunRecord(run_id=run_id)
+        rec = RunRecord.from_json(self._stored) if self._stored else RunRecord(run_id=run_id)
+        self._saved = rec.key() if self._stored else None  # revisions restart with the loaded record
+        return rec
 
     def save(self, rec: RunRecord) -> bool:
         key = rec.key()

@@ -172,6 +172,10 @@ class Ledger:
         if not self.unit_steps:
             self.round_steps, self.unit_steps, self.unit_tokens = round_steps, unit_steps, unit_tokens
             self.stream = stream
+            self.rev += 1
+        elif not self.stream and stream:  # a ledger from before streams were named: the first names it
+            self.stream = stream
+            self.rev += 1
         elif stream != self.stream:
             raise LeaseError(f"its data stream {stream or '(none)'} is not this run's {self.stream or '(none)'} "
                              "(other sources, tokenizer, sequence length, batch size or data seed)")
@@ -234,10 +238,10 @@ class Ledger:
         self.rev += 1
         for s in [s for s in self.commits if s > to]:
             for units in self.commits.pop(s).values():
-                for a, b in units:
-                    if self.trained.overlap(a, b) == b - a:  # (always, unless the record was damaged)
-                        self.trained.remove(a, b)
-                self._release(units)
+                back = [[a, b] for a, b in units if self.trained.overlap(a, b) == b - a]  # (all, unless damaged)
+                for a, b in back:
+                    self.trained.remove(a, b)
+                self._release(back)
         for s in [s for s in self.pending if s > to]:
             for units in self.pending.pop(s).values():
                 self._release(units)

@@ -62,7 +62,7 @@ class OuterResult:
                 "sat_out": self.sat_out, "skipped": self.skipped, "contributors": ep.world_size - len(ep.sitting_out),
                 **({} if ep.data is None else {  # data leases: the run's account when this step's barrier formed
                     "tokens_trained": ep.data[0], "tokens_discarded": ep.data[1],
-                    "goodput": round(ep.data[0] / max(1, sum(ep.data)), 4)})}
+                    "goodput": round(ep.data[0] / sum(ep.data), 4) if sum(ep.data) else None})}
 
 
 @jax.jit

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from intellect_jax.cli import run_main
-from intellect_jax.coordinator.journal import RunRecord
+from intellect_jax.coordinator.journal import JournalError, RunRecord
 from intellect_jax.launch import Launcher, NodeView, parse, parser
 from intellect_jax.model.config import ConfigError
 
@@ -274,13 +274,19 @@ def summarize(run_dir: Path, outer_steps: int) -> dict[str, Any]:
                 if r["outer_step"] == outer_steps and r.get("val_loss") is not None:
                     finals.append(r["val_loss"])
     journal = run_dir / "coordinator.journal"
-    rec = RunRecord.from_json(json.loads(journal.read_text())) if journal.exists() else None
+    try:
+        rec = RunRecord.from_json(json.loads(journal.read_text())) if journal.exists() else None
+    except (ValueError, JournalError) as e:
+        rec, damaged = None, f"coordinator.journal unreadable: {e}"
+    else:
+        damaged = None
     led = rec.leases if rec is not None else None
     return {"outer_steps": max(by_step, default=0), "forked_steps": sorted(k for k, h in by_step.items() if len(h) > 1),
             "final_val_loss": statistics.mean(finals) if finals else None,
             "completed": rec.completed if rec is not None else None,
             "mean_contributors": round(statistics.mean(contributors.values()), 2) if contributors else None,
-            "data": None if led is None else {**led.status(), "problems": led.problems()}}
+            "data": None if led is None else {**led.status(), "problems": led.problems()},
+            "journal_error": damaged}
 
 
 def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
@@ -320,7 +326,9 @@ def run_chaos(args: argparse.Namespace, extra: list[str]) -> int:
     late_ok = late_code == 0
     ok = (not s["forked_steps"] and s["completed"] and s["outer_steps"] == n_outer and late_ok
           and all(st == "done" for st in statuses.values())
-          and (s["data"] is None or (not s["data"]["problems"] and s["data"]["duplicates"] == 0)))
+          and not s["journal_error"]
+          and (not cfg.diloco.leases or (s["data"] is not None and not s["data"]["problems"]
+                                         and s["data"]["units_outstanding"] == 0)))
     out = {"seed": args.seed, "ok": ok, "faults": chaos.injected, "fault_counts": dict(chaos.fired),
            "not_fired": [f"{kind} at outer step {k}" for k, kind in chaos.plan] + dropped, **s, "node_exits": statuses,
            "late_registration_exit": late_code, "seconds": round(time.monotonic() - t0, 1)}

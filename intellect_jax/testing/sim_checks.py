@@ -36,11 +36,16 @@ def forks(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord) -> list[s
     return out
 
 
-def units_of(batches: list[int], u: int) -> list[list[int]]:
-    """The units (``[a, b)`` ranges, merged) of a run of global batches trained whole, in order."""
+def units_of(batches: list[int], u: int) -> list[list[int]] | str:
+    """The units (``[a, b)`` ranges, merged) that a round's trained batches cover, each whole and
+    in order; else what is wrong with them."""
     from intellect_jax.coordinator.leases import RangeSet
 
-    return RangeSet([[b // u, b // u + 1] for b in batches[::u]]).ranges() if batches else []
+    units = [batches[i] // u for i in range(0, len(batches), u)]
+    if len(batches) % u or any(batches[i:i + u] != list(range(k * u, k * u + u))
+                               for i, k in zip(range(0, len(batches), u), units)):
+        return f"batches {batches[:8]} are not whole units of {u}"
+    return RangeSet([[k, k + 1] for k in units]).ranges()
 
 
 def leases(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord, groups: dict[tuple[int, int], Any],
@@ -57,7 +62,7 @@ def leases(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord, groups: 
     for _, _, row in rows:  # the rows of the history the run kept (its recorded hashes)
         if rec.hashes.get(row["outer_step"]) == row["outer_hash"]:
             epochs.setdefault(row["outer_step"], set()).add((row["epoch"], bool(row.get("skipped"))))
-    u = led.unit_steps
+    u, compared = led.unit_steps, 0
     for s, seen in sorted(epochs.items()):
         if len(seen) != 1:
             out.append(f"LEASES: outer step {s} was logged from several epochs or skip verdicts: {sorted(seen)}")
@@ -65,7 +70,9 @@ def leases(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord, groups: 
         (epoch, skipped), = seen
         g = groups.get((epoch, s - 1))
         if g is None:
+            out.append(f"LEASES: outer step {s} was logged from epoch {epoch}, whose ring was never seen")
             continue
+        compared += 1
         want = {} if skipped else {q.node_id: units_of(g.units[r], u) for r, q in g.members.items()
                                    if q.node_id not in g.sitting_out and g.units.get(r)}
         got = led.commits.get(s, {})
@@ -73,6 +80,8 @@ def leases(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord, groups: 
             out.append(f"LEASES: outer step {s} recorded the units {got} as trained, its ring carried {want}")
     if final and led.outstanding():
         out.append(f"LEASES: {led.outstanding()} units still out or pending after the run completed")
+    if final and not compared:
+        out.append("LEASES: no recorded outer step could be compared with its ring")
     return out
 
 
