@@ -233,7 +233,7 @@ class Ledger:
     def rollback(self, to: int) -> None:
         """The run went back to outer step ``to``: every later step's units are trained again.
         Leases out stay: the nodes that resume from ``to`` may hold them for the rounds they
-        train again (a lease nobody contributes is released when its round's barrier forms).
+        train again (a lease nobody contributes goes back once its round's outer step is recorded).
         Steps older than the ``commits`` kept (a rollback deeper than the history) stay trained."""
         self.rev += 1
         for s in [s for s in self.commits if s > to]:
