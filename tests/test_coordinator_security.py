@@ -391,7 +391,7 @@ def test_handler_caps_per_identity_and_in_all(caplog: pytest.LogCaptureFixture) 
 
 
 def test_an_admission_carries_the_hash_the_run_recorded_for_its_step() -> None:
-    assert PROTOCOL == 5
+    assert PROTOCOL >= 5  # (the admission has carried the hash since protocol 5)
     first = Run(min_nodes=1)
     first.reg("a")
     for k in range(4):
