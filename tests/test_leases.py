@@ -91,12 +91,18 @@ def test_a_node_gone_with_its_contribution_in_the_ring_counts_if_the_step_is_rec
     assert led.trained.ranges() == [[0, 4]] and led.problems() == []
 
 
-def test_a_rollback_trains_the_forgotten_steps_units_again():
+def _trained_alone(rounds, keep):
+    """A ledger whose one node "a" trained ``rounds`` rounds, each recorded."""
     led = Ledger()
-    for r in range(3):
+    for r in range(rounds):
         _lease(led, "a", r)
         led.contributions(r, ["a"])
-        led.recorded(r + 1, skipped=False, keep=10)
+        led.recorded(r + 1, skipped=False, keep=keep)
+    return led
+
+
+def test_a_rollback_trains_the_forgotten_steps_units_again():
+    led = _trained_alone(3, keep=10)
     _lease(led, "b", 1)  # b resumed from step 1 already (the barrier that rolls back is forming)
     led.rollback(1)  # back to outer step 1: steps 2 and 3 are forgotten, b's new lease stays
     assert led.trained.ranges() == [[0, 2]] and sorted(led.commits) == [1] and led.out == {"b": {1: [[6, 8]]}}
@@ -107,11 +113,7 @@ def test_a_rollback_trains_the_forgotten_steps_units_again():
 
 
 def test_the_run_s_end_gives_back_what_is_out_and_old_commits_fold():
-    led = Ledger()
-    for r in range(5):
-        _lease(led, "a", r)
-        led.contributions(r, ["a"])
-        led.recorded(r + 1, skipped=False, keep=2)
+    led = _trained_alone(5, keep=2)
     assert sorted(led.commits) == [4, 5] and led.trained.ranges() == [[0, 10]]
     _lease(led, "a", 5)
     led.finish()

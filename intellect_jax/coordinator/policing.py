@@ -76,13 +76,6 @@ def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser
     return (why, "") if why else (None, "the evidence's piece is within bounds")
 
 
-
-def average_failed(members: list[Node]) -> bool:
-    """Whether most of barrier k's members report that the average of outer step k failed its
-    checks (then every node skipped it)."""
-    return sum(1 for n in members if n.arrival.report and n.arrival.report.avg_failed) * 2 > len(members)  # type: ignore[union-attr]
-
-
 def average_skipped(members: list[Node]) -> bool:
     """Whether most of barrier k's members that report on the all-reduce of outer step k (those
     that took part: not a joiner at its first barrier, nor a process that restarted since) say
@@ -90,6 +83,7 @@ def average_skipped(members: list[Node]) -> bool:
     trained again)."""
     reports = [n.arrival.report for n in members if n.arrival.report]  # type: ignore[union-attr]
     return sum(1 for r in reports if r.avg_failed) * 2 > len(reports)
+
 
 class Police:
     """The rules above; ``say`` logs an event. It knows the ring of the newest epoch formed at
@@ -111,7 +105,7 @@ class Police:
         (member, why) to evict), in ring order. Every member has arrived (with its report).
         ``recorded``: the hash recorded for outer step ``step - 1``, whose all-reduce is reported."""
         reports = [(n, n.arrival.report) for n in members if n.arrival.report]  # type: ignore[union-attr]
-        failed = average_failed(members)
+        failed = sum(1 for _, r in reports if r.avg_failed) * 2 > len(members)
         epoch_id, ring = self._rings.get(step - 1, (0, None))
         by_id = {n.node_id: n for n in members}
         blamed: dict[str, str] = {}
