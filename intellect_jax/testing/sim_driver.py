@@ -132,7 +132,7 @@ class Sim(World):
             proc.disk.clear()
         inner = SimInner(self, proc, self.targets[rank % len(self.targets)])
         parts = NodeParts(proc.node_id, inner, _Gated(client, proc, self, {"sync": "sync", "wait_admission": "admit",
-                                                                "register": "register"}),
+                                                                "register": "register", "lease": "lease"}),
                           lambda ep: _Comm(self, proc, ep), _Transport(self, proc), _Disk(self, proc, held),
                           clock=clock, log=lambda line: self.say(proc.name, line))
         try:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-HOOKS = ("train", "sync", "allreduce", "serve", "receive", "admit", "register")
+HOOKS = ("train", "sync", "allreduce", "serve", "receive", "admit", "register", "lease")
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def draw_faults(rng: np.random.Generator, p: SimParams, joining: bool) -> list[F
     if rng.random() >= p.fault_prob:
         return []
     # a process that will join mostly faults where joiners are; founders also while donating
-    weights = dict(zip(HOOKS, (1, 1, 1, 0, 3, 3, 2) if joining else (2, 2, 2, 2, 0, 0, 1)))
+    weights = dict(zip(HOOKS, (1, 1, 1, 0, 3, 3, 2, 1) if joining else (2, 2, 2, 2, 0, 0, 1, 2)))
     hook = str(rng.choice(HOOKS, p=[weights[h] / sum(weights.values()) for h in HOOKS]))
     kind = str(rng.choice(["kill", "kill", "stall", "stall"]
                           + (["partial", "partial-outage"] if hook == "allreduce" else [])))
