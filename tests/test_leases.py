@@ -4,6 +4,7 @@ partition of units, and the membership driving it at barriers, evictions, rollba
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -332,3 +333,26 @@ def test_the_simulation_counts_only_whole_units_a_node_trained():
     assert units_of([4, 5, 6, 7, 0, 1], 2) == [[0, 1], [2, 4]]
     assert "not whole units" in units_of([10, 11, 12], 2)
     assert "not whole units" in units_of([11, 12], 2)
+
+
+def test_a_skipped_average_whose_every_witness_restarted_gives_its_units_back():
+    """n2 sends NaN into outer step 3's all-reduce: every node skips that average. Then every
+    node dies before the barrier that would report it, and all resume from their checkpoints
+    of step 3: they still know they skipped it, so step 3 trains none of its units (the
+    simulation's check compares each recorded step's units with what its ring carried)."""
+    from intellect_jax.testing.sim import Fault, Script, Sim, SimParams
+
+    nodes = ("n0", "n1", "n2")
+    faults = {f"{n}#0": [Fault("sync", 3, "kill")] for n in nodes}
+    faults["n2#0"].append(Fault("poison", 3, "poison", "wire", value="nan"))
+    sim = Sim(0, SimParams(nodes=3, outer_steps=6, ckpt_every=1, coordinator_restarts=0, coordinator_pauses=0),
+              script=Script(faults=faults))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NaN arithmetic on purpose
+        report = sim.run()
+    log = "\n".join(report["log"])
+    assert report["ok"], "\n".join(report["problems"] + report["log"][-40:])
+    assert "outer step 3 skipped" in log and log.count("FAULT kill at sync #3") == 3, log[-3000:]
+    assert "resuming from the checkpoint of outer step 3" in log
+    led = sim.journal.load("sim").leases
+    assert 3 not in led.commits and {2, 4} <= set(led.commits), sorted(led.commits)

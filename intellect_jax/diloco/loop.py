@@ -201,7 +201,8 @@ class NodeLoop:
         s = p.store.load(got.inner_step)
         if state_hash(s) != h:
             raise TransferFailed(f"the checkpoint of the received state hashes to {state_hash(s)[:12]}, not {h[:12]}")
-        return self._adopt(s._replace(data=None, residual=None))  # a joiner's feedback starts from zeros
+        return self._adopt(s._replace(data=None, residual=None, skipped=None))  # a joiner's feedback starts
+        # from zeros, and the verdict on the last average is its donor's to report
 
     # ---- rounds --------------------------------------------------------------------------------
     def _rounds(self) -> Outcome:
@@ -215,7 +216,10 @@ class NodeLoop:
         assert self.state is not None
         k, h = self.state.outer_step, self._hash(self.state)[1]
         p.client.hold(k, h)
-        report = None  # on the last all-reduce, for the coordinator (sent with the next barrier)
+        # on the last all-reduce, for the coordinator (sent with the next barrier); a node that
+        # resumes from its own checkpoint still knows whether it skipped that average
+        held = self.state.skipped
+        report = None if held is None else {"avg_failed": held, "accused": None, "evidence": None}
         ended: Round | None = None  # the round that ended at this window, its outer step not applied
         captured: Any = None  # its pseudo-gradient, captured on the devices (overlapped rounds)
         running: Round | None = None
@@ -384,7 +388,7 @@ class NodeLoop:
             s = s._replace(outer_step=k + 1, inner_step=(k + 1) * H)
         else:
             s = outer_step(s, avg, self.tx, inner_step=(k + 1) * H)._replace(norms=remember(s.norms, avg_norm, self.guard))
-        s = s._replace(residual=residual)
+        s = s._replace(residual=residual, skipped=bool(skip))
         if suspect:
             p.log(f"WARNING {ep.node_ids[suspect[0]]}'s contribution to outer step {k + 1} had {suspect[1]}")
         report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None,

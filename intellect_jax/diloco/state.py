@@ -69,6 +69,11 @@ class DilocoState(NamedTuple):
     """Error feedback (gathered codecs, ``diloco.feedback``): what the encoding of this node's last
     contribution lost, fp32 numpy like ``outer_params``, added to its next one. This node's own:
     checkpointed with it, never transferred (a joiner starts from zeros) nor hashed; None: zeros."""
+    skipped: bool | None = None
+    """Whether this node skipped outer step ``outer_step``'s average (its checks failed): the
+    node's own verdict, checkpointed, never transferred nor hashed; None: not this node's to say
+    (the initial state, a donor's). A process that restarts from its checkpoint reports it at its
+    first barrier, so the coordinator's data leases know whether that step took its units."""
 
     def arrays(self) -> dict[str, Tree]:
         """The array part, in the one leaf order used by checkpoints, transfers and hashes."""

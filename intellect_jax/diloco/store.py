@@ -62,7 +62,8 @@ class CheckpointStore:
         data = out.get("data") or None  # {}: no position recorded (start of this node's shard)
         residual = out.get(FEEDBACK)  # host float32 numpy already (see _abstract)
         return DilocoState(outer, momentum, arrays["inner_opt_state"], int(meta["outer_step"]),
-                           int(meta["inner_step"]), data, tuple(meta.get("norms", ())), residual)
+                           int(meta["inner_step"]), data, tuple(meta.get("norms", ())), residual,
+                           meta["skipped"] if isinstance(meta.get("skipped"), bool) else None)
 
     def _verify(self, out: dict[str, Any]) -> str | None:
         got, want = state_hash(self._state(out)), out["meta"].get("outer_hash")
@@ -79,7 +80,7 @@ class CheckpointStore:
                 raise CheckpointError(f"diloco.init_from {self.init_from}: {e}") from None
             finally:
                 ck.close()
-            return self._state(out)._replace(data=None)  # another node's data shard (its feedback: not read)
+            return self._state(out)._replace(data=None, skipped=None)  # another node's shard and verdict
         if not self.resume or not self.t.ckpt.all_steps():
             return None
         _, out = self.t.ckpt.restore_newest(self._abstract(), ("meta", "data"), self._verify, self.warn, (FEEDBACK,))
@@ -92,7 +93,7 @@ class CheckpointStore:
                 return
             ck.delete(step)  # a state the run's history did not keep (e.g. a failed round's)
         meta = {**self.meta, "step": step, "outer_step": s.outer_step, "inner_step": step, "outer_hash": h,
-                "norms": list(s.norms),
+                "norms": list(s.norms), **({"skipped": s.skipped} if s.skipped is not None else {}),
                 "config": self.t.cfg.model_dump(mode="json")}
         json = {"meta": meta, "tokenizer": self.t.tok.state(), "data": s.data if s.data is not None else {}}
         ck.save(step, {ITEM: s.arrays(), **({FEEDBACK: s.residual} if s.residual is not None else {})}, json,

@@ -49,11 +49,13 @@ def units_of(batches: list[int], u: int) -> list[list[int]] | str:
 
 
 def leases(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord, groups: dict[tuple[int, int], Any],
-           final: bool) -> list[str]:
+           final: bool, verdicts: dict[tuple[int, str], set[tuple[int, bool]]] | None = None) -> list[str]:
     """Data leases (coordinator/leases.py): every unit in exactly one place, none trained twice;
     each recorded outer step's trained units are exactly those its contributors trained (what
     the ring itself saw: who sent in the epoch the nodes' rows name, not sitting out, on which
-    batches it trained), none for a skipped average; at the run's end (``final``) nothing is out."""
+    batches it trained), none for a skipped average; at the run's end (``final``) nothing is out.
+    A recorded step no node lived to log (rows are written once the next barrier records it) is
+    judged by the states saved of it (``verdicts``: (step, hash) -> {(epoch, skipped)})."""
     led = rec.leases
     if led is None:
         return []
@@ -62,6 +64,9 @@ def leases(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord, groups: 
     for _, _, row in rows:  # the rows of the history the run kept (its recorded hashes)
         if rec.hashes.get(row["outer_step"]) == row["outer_hash"]:
             epochs.setdefault(row["outer_step"], set()).add((row["epoch"], bool(row.get("skipped"))))
+    for (s, h), seen in (verdicts or {}).items():
+        if s not in epochs and rec.hashes.get(s) == h:
+            epochs[s] = set(seen)
     u, compared = led.unit_steps, 0
     for s, seen in sorted(epochs.items()):
         if len(seen) != 1:

@@ -408,7 +408,7 @@ class Sim(World):
         self._note_rollbacks()
         rec = self.journal.load("sim")
         problems = sim_checks.forks(self.rows, rec)
-        problems += sim_checks.leases(self.rows, rec, self.groups, final and rec.completed)
+        problems += sim_checks.leases(self.rows, rec, self.groups, final and rec.completed, self.verdicts)
         if final:
             if not rec.completed or rec.hwm_step != self.p.outer_steps:
                 problems.append(f"run not completed: high-water mark {rec.hwm_step}, completed {rec.completed}")

@@ -13,7 +13,7 @@ import numpy as np
 
 from intellect_jax.coordinator.protocol import Admission, Epoch
 from intellect_jax.diloco.parts import TransferFailed
-from intellect_jax.diloco.state import DilocoState
+from intellect_jax.diloco.state import DilocoState, state_hash
 from intellect_jax.net.comm import CommStats
 from intellect_jax.net.errors import PeerClosed, PeerTimeout
 from intellect_jax.net.evidence import unsigned_evidence
@@ -203,6 +203,7 @@ class _Comm:
         if g.results is None or self.rank in g.fail_ranks:
             raise PeerClosed(f"sim ring epoch {self.epoch}: {g.error or 'a peer died before passing it on'}")
         sim.gate(self.proc, "allreduce", "after")
+        self.proc.ring = (self.epoch, self.step - 1)
         if self.inspect is not None and self.world_size > 1:
             prev = (self.rank - 1) % self.world_size
             found = unsigned_evidence(_flat(g.inputs[prev]), self.inspect, step=self.step - 1, epoch=self.epoch,
@@ -349,6 +350,9 @@ class _Disk:
         if self.proc.dead:
             raise Killed()
         self.proc.disk[s.inner_step] = copy.deepcopy(s)
+        ring = self.proc.ring
+        if s.skipped is not None and ring is not None and ring[1] + 1 == s.outer_step:
+            self.sim.verdicts.setdefault((s.outer_step, state_hash(s)), set()).add((ring[0], s.skipped))
         for k in sorted(self.proc.disk)[:-3]:
             del self.proc.disk[k]
 

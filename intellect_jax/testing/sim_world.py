@@ -52,6 +52,7 @@ class Proc:
     client: CoordinatorClient | None = None
     mailbox: dict[int, Any] = field(default_factory=dict)
     receiving: int | None = None  # the outer step whose state it waits for (a donor can connect)
+    ring: tuple[int, int] | None = None  # (epoch, boundary) of the last all-reduce it came out of
 
     @property
     def name(self) -> str:
@@ -90,6 +91,9 @@ class World:
         self.rows: list[tuple[str, int, dict[str, Any]]] = []  # (proc, inner step, row) as recorded
         self.groups: dict[tuple[int, int], Group] = {}  # (epoch, boundary): an epoch spans steps
         self.leased: dict[tuple[str, int], Any] = {}  # (process, round) -> the batch ranges it was leased
+        # (outer step, state hash) -> {(epoch, skipped)}: whose ring made each saved state, and
+        # whether its node skipped the average (a step whose rows nobody lived to write)
+        self.verdicts: dict[tuple[int, str], set[tuple[int, bool]]] = {}
         self.by_addr: dict[str, Proc] = {}
         self.injected: Counter = Counter()
         self.paused_until = 0.0  # the coordinator is SIGSTOPped until then
