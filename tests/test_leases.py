@@ -12,10 +12,10 @@ from hypothesis import given, settings, strategies as st
 
 from intellect_jax.coordinator.journal import JournalError, RunRecord
 from intellect_jax.coordinator.leases import Ledger, LeaseError, RangeSet, count
-from intellect_jax.coordinator.protocol import ProtocolError
+from intellect_jax.coordinator.protocol import PROTOCOL, ProtocolError
 from intellect_jax.coordinator.schema import LeaseOk, parse_reply
 
-from helpers import Run
+from helpers import FP, Run
 
 H, U, T = 10, 5, 640  # a round of 10 inner steps is 2 units of 5 steps (640 tokens each)
 
@@ -210,6 +210,46 @@ def test_lease_requests_are_checked_against_the_run():
     _lease_m(r, "a", 0)
     with pytest.raises(ProtocolError, match="this run's units are 5 inner steps"):
         r.m.lease("a", r.s["a"], 0, H, 2, T, r.now)
+
+
+def test_a_run_reads_its_data_one_way_and_a_fixed_shard_is_read_once():
+    """The first registrant's data plan is the run's (journaled); a node of another plan, or on
+    a fixed shard a live node reads, is refused in one line naming what to change."""
+    from intellect_jax.coordinator.protocol import DataPlan, RegistrationRefused
+    from intellect_jax.coordinator.schema import DataMsg
+
+    def reg(r, n, plan):
+        r.s[n] = r.m.register(n, f"h:{len(r.s) + 1}", 1, PROTOCOL, FP, r.now, data=plan).session
+
+    r = Run(min_nodes=1)
+    reg(r, "a", DataPlan(True))
+    with pytest.raises(RegistrationRefused, match="reads its data by 4 fixed shards, this run by leases .start "
+                                                  "it with --diloco.leases"):
+        reg(r, "b", DataPlan(False, 1, 4))
+    reg(r, "b", DataPlan(True))
+    reg(r, "tool", None)  # (a node that does not say is not checked)
+    assert RunRecord.from_json(json.loads(json.dumps(r.m.record.to_json()))).data == "leases"
+    assert r.m.status(r.now)["data_plan"] == "leases"
+
+    r = Run(min_nodes=1)
+    reg(r, "a", DataPlan(False, 0, 2))
+    with pytest.raises(RegistrationRefused, match="data shard 0 of 2 is read by live node a"):
+        reg(r, "b", DataPlan(False, 0, 2))
+    with pytest.raises(RegistrationRefused, match="by 3 fixed shards, this run by 2 fixed shards .start it with "
+                                                  "--diloco.data_rank I --diloco.data_ranks 2"):
+        reg(r, "b", DataPlan(False, 1, 3))
+    with pytest.raises(RegistrationRefused, match="reads its data by leases, this run by 2 fixed shards"):
+        reg(r, "b", DataPlan(True))
+    reg(r, "b", DataPlan(False, 1, 2))
+    r.m.leave("a", r.s["a"], r.now)
+    reg(r, "c", DataPlan(False, 0, 2))  # a's shard, once a is gone
+    led = Run(min_nodes=1)
+    led.m.record.leases = Ledger()  # a journal from before data plans were said: its leases decide
+    with pytest.raises(RegistrationRefused, match="this run by leases"):
+        reg(led, "a", DataPlan(False, 0, 1))
+    for bad in ({"leases": True, "ranks": 2}, {"leases": False, "rank": 2, "ranks": 2}, {"leases": False, "ranks": 0}):
+        with pytest.raises(ValueError):
+            DataMsg.model_validate(bad)
 
 
 def test_a_restarted_coordinator_keeps_the_leases_and_commits_on():

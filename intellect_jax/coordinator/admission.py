@@ -1,7 +1,7 @@
 """Who gets into the run, and how a joiner gets the run's state.
 
 A registration is refused outright for a wrong protocol, model or run length, a duplicate or
-invalid id, or a completed run (:func:`check_registration`). Joiners wait (``PENDING``) for the
+invalid id, a completed run, or another data plan than the run's (:func:`check_registration`). Joiners wait (``PENDING``) for the
 next boundary; a barrier then gives each one a donor among its members, round robin in ring
 order (:func:`admit`), and the donor streams it the state after the next outer step. A joiner
 whose donor is gone, or whose transfer failed, is re-queued (:func:`requeue`) for the next
@@ -15,12 +15,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from intellect_jax.coordinator.journal import RunRecord
-from intellect_jax.coordinator.protocol import PROTOCOL, Admission, Peer, RegistrationRefused, RunCompleted
+from intellect_jax.coordinator.protocol import (PROTOCOL, Admission, DataPlan, Peer, RegistrationRefused,
+                                                RunCompleted)
 from intellect_jax.coordinator.roster import Node, Role
 
 
 def check_registration(node_id: str, addr: str, protocol: int, fingerprint: str, outer_steps: int | None,
-                       nodes: dict[str, Node], rec: RunRecord) -> None:
+                       nodes: dict[str, Node], rec: RunRecord, data: DataPlan | None = None) -> None:
     """Raise :class:`RegistrationRefused` (or :class:`RunCompleted`) if this node may not register."""
     if protocol != PROTOCOL:
         raise RegistrationRefused(f"node {node_id}: protocol version {protocol} != coordinator's {PROTOCOL}",
@@ -39,6 +40,24 @@ def check_registration(node_id: str, addr: str, protocol: int, fingerprint: str,
     if rec.completed:
         raise RunCompleted(f"the run is complete: all {rec.outer_steps} outer steps are done "
                            f"(final state hash {str(rec.hwm_hash)[:16]})")
+    if data is not None:
+        check_data(node_id, data, nodes, rec)
+
+
+def check_data(node_id: str, data: DataPlan, nodes: dict[str, Node], rec: RunRecord) -> None:
+    """A run reads its data one way (its first registrant's :class:`~.protocol.DataPlan`, or
+    leases once its journal holds them); a fixed shard is read by one live node at a time."""
+    mode = rec.data or ("leases" if rec.leases is not None else None)
+    if mode is not None and data.mode != mode:
+        fix = "--diloco.leases" if mode == "leases" else f"--diloco.data_rank I --diloco.data_ranks {mode.split()[0]}" \
+            if mode.endswith("fixed shards") else "the run's data plan"
+        raise RegistrationRefused(f"node {node_id}: it reads its data by {data.mode}, this run by {mode} "
+                                  f"(start it with {fix})", "data")
+    if not data.leases:
+        held = [n.node_id for n in nodes.values() if n.node_id != node_id and n.data == data]
+        if held:
+            raise RegistrationRefused(f"node {node_id}: data shard {data.rank} of {data.ranks} is read by live node "
+                                      f"{held[0]}: two nodes on one shard train its tokens twice", "data")
 
 
 def admit(pending: list[Node], members: list[Node], step: int, epoch_id: int, seq: int,

@@ -30,9 +30,9 @@ from dataclasses import asdict, replace
 from typing import Any, Self
 
 from intellect_jax.coordinator.clock import REAL, Clock
-from intellect_jax.coordinator.protocol import (PROTOCOL, Admission, CoordinatorError, CoordinatorUnavailable, Epoch,
-                                                Evicted, ProtocolError, RegisterReply, RegistrationRefused, Resume,
-                                                RunCompleted, StaleSession)
+from intellect_jax.coordinator.protocol import (PROTOCOL, Admission, CoordinatorError, CoordinatorUnavailable,
+                                                DataPlan, Epoch, Evicted, ProtocolError, RegisterReply,
+                                                RegistrationRefused, Resume, RunCompleted, StaleSession)
 from intellect_jax.coordinator.schema import (AdmissionOk, EpochOk, LeaseOk, Ok, ReceivedOk, RegisterOk, StatusOk,
                                               ViewOk, parse_reply)
 from intellect_jax.coordinator.wire import TRANSIENT, SocketWire, Wire, coordinator_status, reply_error
@@ -54,7 +54,7 @@ class CoordinatorClient:
                  heartbeat_interval: float = 1.0, reconnect_timeout: float = 60.0,
                  connect_timeout: float = 10.0, io_timeout: float = 10.0, outer_steps: int | None = None,
                  register_timeout: float = 600.0, wire: Wire | None = None, clock: Clock = REAL,
-                 say: Callable[[str], None] | None = None) -> None:
+                 say: Callable[[str], None] | None = None, data: DataPlan | None = None) -> None:
         if wire is None:
             assert address is not None and transport_cfg is not None
             # coordinator replies (and its keepalives) come within ~1 s: a silent peer is a dead one
@@ -63,6 +63,7 @@ class CoordinatorClient:
         self._signer = transport_cfg  # signs the state hash of each sync (None: an in-process wire)
         self.node_id, self.ring_addr, self.devices = node_id, ring_addr, devices
         self.fingerprint, self.protocol, self.outer_steps = fingerprint, protocol, outer_steps
+        self.data = data  # how the node reads its data (the coordinator checks it against the run's)
         self.heartbeat_interval, self.reconnect_timeout = heartbeat_interval, reconnect_timeout
         self.connect_timeout, self.register_timeout = connect_timeout, register_timeout
         self._say = say or log.warning
@@ -159,7 +160,7 @@ class CoordinatorClient:
         False, ``reply.note`` says why a claim was not taken). If the client is registered and
         healthy (e.g. it re-registered by itself after losing the coordinator), that registration
         is returned. Raises :class:`RegistrationRefused` (certificate refused, model fingerprint, run
-        length, protocol, a live node with this id past its grace) and :class:`RunCompleted`.
+        length, data plan, protocol, a live node with this id past its grace) and :class:`RunCompleted`.
 
         Transient failures (no answer, connection refused or reset, a coordinator restarting or
         stalled) are retried with backoff for up to ``register_timeout`` seconds, the first
@@ -304,7 +305,8 @@ class CoordinatorClient:
             claim = self._claim
             msg = {"op": "register", "node": self.node_id, "addr": self.ring_addr, "devices": self.devices,
                    "protocol": self.protocol, "fingerprint": self.fingerprint, "founder": not self._seen_run,
-                   "outer_steps": self.outer_steps, "resume": asdict(claim) if claim else None}
+                   "outer_steps": self.outer_steps, "resume": asdict(claim) if claim else None,
+                   **({"data": asdict(self.data)} if self.data is not None else {})}
         try:
             conn, reply = self.wire.open(msg, timeout)
         except AuthError as e:

@@ -48,6 +48,7 @@ class RunRecord:
     votes: dict[int, dict[str, Any]] = field(default_factory=dict)
     certs: dict[str, str] = field(default_factory=dict)
     leases: Ledger | None = None  # the run's data leases (coordinator/leases.py), once a node asked for one
+    data: str | None = None  # the run's data plan (protocol.DataPlan.mode), its first registrant's
     rev: int = field(default=0, repr=False, compare=False)  # bumped by sign(): the journal saves then
 
     def record(self, step: int, state_hash: str, keep: int) -> None:
@@ -105,7 +106,7 @@ class RunRecord:
         """The record as JSON; ``votes=False``: without the signed votes and the data leases
         (cheap to compare)."""
         d = {k: getattr(self, k) for k in ("run_id", "fingerprint", "outer_steps", "hwm_step", "hwm_hash",
-                                           "completed", "next_epoch")}
+                                           "completed", "next_epoch", "data")}
         d["hashes"] = {str(k): h for k, h in self.hashes.items()}
         d["rollbacks"] = [dict(r) for r in self.rollbacks]
         if votes and self.leases is not None:
@@ -124,6 +125,8 @@ class RunRecord:
         d["votes"] = {int(k): v for k, v in d.get("votes", {}).items()}
         if not isinstance(d.get("certs", {}), dict):
             raise JournalError("certs is not an object")
+        if not isinstance(d.get("data"), str | None):
+            raise JournalError(f"data is not a data plan: {str(d.get('data'))[:80]}")
         if d.get("leases") is not None:
             try:
                 d["leases"] = Ledger.from_json(d["leases"])

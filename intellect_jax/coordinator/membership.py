@@ -22,8 +22,8 @@ from intellect_jax.coordinator.history import History
 from intellect_jax.coordinator.journal import RunRecord
 from intellect_jax.coordinator.leases import LeaseError, Ledger, Ranges
 from intellect_jax.coordinator.policing import Police, average_skipped
-from intellect_jax.coordinator.protocol import (PROTOCOL, Admission, CoordinatorConfig, Epoch, Evicted, ProtocolError,
-                                                RegisterReply, Resume, RunCompleted)
+from intellect_jax.coordinator.protocol import (PROTOCOL, Admission, CoordinatorConfig, DataPlan, Epoch, Evicted,
+                                                ProtocolError, RegisterReply, Resume, RunCompleted)
 from intellect_jax.coordinator.roster import (Arrival, Barrier, Node, Role, Sessions, describe, forming, ordered, view,
                                               waiting)
 from intellect_jax.coordinator.schema import Report
@@ -100,12 +100,12 @@ class Membership:
                 "high_water_mark": {"outer_step": rec.hwm_step, "hash": rec.hwm_hash},
                 "completed": rec.completed, "outer_steps": rec.outer_steps, "waiting": self.history.waiting,
                 "hashes": {str(k): v for k, v in self.history.hashes.items()}, "evictions": list(self._evictions),
-                "data": rec.leases.status() if rec.leases is not None else None}
+                "data": rec.leases.status() if rec.leases is not None else None, "data_plan": rec.data}
 
     # ---- requests ------------------------------------------------------------------------
     def register(self, node_id: str, addr: str, devices: int, protocol: int, fingerprint: str, now: float,
                  resume: Resume | None = None, founder: bool = True,
-                 outer_steps: int | None = None) -> RegisterReply:
+                 outer_steps: int | None = None, data: DataPlan | None = None) -> RegisterReply:
         """Admit a node as a member or a pending joiner, or refuse it.
 
         Members: founders of a fresh run (``founder``: the node has not seen this run started)
@@ -114,8 +114,10 @@ class Membership:
         else joins; a node whose state is behind or diverged is told why in ``note``.
         """
         rec = self.record
-        admission.check_registration(node_id, addr, protocol, fingerprint, outer_steps, self._nodes, rec)
+        admission.check_registration(node_id, addr, protocol, fingerprint, outer_steps, self._nodes, rec, data)
         rec.fingerprint = rec.fingerprint or fingerprint
+        if data is not None and rec.data is None:
+            rec.data = data.mode
         rec.outer_steps = rec.outer_steps or outer_steps
         self._first_reg = now if self._first_reg is None else self._first_reg
         role, order, fresh, note = Role.PENDING, (1, 0), False, ""
@@ -137,7 +139,7 @@ class Membership:
         elif founder and not self.started and not self._resumed:
             role, order, fresh = Role.MEMBER, (0, 0), True
         self._nodes[node_id] = Node(node_id, addr, devices, self._sessions.issue(node_id), role, order, now, fresh,
-                                    claim=resume)
+                                    claim=resume, data=data)
         what = "resumed member" if role is Role.MEMBER and resume else (
             "founding member" if fresh else "joiner (pending)")
         self._event(f"registered {node_id} ({addr}, {devices} devices) as {what}" + (f": {note}" if note else ""))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROTOCOL = 6  # coordinator protocol version; bump on any incompatible change (6: data leases)
+PROTOCOL = 7  # coordinator protocol version; bump on any incompatible change (6: data leases, 7: data plans)
 
 
 class CoordinatorError(Exception):
@@ -42,6 +42,26 @@ class CoordinatorUnavailable(CoordinatorError):
 
 class RunCompleted(CoordinatorError):
     """The run has already done all its outer steps: nothing left to join (exit cleanly)."""
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """How a node reads its training data: units leased by the coordinator (``leases``,
+    coordinator/leases.py), or the fixed shard ``rank`` of ``ranks`` (``diloco.data_rank`` /
+    ``data_ranks``). A run takes one plan (its first registrant's): the coordinator refuses a
+    node of another, and a fixed shard that a live node already reads."""
+
+    leases: bool
+    rank: int = 0
+    ranks: int = 1
+
+    @property
+    def mode(self) -> str:
+        """The run-wide part (journaled): every node of the run must have the same."""
+        return "leases" if self.leases else f"{self.ranks} fixed shards"
+
+    def describe(self) -> str:
+        return "data leased from the coordinator" if self.leases else f"fixed data shard {self.rank} of {self.ranks}"
 
 
 @dataclass(frozen=True)

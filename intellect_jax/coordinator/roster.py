@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from intellect_jax.coordinator.protocol import Admission, Epoch, Peer, ProtocolError, Resume, StaleSession
+from intellect_jax.coordinator.protocol import Admission, DataPlan, Epoch, Peer, ProtocolError, Resume, StaleSession
 from intellect_jax.coordinator.schema import Report
 
 
@@ -53,6 +53,7 @@ class Node:
     sit_outs: int = 0  # barriers in a row at which it sat out
     strikes: int = 0  # failed rounds in which its ring successor blamed it
     false_accusations: int = 0  # accusations of nodes it does not follow in the ring
+    data: DataPlan | None = None  # how it reads its data (None: it did not say)
 
 
 @dataclass(frozen=True)

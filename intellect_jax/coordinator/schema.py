@@ -47,6 +47,20 @@ class ResumeMsg(Msg):
     members: NodeIds = []
 
 
+class DataMsg(Msg):
+    """A node's :class:`~.protocol.DataPlan`."""
+
+    leases: bool
+    rank: Count = 0
+    ranks: Annotated[int, Field(ge=1, le=1 << 20)] = 1
+
+    @model_validator(mode="after")
+    def _plan(self) -> DataMsg:
+        if self.rank >= self.ranks or (self.leases and self.ranks != 1):
+            raise ValueError(f"not a data plan: leases {self.leases}, shard {self.rank} of {self.ranks}")
+        return self
+
+
 class Register(Msg):
     op: Literal["register"]
     node: NodeId
@@ -57,6 +71,7 @@ class Register(Msg):
     founder: bool = True
     outer_steps: Annotated[int, Field(ge=1, le=2**53)] | None = None
     resume: ResumeMsg | None = None
+    data: DataMsg | None = None  # None: not said (a tool, not a training node): nothing to check
 
 
 class Heartbeat(Msg):

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from intellect_jax.coordinator.clock import REAL, Clock
 from intellect_jax.coordinator.journal import Journal, RunRecord
 from intellect_jax.coordinator.membership import Membership
-from intellect_jax.coordinator.protocol import (CoordinatorConfig, CoordinatorError, ProtocolError,
+from intellect_jax.coordinator.protocol import (CoordinatorConfig, CoordinatorError, DataPlan, ProtocolError,
                                                 RegistrationRefused, Resume)
 from intellect_jax.coordinator.schema import (MAX_MESSAGE, Admit, Heartbeat, Lease, Leave, Received, Register, Request,
                                               Status, Sync, parse_request)
@@ -219,8 +219,11 @@ class CoordinatorService:
                 raise ProtocolError(f"malformed 'register' request: addr: {e}", "malformed") from None
         r = msg.resume
         resume = None if r is None else Resume(r.outer_step, r.epoch_id, r.rank, r.state_hash, tuple(r.members))
+        d = msg.data
+        data = None if d is None else DataPlan(d.leases, d.rank, d.ranks)
         reply = self.locked(lambda now: self.membership.register(
-            msg.node, msg.addr, msg.devices, msg.protocol, msg.fingerprint, now, resume, msg.founder, msg.outer_steps))
+            msg.node, msg.addr, msg.devices, msg.protocol, msg.fingerprint, now, resume, msg.founder, msg.outer_steps,
+            data))
         return {"ok": True, **asdict(reply)}
 
     def _blocking(self, msg: Sync | Admit, keepalive: Callable[[], None] | None,

@@ -19,7 +19,7 @@ from intellect_jax.diloco.inner import TrainerInner
 from intellect_jax.diloco.loop import NodeLoop
 from intellect_jax.diloco.parts import DilocoError, LoopConfig, NodeParts, Outcome
 from intellect_jax.diloco.multihost import Follower, Followers, LeadInner, share_port
-from intellect_jax.coordinator.protocol import Epoch
+from intellect_jax.coordinator.protocol import DataPlan, Epoch
 from intellect_jax.diloco.store import CheckpointStore
 from intellect_jax.diloco.transfer import NetTransport
 from intellect_jax.net.identity import Credentials, keys_dir, sole_identity
@@ -101,6 +101,7 @@ class DilocoNode:
             fingerprint=cfg.model.build().fingerprint(), heartbeat_interval=d.heartbeat_interval,
             reconnect_timeout=d.reconnect_timeout, outer_steps=self.loop_cfg.outer_steps,
             register_timeout=d.register_timeout, say=self._log,
+            data=DataPlan(True) if d.leases else DataPlan(False, d.data_rank, d.data_ranks),
         )
         self.trainer: Trainer | None = None
         self.loop: NodeLoop | None = None

@@ -18,7 +18,7 @@ import numpy as np
 
 from intellect_jax.coordinator.client import CoordinatorClient
 from intellect_jax.coordinator.journal import MemoryJournal
-from intellect_jax.coordinator.protocol import CoordinatorConfig
+from intellect_jax.coordinator.protocol import CoordinatorConfig, DataPlan
 from intellect_jax.coordinator.service import ServiceStopped
 from intellect_jax.net.codecs import gathered
 from intellect_jax.diloco.loop import NodeLoop
@@ -121,7 +121,8 @@ class Sim(World):
         client = CoordinatorClient(None, None, proc.node_id, proc.addr, wire=wire, clock=clock,
                                    heartbeat_interval=p.heartbeat_interval, reconnect_timeout=p.reconnect_timeout,
                                    connect_timeout=p.connect_timeout, fingerprint="sim", outer_steps=p.outer_steps,
-                                   say=lambda line: self.say(proc.name, line))
+                                   say=lambda line: self.say(proc.name, line),
+                                   data=DataPlan(True) if p.leases else None)
         proc.client = client
         held = None
         if proc.start_from in ("latest", "stale") and proc.disk:
