@@ -277,5 +277,11 @@ def test_a_leased_iterator_yields_exactly_the_stream_s_batches_it_was_told(tmp_p
         fresh.set_state(bad)
     halves = [make_train_iter(cfg, tok, process_index=i, process_count=2) for i in range(2)]
     assert halves[0].stream == halves[1].stream == it.stream and halves[0].fingerprint != it.fingerprint
+    for i, half in enumerate(halves):  # each process of a 2-process node: its rows of the leased batches
+        half.lease(((6, 8),))  # (as the lead's command carries them: tuples)
+        h = len(stream[6]) // 2
+        for g, want in zip(take(half, 2), [6, 7]):
+            np.testing.assert_array_equal(g, stream[want][i * h:(i + 1) * h])
+        half.set_state(json.loads(json.dumps(half.get_state())) | {"plan": ((6, 8),)})
     other = make_train_iter(make_cfg(tmp_path, srcs, seed=cfg.seed + 1), tok)
     assert other.stream != it.stream

@@ -135,6 +135,10 @@ def test_a_follower_refuses_lead_messages_of_the_wrong_form():
                          ({"op": "train", "until": True, "asks": False}, "train.until"),
                          ({"op": "train", "until": 3.0, "asks": False}, "train.until"),
                          ({"op": "fly"}, "Input tag 'fly' found using 'op' does not match"),
+                         ({"op": "lease", "ranges": []}, "lease.ranges: List should have at least 1 item"),
+                         ({"op": "lease", "ranges": [[4, 2]]}, "lease.ranges: Value error, not ascending disjoint"),
+                         ({"op": "lease", "ranges": [[0, 4], [3, 6]]}, "not ascending disjoint"),
+                         ({"op": "lease", "ranges": [[0, -1]]}, "lease.ranges.0.1: Input should be greater"),
                          ({"until": 3}, "Unable to extract tag using discriminator 'op'")):
             send_msg(lead_conn, msg)
             with pytest.raises(FrameError, match=f"malformed command: .*{why}"):
@@ -146,10 +150,10 @@ def test_a_follower_refuses_lead_messages_of_the_wrong_form():
 TINY = [*TINY_ARGS, "--data.batch_size", "8", "--run.log_every", "1", "--run.no-progress"]
 
 
-def _node(base, env, node, rank, *, run, n=1, more=()):
+def _node(base, env, node, *, run, n=1, more=()):
     """Node ``node``'s processes under run name ``run``: 1 process x 8 CPU devices, or ``n``
     processes x 4 (one JAX runtime) named "run.i"; each one's output on its stdout pipe."""
-    cmd = [*base, "--run.name", run, "--diloco.node_id", node, "--diloco.data_rank", str(rank), *more]
+    cmd = [*base, "--run.name", run, "--diloco.node_id", node, *more]
     if n == 1:
         dist, names = [[]], [run]
     else:
@@ -192,7 +196,9 @@ def test_a_two_process_node_shares_one_history_loses_a_process_and_joins_again_l
 
     Shows: every outer step has one hash on every node that ran it (the 2-process node's from
     the first step on), the loss falls on both nodes, and a's lead evaluates and checkpoints for
-    the node: its last checkpoint holds the run's final state and every process's data position."""
+    the node: its last checkpoint holds the run's final state and every process's data position.
+    Both nodes lease their data from the coordinator (the 2-process node's processes each read
+    their rows of its leased batches): every unit that made it is trained once, none is left out."""
     import signal
     import time
 
@@ -205,11 +211,11 @@ def test_a_two_process_node_shares_one_history_loses_a_process_and_joins_again_l
     base = [sys.executable, "-m", "intellect_jax.train", "--config", "configs/debug_diloco.toml", *TINY,
             "--run.out_dir", str(tmp_path / "runs"), "--data.cache_dir", str(tmp_path / "cache"),
             "--run.steps", str(H * outer), "--diloco.inner_steps", str(H), "--diloco.coordinator",
-            f"127.0.0.1:{port}", "--diloco.data_ranks", "2", "--diloco.heartbeat_interval", "1",
+            f"127.0.0.1:{port}", "--diloco.leases", "--diloco.unit_steps", "2", "--diloco.heartbeat_interval", "1",
             "--run.eval_every", str(3 * H), "--ckpt.every", str(3 * H), "--ckpt.keep", "10"]
     # (a's JAX runtime ends its lead within 10 s of losing the follower)
-    first = _node(base, env, "a", 0, run="a", n=2, more=["--dist.heartbeat_timeout", "10"])
-    first |= _node(base, env, "b", 1, run="b", more=["--run.stop_at", str(S * H)])
+    first = _node(base, env, "a", run="a", n=2, more=["--dist.heartbeat_timeout", "10"])
+    first |= _node(base, env, "b", run="b", more=["--run.stop_at", str(S * H)])
     late: dict[str, subprocess.Popen] = {}
     try:  # 1. a and b from the seeded state; a loses a process
         seen_a = _until(first["a.0"], "nodes), loss", times=2)  # two outer steps beside b
@@ -221,9 +227,9 @@ def test_a_two_process_node_shares_one_history_loses_a_process_and_joins_again_l
         assert first["a.0"].returncode != 0 and a_exit_s < 60, (a_exit_s, out_a[-2000:])
         assert first["b"].returncode == 0, out_b[-3000:]
         # 2. a again, with no state: a joiner while nobody holds the state, until b resumes
-        late |= _node(base, env, "a", 0, run="a2", n=2)
+        late |= _node(base, env, "a", run="a2", n=2)
         seen_a = _until(late["a2.0"], "registered as joiner")
-        late |= _node(base, env, "b", 1, run="b", more=["--ckpt.resume"])
+        late |= _node(base, env, "b", run="b", more=["--ckpt.resume"])
         outs = {k: p.communicate(timeout=300)[0] for k, p in late.items()}
         outs["a2.0"] = seen_a + outs["a2.0"]
     finally:
@@ -258,9 +264,17 @@ def test_a_two_process_node_shares_one_history_loses_a_process_and_joins_again_l
     try:
         assert ck.all_steps() == [(S + 1) * H, 6 * H, outer * H]
         assert ck.restore_json("meta")["outer_hash"] == hb[outer]
-        assert len(ck.restore_json("data")["processes"]) == 2
+        per = ck.restore_json("data")["processes"]  # both processes read the node's last lease, all of it
+        assert len(per) == 2 and per[0]["plan"] == per[1]["plan"] and per[0]["step"] == per[1]["step"] == H, per
     finally:
         ck.close()
+    # the data: each leased unit trained once by the nodes whose contributions made it
+    from intellect_jax.coordinator.journal import Journal
+
+    led = Journal(tmp_path / "coordinator.journal").load_any().leases
+    st = led.status()
+    assert led.problems() == [] and st["duplicates"] == 0 and st["units_outstanding"] == 0, st
+    assert st["units_trained"] == sum(nodes[k] for k in range(1, outer + 1)) * H // 2, (st, nodes)
 
 
 class Steps:

@@ -221,12 +221,12 @@ class DataIterator:
                 "tokenizer, seq_len, batch, seed or node/process layout changed)"
             )
         plan = state.get("plan")
-        if plan is not None and not (isinstance(plan, list) and all(
-                isinstance(r, list) and len(r) == 2 and all(type(v) is int for v in r) and 0 <= r[0] < r[1]
+        if plan is not None and not (isinstance(plan, list | tuple) and all(
+                isinstance(r, list | tuple) and len(r) == 2 and all(type(v) is int for v in r) and 0 <= r[0] < r[1]
                 for r in plan) and plan):
             raise DataError(f"data iterator state: plan is not [a, b) ranges of batches: {str(plan)[:80]}")
         self.close()
-        self._step, self._plan = int(state["step"]), plan
+        self._step, self._plan = int(state["step"]), None if plan is None else [list(r) for r in plan]
 
     def close(self) -> None:
         """Stop prefetch threads / worker processes (the iterator reopens on next())."""

@@ -19,6 +19,7 @@ gather    followers send their shards of the inner optimizer state (checkpoint, 
 place     the lead sends each follower the slices of params (and optimizer state) its
           devices hold; every process builds the global arrays and marks its anchor
 data      followers send their data-iterator positions (one per process, checkpointed)
+lease     every process reads its rows of the round's leased batches (data leases)
 stop      followers leave
 ========  ===========================================================================
 
@@ -60,6 +61,7 @@ from intellect_jax.diloco.multihost_wire import (
     Go,
     Hello,
     Init,
+    Lease,
     Pg,
     Place,
     PartsHeader,
@@ -286,6 +288,12 @@ class LeadInner(TrainerInner):
         theirs = {i: recv_model(c, DataState, "data position").model_dump() for i, c in self.f.conns.items()}
         return {"processes": [self.t.data.get_state(), *(theirs[i] for i in sorted(theirs))]}
 
+    def lease(self, rnd: int, batches: list[tuple[int, int]]) -> None:
+        """Every process reads its rows of the leased global batches (the stream's batches do not
+        depend on the node's process layout)."""
+        self.f.command(Lease(ranges=[(int(a), int(b)) for a, b in batches]))
+        super().lease(rnd, batches)
+
     def set_params(self, params: Any) -> None:
         self._place(params, None, None, None)
 
@@ -348,6 +356,8 @@ class Follower:
                     send_parts(c, local_shards(t.state.opt_state))
                 case Data():
                     send_msg(c, t.data.get_state())
+                case Lease(ranges=ranges):
+                    t.data.lease([list(r) for r in ranges])
                 case Place(opt=with_opt, step=step, data=data):
                     params, opt = _receive_placed(t, c, with_opt)
                     _apply(t, self.dpg, params, opt, step)

@@ -24,13 +24,25 @@ class Hello(Wire):
     process: Annotated[int, Field(ge=1, le=1 << 16)]
 
 
+def _ordered_ranges(rs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    if any(a >= b for a, b in rs) or any(rs[i][1] > rs[i + 1][0] for i in range(len(rs) - 1)):
+        raise ValueError(f"not ascending disjoint [a, b) ranges: {rs[:4]}")
+    return rs
+
+
+# leased global batches of the stream, [a, b) each (a round's: a few ranges)
+Ranges = Annotated[list[Annotated[tuple[Nat, Nat], JsonTuple]], Field(min_length=1, max_length=1 << 12),
+                   AfterValidator(_ordered_ranges)]
+
+
 class DataState(Wire):
     """A process's data-iterator position (``DataIterator.get_state()``; the pipeline checks the
-    version and fingerprint when it takes it)."""
+    version and fingerprint when it takes it); ``plan``: the batches leased to it (data leases)."""
 
     version: Annotated[int, Field(ge=0, le=1 << 16)]
     step: Nat
     fingerprint: Annotated[str, Field(max_length=256)]
+    plan: Ranges | None = None
 
 
 # ---- the lead's commands ---------------------------------------------------------------------
@@ -80,11 +92,19 @@ class Place(Wire):
     data: DataState | None
 
 
+class Lease(Wire):
+    """From now on read this process's rows of the stream's global batches ``ranges`` (the
+    round's data, leased by the coordinator to the node), in order."""
+
+    op: Literal["lease"] = "lease"
+    ranges: Ranges
+
+
 class Stop(Wire):
     op: Literal["stop"] = "stop"
 
 
-Command = Annotated[Train | Eval | Pg | Init | Gather | Data | Place | Stop, Field(discriminator="op")]
+Command = Annotated[Train | Eval | Pg | Init | Gather | Data | Place | Lease | Stop, Field(discriminator="op")]
 COMMAND: TypeAdapter[Command] = TypeAdapter(Command)
 
 

@@ -134,10 +134,7 @@ class DilocoNode:
         self._log(self.path.describe(d.overlap_delay))
         parts = NodeParts(self.node_id, inner, self.client, self._ring, transport, store, log=self._log)
         loop_cfg = self.loop_cfg
-        if d.leases:
-            if multi:
-                raise DilocoError("diloco.leases: a node of several processes does not lease its data yet (its "
-                                  "other processes read their rows of the node's own stream); use data_rank")
+        if d.leases:  # (every process of the node reads its rows of the leased batches: LeadInner.lease)
             u, data = d.lease_unit, self.cfg.data
             loop_cfg = dataclasses.replace(loop_cfg, data_units=(u, u * data.batch_size * data.seq_len,
                                                                  self.trainer.data.stream))
