@@ -174,10 +174,13 @@ class DataIterator:
             ds = self._batches[self._step :]
         else:
             ds = grain.MapDataset.concatenate([self._batches[a:b] for a, b in self._plan])[self._step :]
+        # a leased iterator reopens every round: it reads with threads (``num_workers`` of them),
+        # since a pool of worker processes would be spawned again for each lease (seconds each)
+        threads = 2 if self._plan is None else max(2, self._num_workers)
         ds = ds.to_iter_dataset(
-            grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
+            grain.ReadOptions(num_threads=threads, prefetch_buffer_size=4)
         )
-        if self._num_workers > 0:
+        if self._num_workers > 0 and self._plan is None:
             from absl import flags
 
             if not flags.FLAGS.is_parsed():
