@@ -411,6 +411,6 @@ def test_seeded_fault_schedules(overlap: bool) -> None:
     for kind in ("coordinator pause (short)", "coordinator pause (long)", "start while coordinator paused",
                  "start while coordinator down", "node and coordinator killed together", "outage (all but one)",
                  "outage (all)", "kill@register/before", "stall@register/after", "donor let go",
-                 "frame (an honest piece as evidence)",
+                 "frame (an honest piece as evidence)", "kill@lease/after", "stall@lease/before",
                  *(() if overlap else ("rollback (automatic)",))):  # (about 1 in 100 seeds)
         assert kinds.get(kind, 0) > 0, (kind, kinds)  # every new kind of fault really happens
