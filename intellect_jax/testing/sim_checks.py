@@ -124,7 +124,7 @@ def stall_evictions(coord_events: list[tuple[float, str]], procs: list[Proc], pa
     session its client dropped ("connection lost": a client that gives its session up while
     the coordinator is paused). Such an eviction of node N at time t is explained if in the
     window it was judged on some process of N was SIGKILLed, was SIGSTOPped, or (for a
-    dropped session) ended or the coordinator crashed and restarted. The window ends at t
+    dropped session) ended (up to ``end_bound`` after t) or the coordinator crashed and restarted. The window ends at t
     and reaches back ``X + slack`` (heartbeat), ``boundary_timeout + slack`` (boundary) or
     ``reconnect_timeout + slack`` (dropped session: as long as a client may take to give
     up) seconds as the coordinator counts them: net of its own pauses (the stalls it
@@ -158,8 +158,9 @@ def stall_evictions(coord_events: list[tuple[float, str]], procs: list[Proc], pa
         mine = [q for q in procs if q.node_id == node]
         explained = any((q.killed_at is not None and start <= q.killed_at <= t)
                         or any(a <= t and b >= start for a, b in q.stalls) for q in mine)
-        if dropped and not explained:
-            explained = (any(q.ended_at is not None and start <= q.ended_at <= t for q in mine)
+        if dropped and not explained:  # (a client drops its session as its process ends: a joiner told
+            # the run is complete may still let go of the joiner it served for a moment after)
+            explained = (any(q.ended_at is not None and start <= q.ended_at <= t + p.end_bound for q in mine)
                          or any(a <= t and b >= start for a, b in downtimes))
         if not explained:
             out.append(f"{node} evicted at {t:.1f}s ({why}) with no kill or stall of it since "
