@@ -285,7 +285,8 @@ class LeadInner(TrainerInner):
 
     def data_state(self) -> dict | None:
         self.f.command(Data())
-        theirs = {i: recv_model(c, DataState, "data position").model_dump() for i, c in self.f.conns.items()}
+        theirs = {i: recv_model(c, DataState, "data position").model_dump(exclude_none=True)
+                  for i, c in self.f.conns.items()}
         return {"processes": [self.t.data.get_state(), *(theirs[i] for i in sorted(theirs))]}
 
     def lease(self, rnd: int, batches: list[tuple[int, int]]) -> None:
