@@ -57,6 +57,8 @@ def test_state_hash_sees_every_bit_of_the_shared_state_only():
     m = {"w": np.zeros(10, np.float32)}
     m["w"][0] = 1e-30
     assert S.state_hash(a._replace(outer_opt_state=S.MomentumState(m))) != h
+    # the verdict on the last average (skipped or applied) is shared: hashed, once there is one
+    assert len({h, S.state_hash(a._replace(skipped=True)), S.state_hash(a._replace(skipped=False))}) == 3
     # each node's own inner optimizer state and data position are not part of the run's hash
     assert S.state_hash(a._replace(inner_opt_state={"mu": np.ones(3, np.float32)}, data={"pos": 5})) == h
 
@@ -79,12 +81,12 @@ def test_state_transfer_over_sockets_and_cancellation(tmp_path, cache_dir):
         donor, joiner = NetTransport(donor_net, "donor", watch_interval=0.1), NetTransport(joiner_net, "j",
                                                                                         watch_interval=0.1)
         adm = Admission("donor", "x", 0, 1, 1)
-        meta = {"outer_step": 1, "inner_step": 4, "hash": S.state_hash(s)}
+        meta = {"outer_step": 1, "inner_step": 4, "hash": S.state_hash(s), "skipped": s.skipped}
         done = donor.serve("j", "%s:%d" % joiner_net.address, snap, meta)
         got_meta, got = joiner.receive(adm, inner.template(), lambda: False, timeout=30)
         assert done.wait(10)
-        assert (got_meta.outer_step, got_meta.inner_step, got_meta.hash) == (1, 4, meta["hash"])
-        got = got._replace(outer_step=1)
+        assert (got_meta.outer_step, got_meta.inner_step, got_meta.hash, got_meta.skipped) == (1, 4, meta["hash"], False)
+        got = got._replace(outer_step=1, skipped=got_meta.skipped)
         assert S.state_hash(got) == meta["hash"]
         for a, b in zip(leaves(got.inner_opt_state), leaves(snap.inner_opt_state)):
             np.testing.assert_array_equal(a, b)

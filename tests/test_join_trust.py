@@ -36,13 +36,14 @@ H = 4
 
 def _small() -> S.DilocoState:
     w = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
-    return S.DilocoState(w, S.MomentumState({"w": w["w"] / 10}), {"m": -w["w"]}, 1, H, None, (0.5,))
+    return S.DilocoState(w, S.MomentumState({"w": w["w"] / 10}), {"m": -w["w"]}, 1, H, None, (0.5,), skipped=False)
 
 
 def _header(s: S.DilocoState) -> dict[str, Any]:
     arrays = s.arrays()
     return {"outer_step": s.outer_step, "inner_step": s.inner_step, "hash": S.state_hash(s), "norms": list(s.norms),
-            "paths": leaf_paths(arrays), "arrays": [[d.name, list(shape)] for d, shape in map(spec, leaves(arrays))]}
+            "skipped": s.skipped, "paths": leaf_paths(arrays),
+            "arrays": [[d.name, list(shape)] for d, shape in map(spec, leaves(arrays))]}
 
 
 def _offer(net: FakeNet, header: dict[str, Any] | bytes, s: S.DilocoState) -> Any:
@@ -80,7 +81,7 @@ def test_a_joiner_meets_fuzzed_state_headers_with_net_errors_only() -> None:
         kind, key, header = m
         err = receive(header)
         assert "\n" not in str(err)
-        if malformed(kind, key, header, valid, loose=("norms",)):
+        if malformed(kind, key, header, valid, loose=("norms", "skipped")):
             assert isinstance(err, FrameError) and "donor d1: malformed state header" in str(err), (header, err)
         elif header != valid:
             assert isinstance(err, NetError), header  # e.g. another hash, step or shape

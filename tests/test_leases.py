@@ -396,3 +396,24 @@ def test_a_skipped_average_whose_every_witness_restarted_gives_its_units_back():
     assert "resuming from the checkpoint of outer step 3" in log
     led = sim.journal.load("sim").leases
     assert 3 not in led.commits and {2, 4} <= set(led.commits), sorted(led.commits)
+
+
+def test_a_skipped_average_held_only_by_a_joiner_gives_its_units_back():
+    """The same skip, but its witnesses die once their joiner n2 holds state 3 (admitted at
+    boundary 2): n2 alone forms barrier 3. The verdict came with the state (it is hashed), so
+    n2 reports it and step 3 trains none of the units."""
+    from intellect_jax.testing.sim import Fault, Script, Sim, SimParams
+
+    faults = {f"{n}#0": [Fault("sync", 3, "kill")] for n in ("n0", "n1")}
+    faults["n1#0"].append(Fault("poison", 3, "poison", "wire", value="nan"))
+    p = SimParams(nodes=2, outer_steps=6, inner_steps=40, ckpt_every=1, coordinator_restarts=0, coordinator_pauses=0,
+                  late_joiners=0)
+    sim = Sim(0, p, script=Script(faults=faults, events=[(2.5, "join", "n2")]))  # (rounds of 0.4 s from 2 s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # NaN arithmetic on purpose
+        report = sim.run()
+    log = "\n".join(report["log"])
+    assert report["ok"], "\n".join(report["problems"] + report["log"][-40:])
+    assert "admitted joiner n2 at boundary 2" in log and "epoch 2: members [n2] at boundary 3" in log, log[-3000:]
+    led = sim.journal.load("sim").leases
+    assert 3 not in led.commits and {2, 4} <= set(led.commits), sorted(led.commits)

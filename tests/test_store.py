@@ -69,7 +69,7 @@ def test_a_joiners_checkpoint_of_the_received_state_resumes(tmp_path, cache_dir)
     tx = S.nesterov_sgd(0.7, 0.9)
     s = outer_step(donor, donor.init_state(tx), tx, 4)
     sent = s._replace(inner_opt_state=donor.snapshot(), data=None)
-    meta = {"outer_step": 1, "inner_step": 4, "hash": S.state_hash(s), "norms": []}
+    meta = {"outer_step": 1, "inner_step": 4, "hash": S.state_hash(s), "norms": [], "skipped": False}
     td.close(save=False)
 
     class Transport:

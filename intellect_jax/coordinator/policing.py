@@ -77,10 +77,10 @@ def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser
 
 
 def average_skipped(members: list[Node]) -> bool:
-    """Whether most of barrier k's members that report on the all-reduce of outer step k (those
-    that took part: not a joiner at its first barrier, nor a process that restarted since) say
-    its average failed its checks, so that every node skipped it (data leases: its units are
-    trained again)."""
+    """Whether most of barrier k's members that report on the all-reduce of outer step k say its
+    average failed its checks, so that every node skipped it (data leases: its units are trained
+    again). Those that took part report; so does any other holder of state k (a process that
+    restarted from its checkpoint, a joiner): the verdict is part of the hashed state."""
     reports = [n.arrival.report for n in members if n.arrival.report]  # type: ignore[union-attr]
     return sum(1 for r in reports if r.avg_failed) * 2 > len(reports)
 

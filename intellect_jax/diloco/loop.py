@@ -201,8 +201,7 @@ class NodeLoop:
         s = p.store.load(got.inner_step)
         if state_hash(s) != h:
             raise TransferFailed(f"the checkpoint of the received state hashes to {state_hash(s)[:12]}, not {h[:12]}")
-        return self._adopt(s._replace(data=None, residual=None, skipped=None))  # a joiner's feedback starts
-        # from zeros, and the verdict on the last average is its donor's to report
+        return self._adopt(s._replace(data=None, residual=None))  # a joiner's feedback starts from zeros
 
     # ---- rounds --------------------------------------------------------------------------------
     def _rounds(self) -> Outcome:
@@ -217,7 +216,7 @@ class NodeLoop:
         k, h = self.state.outer_step, self._hash(self.state)[1]
         p.client.hold(k, h)
         # on the last all-reduce, for the coordinator (sent with the next barrier); a node that
-        # resumes from its own checkpoint still knows whether it skipped that average
+        # resumed from its checkpoint, or a joiner, knows from the (hashed) state whether it was skipped
         held = self.state.skipped
         report = None if held is None else {"avg_failed": held, "accused": None, "evidence": None}
         ended: Round | None = None  # the round that ended at this window, its outer step not applied
@@ -385,10 +384,10 @@ class NodeLoop:
         avg, avg_norm, skip = self._vet(s, avg, ep, scale)
         if skip:  # every node holds the same bits, so every node skips
             p.log(f"WARNING outer step {k + 1} skipped: the average has {skip}")
-            s = s._replace(outer_step=k + 1, inner_step=(k + 1) * H)
+            s = s._replace(outer_step=k + 1, inner_step=(k + 1) * H, skipped=True)
         else:
             s = outer_step(s, avg, self.tx, inner_step=(k + 1) * H)._replace(norms=remember(s.norms, avg_norm, self.guard))
-        s = s._replace(residual=residual, skipped=bool(skip))
+        s = s._replace(residual=residual)
         if suspect:
             p.log(f"WARNING {ep.node_ids[suspect[0]]}'s contribution to outer step {k + 1} had {suspect[1]}")
         report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None,
@@ -510,7 +509,8 @@ class NodeLoop:
             return
         # taken now, sent in the background; the data position and the error feedback are this node's own
         snap = s._replace(inner_opt_state=self.p.inner.snapshot(), data=None, residual=None)
-        meta = {"outer_step": s.outer_step, "inner_step": s.inner_step, "hash": state_hash(s), "norms": list(s.norms)}
+        meta = {"outer_step": s.outer_step, "inner_step": s.inner_step, "hash": state_hash(s), "norms": list(s.norms),
+                "skipped": s.skipped}
         client, since = self.p.client, self.p.client.view_seq
         for joiner_id, joiner_addr in ep.serve:
             self.p.log(f"serving the state of outer step {s.outer_step} to {joiner_id}")

@@ -10,7 +10,8 @@ the state hash covers:
 * ``outer_step``, ``inner_step``: counters; ``data``: this node's data-iterator position (its
   own shard, so it is checkpointed but never transferred); ``norms``: the norms of recent
   averages, which the average check (:mod:`.guard`) compares against (shared, hashed);
-  ``residual``: this node's error feedback (checkpointed, never transferred nor hashed).
+  ``skipped``: whether the last average failed that check (shared, hashed); ``residual``:
+  this node's error feedback (checkpointed, never transferred nor hashed).
 
 At an outer boundary the inner params equal ``outer_params`` (cast to the param dtype), so
 they are not stored separately.
@@ -70,10 +71,12 @@ class DilocoState(NamedTuple):
     contribution lost, fp32 numpy like ``outer_params``, added to its next one. This node's own:
     checkpointed with it, never transferred (a joiner starts from zeros) nor hashed; None: zeros."""
     skipped: bool | None = None
-    """Whether this node skipped outer step ``outer_step``'s average (its checks failed): the
-    node's own verdict, checkpointed, never transferred nor hashed; None: not this node's to say
-    (the initial state, a donor's). A process that restarts from its checkpoint reports it at its
-    first barrier, so the coordinator's data leases know whether that step took its units."""
+    """Whether outer step ``outer_step``'s average was skipped (it failed its checks; every node
+    judges it alike): shared, hashed, checkpointed and transferred like the norms; None: no
+    average made this state (the initial state, or a checkpoint from before it was kept). Every
+    holder of the state reports it at its first barrier (a process that restarted from its
+    checkpoint, a joiner), so the coordinator's data leases know whether that step took its
+    units even when nobody who saw the all-reduce is left; the hash holds it to the truth."""
 
     def arrays(self) -> dict[str, Tree]:
         """The array part, in the one leaf order used by checkpoints, transfers and hashes."""
@@ -128,14 +131,16 @@ def outer_step(s: DilocoState, avg_pg: Tree, tx: optax.GradientTransformation, i
     """Apply the averaged pseudo-gradient (a descent direction, like a gradient)."""
     upd, opt = tx.update(avg_pg, s.outer_opt_state, s.outer_params)
     params = jax.tree.map(lambda p, u: (p + u).astype(np.float32), s.outer_params, upd)
-    return s._replace(outer_params=params, outer_opt_state=opt, outer_step=s.outer_step + 1, inner_step=inner_step)
+    return s._replace(outer_params=params, outer_opt_state=opt, outer_step=s.outer_step + 1, inner_step=inner_step,
+                      skipped=False)
 
 
 def state_hash(s: DilocoState) -> str:
-    """blake2b over the outer step, the recent average norms, the outer params and the outer
-    optimizer state (leaf paths and bytes), sealed with the number of outer-param values and
-    their norm: the part of the state every node holds bit for bit. Its :func:`hash_opening`
-    lets a third party that knows the hash check that scale without the state (``net.evidence``)."""
+    """blake2b over the outer step, the recent average norms, whether the last average was
+    skipped, the outer params and the outer optimizer state (leaf paths and bytes), sealed with
+    the number of outer-param values and their norm: the part of the state every node holds bit
+    for bit. Its :func:`hash_opening` lets a third party that knows the hash check that scale
+    without the state (``net.evidence``)."""
     o = hash_opening(s)
     return seal(o["core"], o["numel"], o["scale"])
 
@@ -145,6 +150,8 @@ def hash_opening(s: DilocoState) -> dict[str, Any]:
     h = hashlib.blake2b(digest_size=16)
     h.update(np.int64(s.outer_step).tobytes())
     h.update(np.asarray(s.norms, np.float64).tobytes())
+    if s.skipped is not None:  # (a state without a verdict hashes as before it was kept)
+        h.update(b"skipped" if s.skipped else b"applied")
     for path, leaf in jax.tree_util.tree_leaves_with_path((s.outer_params, s.outer_opt_state)):
         h.update(jax.tree_util.keystr(path).encode())
         h.update(np.ascontiguousarray(leaf, dtype=np.float32).tobytes())

@@ -80,7 +80,7 @@ class CheckpointStore:
                 raise CheckpointError(f"diloco.init_from {self.init_from}: {e}") from None
             finally:
                 ck.close()
-            return self._state(out)._replace(data=None, skipped=None)  # another node's shard and verdict
+            return self._state(out)._replace(data=None)  # another node's data shard (its feedback: not read)
         if not self.resume or not self.t.ckpt.all_steps():
             return None
         _, out = self.t.ckpt.restore_newest(self._abstract(), ("meta", "data"), self._verify, self.warn, (FEEDBACK,))

@@ -47,6 +47,7 @@ class StateMeta(Wire):
     inner_step: Nat
     hash: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]  # state.state_hash: blake2b-128, hex
     norms: Annotated[list[Finite], Field(max_length=MAX_NORMS)] = []
+    skipped: bool | None = None  # whether the state's last average was skipped (hashed, as the norms)
 
     @classmethod
     def of(cls, meta: StateMeta | dict[str, Any], who: str) -> StateMeta:
@@ -180,7 +181,7 @@ class NetTransport:
 
 def vet_received(adm: Admission, meta: StateMeta | dict[str, Any], got: DilocoState, inner_steps: int,
                  vet_opt_state: Callable[[Any], str | None]) -> tuple[DilocoState, str]:
-    """``got`` with the donor's counters and norms, and its hash, if it is the state ``adm`` admits:
+    """``got`` with the donor's counters, norms and verdict, and its hash, if it is the state ``adm`` admits:
     a header that parses, for the outer step admitted and its inner step (``inner_steps`` per
     outer step), the hash the run recorded for that step (the header's own only while the run has
     none: then the joiner's first barrier checks it), finite outer params and momentum, and an
@@ -195,7 +196,8 @@ def vet_received(adm: Admission, meta: StateMeta | dict[str, Any], got: DilocoSt
     if meta.outer_step != k or meta.inner_step != k * inner_steps:
         raise TransferFailed(f"{donor} sent outer step {meta.outer_step} at inner step {meta.inner_step}; "
                              f"admitted for outer step {k}, i.e. inner step {k * inner_steps}")
-    got = got._replace(outer_step=k, inner_step=meta.inner_step, data=None, norms=tuple(meta.norms), residual=None)
+    got = got._replace(outer_step=k, inner_step=meta.inner_step, data=None, norms=tuple(meta.norms), residual=None,
+                       skipped=meta.skipped)
     h, want = state_hash(got), adm.state_hash or meta.hash
     if h != want:
         whose = "the run recorded" if adm.state_hash else "its header says"

@@ -49,7 +49,7 @@ def units_of(batches: list[int], u: int) -> list[list[int]] | str:
 
 
 def leases(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord, groups: dict[tuple[int, int], Any],
-           final: bool, verdicts: dict[tuple[int, str], set[tuple[int, bool]]] | None = None) -> list[str]:
+           final: bool, verdicts: dict[tuple[int, str], set[tuple[int | None, bool]]] | None = None) -> list[str]:
     """Data leases (coordinator/leases.py): every unit in exactly one place, none trained twice;
     each recorded outer step's trained units are exactly those its contributors trained (what
     the ring itself saw: who sent in the epoch the nodes' rows name, not sitting out, on which
@@ -60,7 +60,7 @@ def leases(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord, groups: 
     if led is None:
         return []
     out = [f"LEASES: {p}" for p in led.problems()]
-    epochs: dict[int, set[tuple[int, bool]]] = {}
+    epochs: dict[int, set[tuple[int | None, bool]]] = {}
     for _, _, row in rows:  # the rows of the history the run kept (its recorded hashes)
         if rec.hashes.get(row["outer_step"]) == row["outer_hash"]:
             epochs.setdefault(row["outer_step"], set()).add((row["epoch"], bool(row.get("skipped"))))
@@ -69,17 +69,20 @@ def leases(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord, groups: 
             epochs[s] = set(seen)
     u, compared = led.unit_steps, 0
     for s, seen in sorted(epochs.items()):
-        if len(seen) != 1:
-            out.append(f"LEASES: outer step {s} was logged from several epochs or skip verdicts: {sorted(seen)}")
-            continue
-        (epoch, skipped), = seen
-        g = groups.get((epoch, s - 1))
-        if g is None:
-            out.append(f"LEASES: outer step {s} was logged from epoch {epoch}, whose ring was never seen")
-            continue
+        want: dict[str, Any] = {}  # a skipped average trains nothing, whichever ring made it
+        if not all(skipped for _, skipped in seen):
+            if len(seen) != 1:
+                out.append(f"LEASES: outer step {s} was logged from several epochs or skip verdicts: "
+                           f"{sorted(seen, key=str)}")
+                continue
+            (epoch, _), = seen
+            g = groups.get((epoch, s - 1))
+            if g is None:
+                out.append(f"LEASES: outer step {s} was logged from epoch {epoch}, whose ring was never seen")
+                continue
+            want = {q.node_id: units_of(g.units[r], u) for r, q in g.members.items()
+                    if q.node_id not in g.sitting_out and g.units.get(r)}
         compared += 1
-        want = {} if skipped else {q.node_id: units_of(g.units[r], u) for r, q in g.members.items()
-                                   if q.node_id not in g.sitting_out and g.units.get(r)}
         got = led.commits.get(s, {})
         if got != want:
             out.append(f"LEASES: outer step {s} recorded the units {got} as trained, its ring carried {want}")

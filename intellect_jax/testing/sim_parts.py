@@ -334,6 +334,7 @@ class _Transport:
             raise item
         sim.gate(proc, "receive", "after")
         meta, snap = item
+        proc.ring = None  # the state it holds now came out of no ring of its own
         return meta, copy.deepcopy(snap)
 
 
@@ -350,9 +351,10 @@ class _Disk:
         if self.proc.dead:
             raise Killed()
         self.proc.disk[s.inner_step] = copy.deepcopy(s)
-        ring = self.proc.ring
-        if s.skipped is not None and ring is not None and ring[1] + 1 == s.outer_step:
-            self.sim.verdicts.setdefault((s.outer_step, state_hash(s)), set()).add((ring[0], s.skipped))
+        ring = self.proc.ring  # an applied average's units are its ring's (a skipped one's: none, whichever)
+        if s.skipped or (s.skipped is False and ring is not None and ring[1] + 1 == s.outer_step):
+            self.sim.verdicts.setdefault((s.outer_step, state_hash(s)), set()).add(
+                (None if s.skipped else ring[0], s.skipped))
         for k in sorted(self.proc.disk)[:-3]:
             del self.proc.disk[k]
 

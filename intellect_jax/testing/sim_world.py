@@ -91,9 +91,10 @@ class World:
         self.rows: list[tuple[str, int, dict[str, Any]]] = []  # (proc, inner step, row) as recorded
         self.groups: dict[tuple[int, int], Group] = {}  # (epoch, boundary): an epoch spans steps
         self.leased: dict[tuple[str, int], Any] = {}  # (process, round) -> the batch ranges it was leased
-        # (outer step, state hash) -> {(epoch, skipped)}: whose ring made each saved state, and
-        # whether its node skipped the average (a step whose rows nobody lived to write)
-        self.verdicts: dict[tuple[int, str], set[tuple[int, bool]]] = {}
+        # (outer step, state hash) -> {(epoch, skipped)}: whose ring made each saved state (None:
+        # a skipped average's, whichever ring), and whether the average was skipped (a step whose
+        # rows nobody lived to write)
+        self.verdicts: dict[tuple[int, str], set[tuple[int | None, bool]]] = {}
         self.by_addr: dict[str, Proc] = {}
         self.injected: Counter = Counter()
         self.paused_until = 0.0  # the coordinator is SIGSTOPped until then
