@@ -213,43 +213,72 @@ def test_lease_requests_are_checked_against_the_run():
 
 
 def test_a_run_reads_its_data_one_way_and_a_fixed_shard_is_read_once():
-    """The first registrant's data plan is the run's (journaled); a node of another plan, or on
-    a fixed shard a live node reads, is refused in one line naming what to change."""
+    """The plan of the run's first barrier is the run's (journaled; before it, the live nodes'
+    plan); a node of another plan, or on a fixed shard a live node reads, is refused in one
+    line naming what to change; a misconfigured node that leaves first settles nothing."""
     from intellect_jax.coordinator.protocol import DataPlan, RegistrationRefused
     from intellect_jax.coordinator.schema import DataMsg
 
     def reg(r, n, plan):
         r.s[n] = r.m.register(n, f"h:{len(r.s) + 1}", 1, PROTOCOL, FP, r.now, data=plan).session
 
-    r = Run(min_nodes=1)
+    r = Run(min_nodes=2)
     reg(r, "a", DataPlan(True))
-    with pytest.raises(RegistrationRefused, match="reads its data by 4 fixed shards, this run by leases .start "
+    with pytest.raises(RegistrationRefused, match="reads its data by 4 fixed shards, live node a by leases .start "
                                                   "it with --diloco.leases"):
         reg(r, "b", DataPlan(False, 1, 4))
     reg(r, "b", DataPlan(True))
-    reg(r, "tool", None)  # (a node that does not say is not checked)
+    reg(r, "tool", None)  # (a client that does not say is not checked; it leases nothing it was not given)
+    r.m.leave("tool", r.s.pop("tool"), r.now)
+    assert r.m.record.data is None
+    r.barrier(0, ["a", "b"], "h0")  # the first barrier settles the plan
     assert RunRecord.from_json(json.loads(json.dumps(r.m.record.to_json()))).data == "leases"
     assert r.m.status(r.now)["data_plan"] == "leases"
+    for n in "ab":
+        r.m.leave(n, r.s[n], r.now)
+    with pytest.raises(RegistrationRefused, match="this run by leases"):
+        reg(r, "c", DataPlan(False, 0, 1))
 
-    r = Run(min_nodes=1)
+    r = Run(min_nodes=2)
+    reg(r, "wrong", DataPlan(True))  # a misconfigured node, gone before any barrier
+    r.m.leave("wrong", r.s["wrong"], r.now)
     reg(r, "a", DataPlan(False, 0, 2))
-    with pytest.raises(RegistrationRefused, match="data shard 0 of 2 is read by live node a"):
+    with pytest.raises(RegistrationRefused, match="data shard 0 of 2 is read by live node a") as ei:
         reg(r, "b", DataPlan(False, 0, 2))
-    with pytest.raises(RegistrationRefused, match="by 3 fixed shards, this run by 2 fixed shards .start it with "
+    assert ei.value.reason == "shard"  # (retried by the node: a dead holder is evicted soon)
+    with pytest.raises(RegistrationRefused, match="by 3 fixed shards, live node a by 2 fixed shards .start it with "
                                                   "--diloco.data_rank I --diloco.data_ranks 2"):
         reg(r, "b", DataPlan(False, 1, 3))
-    with pytest.raises(RegistrationRefused, match="reads its data by leases, this run by 2 fixed shards"):
-        reg(r, "b", DataPlan(True))
     reg(r, "b", DataPlan(False, 1, 2))
+    with pytest.raises(ProtocolError, match="registered to read fixed data shard 1 of 2: it leases nothing"):
+        _lease_m(r, "b", 0)
+    r.barrier(0, ["a", "b"], "h0")
+    r.barrier(1, ["a", "b"], "h1")
     r.m.leave("a", r.s["a"], r.now)
     reg(r, "c", DataPlan(False, 0, 2))  # a's shard, once a is gone
+    with pytest.raises(RegistrationRefused, match="this run by 2 fixed shards"):
+        reg(r, "d", DataPlan(True))
+    old = Run(min_nodes=1)
+    old.m.record.hwm_step = 5  # a journal from before data plans, past step 0 without leases
+    with pytest.raises(RegistrationRefused, match="past outer step 0 without leases"):
+        reg(old, "a", DataPlan(True))
     led = Run(min_nodes=1)
-    led.m.record.leases = Ledger()  # a journal from before data plans were said: its leases decide
+    led.m.record.leases = Ledger()  # ... or with leases: they decide
     with pytest.raises(RegistrationRefused, match="this run by leases"):
         reg(led, "a", DataPlan(False, 0, 1))
     for bad in ({"leases": True, "ranks": 2}, {"leases": False, "rank": 2, "ranks": 2}, {"leases": False, "ranks": 0}):
         with pytest.raises(ValueError):
             DataMsg.model_validate(bad)
+
+
+def test_a_node_of_another_protocol_is_told_so_whatever_fields_it_sends():
+    from intellect_jax.coordinator.service import CoordinatorService
+
+    svc = CoordinatorService()
+    reply = svc.handle({"op": "register", "node": "a", "addr": "h:1", "devices": 1, "protocol": PROTOCOL + 1,
+                        "fingerprint": FP, "a_field_of_version_8": {}}, identity="a")
+    assert reply["reason"] == "protocol" and f"protocol version {PROTOCOL + 1} != coordinator's {PROTOCOL}" in \
+        reply["message"], reply
 
 
 def test_a_restarted_coordinator_keeps_the_leases_and_commits_on():

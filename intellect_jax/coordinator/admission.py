@@ -1,9 +1,10 @@
 """Who gets into the run, and how a joiner gets the run's state.
 
 A registration is refused outright for a wrong protocol, model or run length, a duplicate or
-invalid id, a completed run, or another data plan than the run's (:func:`check_registration`). Joiners wait (``PENDING``) for the
-next boundary; a barrier then gives each one a donor among its members, round robin in ring
-order (:func:`admit`), and the donor streams it the state after the next outer step. A joiner
+invalid id, a completed run, or another data plan than the run's (:func:`check_registration`).
+Joiners wait (``PENDING``) for the next boundary; a barrier then gives each one a donor among
+its members, round robin in ring order (:func:`admit`), and the donor streams it the state
+after the next outer step. A joiner
 whose donor is gone, or whose transfer failed, is re-queued (:func:`requeue`) for the next
 boundary. These are rules over the :mod:`.roster` records; :class:`~.membership.Membership`
 applies them to its table.
@@ -44,20 +45,33 @@ def check_registration(node_id: str, addr: str, protocol: int, fingerprint: str,
         check_data(node_id, data, nodes, rec)
 
 
+def data_plan(rec: RunRecord) -> str | None:
+    """The run's data plan (:attr:`~.protocol.DataPlan.mode`): the one its first barrier formed
+    with (journaled), or leases once the journal holds them; None: not settled yet."""
+    return rec.data or ("leases" if rec.leases is not None else None)
+
+
 def check_data(node_id: str, data: DataPlan, nodes: dict[str, Node], rec: RunRecord) -> None:
-    """A run reads its data one way (its first registrant's :class:`~.protocol.DataPlan`, or
-    leases once its journal holds them); a fixed shard is read by one live node at a time."""
-    mode = rec.data or ("leases" if rec.leases is not None else None)
+    """A run reads its data one way: the plan its first barrier formed with (until then, that of
+    the live nodes that said one: a misconfigured node that leaves settles nothing); leases
+    cannot start past outer step 0; a fixed shard is read by one live node at a time."""
+    mode, whose = data_plan(rec), "this run"
+    live = [n for n in nodes.values() if n.data is not None and n.node_id != node_id]
+    if mode is None and live:
+        mode, whose = live[0].data.mode, f"live node {live[0].node_id}"  # type: ignore[union-attr]
     if mode is not None and data.mode != mode:
-        fix = "--diloco.leases" if mode == "leases" else f"--diloco.data_rank I --diloco.data_ranks {mode.split()[0]}" \
-            if mode.endswith("fixed shards") else "the run's data plan"
-        raise RegistrationRefused(f"node {node_id}: it reads its data by {data.mode}, this run by {mode} "
+        fix = "--diloco.leases" if mode == "leases" else f"--diloco.data_rank I --diloco.data_ranks {mode.split()[0]}"
+        raise RegistrationRefused(f"node {node_id}: it reads its data by {data.mode}, {whose} by {mode} "
                                   f"(start it with {fix})", "data")
+    if data.leases and rec.leases is None and (rec.hwm_step or 0) > 0:
+        raise RegistrationRefused(f"node {node_id}: it leases its data, but this run is past outer step 0 without "
+                                  "leases (they cannot start mid-run): start it with the run's data_rank/data_ranks",
+                                  "data")
     if not data.leases:
-        held = [n.node_id for n in nodes.values() if n.node_id != node_id and n.data == data]
-        if held:
+        held = [n.node_id for n in live if n.data == data]
+        if held:  # (retried by the node for a while: a dead holder is evicted within its heartbeat timeout)
             raise RegistrationRefused(f"node {node_id}: data shard {data.rank} of {data.ranks} is read by live node "
-                                      f"{held[0]}: two nodes on one shard train its tokens twice", "data")
+                                      f"{held[0]}: two nodes on one shard train its tokens twice", "shard")
 
 
 def admit(pending: list[Node], members: list[Node], step: int, epoch_id: int, seq: int,

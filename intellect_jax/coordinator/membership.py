@@ -100,7 +100,8 @@ class Membership:
                 "high_water_mark": {"outer_step": rec.hwm_step, "hash": rec.hwm_hash},
                 "completed": rec.completed, "outer_steps": rec.outer_steps, "waiting": self.history.waiting,
                 "hashes": {str(k): v for k, v in self.history.hashes.items()}, "evictions": list(self._evictions),
-                "data": rec.leases.status() if rec.leases is not None else None, "data_plan": rec.data}
+                "data": rec.leases.status() if rec.leases is not None else None,
+                "data_plan": admission.data_plan(rec)}
 
     # ---- requests ------------------------------------------------------------------------
     def register(self, node_id: str, addr: str, devices: int, protocol: int, fingerprint: str, now: float,
@@ -116,8 +117,6 @@ class Membership:
         rec = self.record
         admission.check_registration(node_id, addr, protocol, fingerprint, outer_steps, self._nodes, rec, data)
         rec.fingerprint = rec.fingerprint or fingerprint
-        if data is not None and rec.data is None:
-            rec.data = data.mode
         rec.outer_steps = rec.outer_steps or outer_steps
         self._first_reg = now if self._first_reg is None else self._first_reg
         role, order, fresh, note = Role.PENDING, (1, 0), False, ""
@@ -215,6 +214,8 @@ class Membership:
         node.last_seen = now
         if node.role is Role.PENDING:
             raise ProtocolError(f"node {node_id} is a joiner waiting for admission: no data before it is admitted")
+        if node.data is not None and not node.data.leases:
+            raise ProtocolError(f"node {node_id} registered to read {node.data.describe()}: it leases nothing", "lease")
         if self.record.completed:
             raise RunCompleted(f"the run is complete: no round {rnd} to train")
         lo = self._last.step if self._last else self._floor
@@ -420,6 +421,9 @@ class Membership:
             epoch_id = prev.epoch_id  # type: ignore[union-attr]
         mismatch = self.history.mismatch(step)
         sitting_out = tuple(n.node_id for n in members if n.arrival.sits_out)  # type: ignore[union-attr]
+        plans = {n.data.mode for n in members if n.data is not None}
+        if rec.data is None and len(plans) == 1:  # the run's data plan: the first barrier's members'
+            rec.data = plans.pop()
         if rec.leases is not None:  # the round-``step`` units of those not sitting out go into step + 1
             rec.leases.contributions(step, [p[0] for p in pairs if p[0] not in sitting_out])
         self.history.formed()

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from intellect_jax.coordinator.clock import REAL, Clock
 from intellect_jax.coordinator.journal import Journal, RunRecord
 from intellect_jax.coordinator.membership import Membership
-from intellect_jax.coordinator.protocol import (CoordinatorConfig, CoordinatorError, DataPlan, ProtocolError,
+from intellect_jax.coordinator.protocol import (PROTOCOL, CoordinatorConfig, CoordinatorError, DataPlan, ProtocolError,
                                                 RegistrationRefused, Resume)
 from intellect_jax.coordinator.schema import (MAX_MESSAGE, Admit, Heartbeat, Lease, Leave, Received, Register, Request,
                                               Status, Sync, parse_request)
@@ -170,6 +170,10 @@ class CoordinatorService:
         trouble propagates: :class:`ServiceStopped`, a ``deadline`` passed, a keepalive lost."""
         op = str(req.get("op"))[:40] if isinstance(req, dict) else "?"
         try:
+            if op == "register" and isinstance(req.get("protocol"), int) and req["protocol"] != PROTOCOL:
+                # (before the strict parse: a node of another version may send fields this one lacks)
+                raise RegistrationRefused(f"node {str(req.get('node'))[:128]}: protocol version {req['protocol']} "
+                                          f"!= coordinator's {PROTOCOL}", "protocol")
             msg = parse_request(req)
             _check_identity(msg, session, identity)
             vote = _check_vote(msg, cert, self.membership.record.run_id)
