@@ -115,7 +115,12 @@ class Attack:
     def __enter__(self) -> Attack:
         for t in self.threads:
             t.start()
-        time.sleep(1.0)  # the attack is in full swing before the run starts
+        t0 = time.monotonic()  # the attack is in full swing before the run starts: a wave of each held
+        while self.opened < 0.9 * self.idle or self.one_byte < 300 or self.flooded < 50:
+            if time.monotonic() > t0 + 60:
+                break
+            time.sleep(0.05)
+        self.at_start = (self.opened, self.flooded, self.one_byte)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -192,7 +197,8 @@ def run_nodes(n: int, attack: bool) -> dict:
             "evictions": [e for e in status["evictions"] if not e["graceful"]],
             "hashes": {state_hash(lp.state) for lp in loops if lp.state is not None}, "refused": refused,
             "node_refused": node_refused,
-            "attack": (ctx.opened, ctx.flooded, ctx.one_byte) if ctx else None}
+            "attack": (ctx.opened, ctx.flooded, ctx.one_byte) if ctx else None,
+            "attack_at_start": ctx.at_start if ctx else None}
 
 
 @pytest.mark.slow
@@ -212,9 +218,11 @@ def test_strangers_cannot_lock_members_out():
     assert max(hit["register_s"]) <= max(base["register_s"]) + 3.0
     assert hit["wall_s"] <= base["wall_s"] + 5.0
     opened, flooded, one_byte = hit["attack"]
-    assert opened > 900 and flooded > 300  # the attack ran all along (two waves of 500 idle connections at least)
-    assert one_byte >= 300  # a whole wave of 40 x 8 one-byte connections, held (a few connects may fail; a
-    #                        second wave needs the run to outlast the first, which a fast run may not)
+    opened0, flooded0, one_byte0 = hit["attack_at_start"]
+    # the attack ran all along: a whole wave of 500 idle and of 40 x 8 one-byte connections held as
+    # the run started (a few connects may fail; how many later waves fit depends on the run's
+    # speed and the machine's load), and the flood went on during the run
+    assert opened0 >= 450 and one_byte0 >= 300 and flooded - flooded0 > 100, (hit["attack_at_start"], hit["attack"])
     for refused in (hit["refused"], hit["node_refused"]):
         assert refused.get("source over its handshake budget", 0) > 100, refused
         assert refused.get("network over its handshake budget", 0) > 100, refused
