@@ -323,9 +323,9 @@ class Run:
         self.silent: set[str] = set()  # nodes whose heartbeats stop
 
     def reg(self, node: str, fp: str = FP, resume: Resume | None = None, protocol: int = PROTOCOL,
-            founder: bool = True) -> Any:
+            founder: bool = True, data: Any = None) -> Any:
         r = self.m.register(node, f"10.0.0.{len(self.s) + 1}:700{len(self.s)}", 8, protocol, fp, self.now,
-                            resume, founder)
+                            resume, founder, data=data)
         self.s[node] = r.session
         return r
 

@@ -4,6 +4,7 @@ partition of units, and the membership driving it at barriers, evictions, rollba
 from __future__ import annotations
 
 import json
+import time
 import warnings
 
 import numpy as np
@@ -12,11 +13,12 @@ from hypothesis import given, settings, strategies as st
 
 from intellect_jax.coordinator.journal import JournalError, RunRecord
 from intellect_jax.coordinator.leases import Ledger, LeaseError, RangeSet, count
-from intellect_jax.coordinator.protocol import PROTOCOL, ProtocolError
+from intellect_jax.coordinator.protocol import PROTOCOL, DataPlan, ProtocolError
 from intellect_jax.coordinator.schema import LeaseOk, parse_reply
 
 from helpers import FP, Run
 
+LEASING = DataPlan(True)
 H, U, T = 10, 5, 640  # a round of 10 inner steps is 2 units of 5 steps (640 tokens each)
 
 
@@ -175,7 +177,7 @@ def _lease_m(r, node, rnd):
 def test_barriers_commit_what_made_it_and_evictions_give_back_what_did_not():
     r = Run(min_nodes=3)
     for n in "abc":
-        r.reg(n)
+        r.reg(n, data=LEASING)
     for n in "abc":
         _lease_m(r, n, 0)
     r.m.arrive("a", r.s["a"], 0, r.now, "h0")
@@ -204,7 +206,7 @@ def test_barriers_commit_what_made_it_and_evictions_give_back_what_did_not():
 
 def test_lease_requests_are_checked_against_the_run():
     r = Run(min_nodes=1)
-    r.reg("a")
+    r.reg("a", data=LEASING)
     with pytest.raises(ProtocolError, match="round 5 is not one the run trains now"):
         _lease_m(r, "a", 5)
     _lease_m(r, "a", 0)
@@ -216,7 +218,7 @@ def test_a_run_reads_its_data_one_way_and_a_fixed_shard_is_read_once():
     """The plan of the run's first barrier is the run's (journaled; before it, the live nodes'
     plan); a node of another plan, or on a fixed shard a live node reads, is refused in one
     line naming what to change; a misconfigured node that leaves first settles nothing."""
-    from intellect_jax.coordinator.protocol import DataPlan, RegistrationRefused
+    from intellect_jax.coordinator.protocol import RegistrationRefused
     from intellect_jax.coordinator.schema import DataMsg
 
     def reg(r, n, plan):
@@ -224,11 +226,14 @@ def test_a_run_reads_its_data_one_way_and_a_fixed_shard_is_read_once():
 
     r = Run(min_nodes=2)
     reg(r, "a", DataPlan(True))
-    with pytest.raises(RegistrationRefused, match="reads its data by 4 fixed shards, live node a by leases .start "
-                                                  "it with --diloco.leases"):
+    with pytest.raises(RegistrationRefused, match="reads its data by 4 fixed shards, live node a by leases .the "
+                                                  "run's first barrier settles the plan") as ei:
         reg(r, "b", DataPlan(False, 1, 4))
+    assert ei.value.reason == "plan"  # (retried by the node: a misconfigured one that dies or leaves settles nothing)
     reg(r, "b", DataPlan(True))
-    reg(r, "tool", None)  # (a client that does not say is not checked; it leases nothing it was not given)
+    reg(r, "tool", None)  # (a client that does not say is not checked, and it is leased nothing)
+    with pytest.raises(ProtocolError, match="registered with no data plan: only a node that registered leasing"):
+        _lease_m(r, "tool", 0)
     r.m.leave("tool", r.s.pop("tool"), r.now)
     assert r.m.record.data is None
     r.barrier(0, ["a", "b"], "h0")  # the first barrier settles the plan
@@ -246,17 +251,17 @@ def test_a_run_reads_its_data_one_way_and_a_fixed_shard_is_read_once():
     with pytest.raises(RegistrationRefused, match="data shard 0 of 2 is read by live node a") as ei:
         reg(r, "b", DataPlan(False, 0, 2))
     assert ei.value.reason == "shard"  # (retried by the node: a dead holder is evicted soon)
-    with pytest.raises(RegistrationRefused, match="by 3 fixed shards, live node a by 2 fixed shards .start it with "
-                                                  "--diloco.data_rank I --diloco.data_ranks 2"):
+    with pytest.raises(RegistrationRefused, match="by 3 fixed shards, live node a by 2 fixed shards"):
         reg(r, "b", DataPlan(False, 1, 3))
     reg(r, "b", DataPlan(False, 1, 2))
-    with pytest.raises(ProtocolError, match="registered to read fixed data shard 1 of 2: it leases nothing"):
+    with pytest.raises(ProtocolError, match="registered with fixed data shard 1 of 2: only a node"):
         _lease_m(r, "b", 0)
     r.barrier(0, ["a", "b"], "h0")
     r.barrier(1, ["a", "b"], "h1")
     r.m.leave("a", r.s["a"], r.now)
     reg(r, "c", DataPlan(False, 0, 2))  # a's shard, once a is gone
-    with pytest.raises(RegistrationRefused, match="this run by 2 fixed shards"):
+    with pytest.raises(RegistrationRefused, match="this run by 2 fixed shards .start it with --diloco.data_rank I "
+                                                  "--diloco.data_ranks 2"):
         reg(r, "d", DataPlan(True))
     old = Run(min_nodes=1)
     old.m.record.hwm_step = 5  # a journal from before data plans, past step 0 without leases
@@ -288,13 +293,13 @@ def test_a_restarted_coordinator_keeps_the_leases_and_commits_on():
 
     r = Run(min_nodes=2)
     for n in "ab":
-        r.reg(n)
+        r.reg(n, data=LEASING)
         _lease_m(r, n, 0)
     eps = r.barrier(0, ["a", "b"], "h0")
     rec = RunRecord.from_json(json.loads(json.dumps(r.m.record.to_json())))  # the journal, reloaded
     r2 = Run(record=rec, min_nodes=2)
     for n in "ab":  # they did outer step 1 meanwhile
-        r2.reg(n, resume=Resume(1, eps[n].epoch_id, eps[n].rank, "h1", ("a", "b")))
+        r2.reg(n, resume=Resume(1, eps[n].epoch_id, eps[n].rank, "h1", ("a", "b")), data=LEASING)
     r2.barrier(1, ["a", "b"], "h1")
     led = r2.m.record.leases
     assert led.trained.ranges() == [[0, 4]] and led.problems() == []
@@ -446,3 +451,35 @@ def test_a_skipped_average_held_only_by_a_joiner_gives_its_units_back():
     assert "admitted joiner n2 at boundary 2" in log and "epoch 2: members [n2] at boundary 3" in log, log[-3000:]
     led = sim.journal.load("sim").leases
     assert 3 not in led.commits and {2, 4} <= set(led.commits), sorted(led.commits)
+
+
+def test_a_node_refused_while_the_plan_is_unsettled_waits_for_the_misconfigured_one_to_go():
+    """A misconfigured node registered first (a fixed shard) holds no run: a leasing node is told
+    so (reason "plan") and retries; once the misconfigured one leaves, it registers."""
+    import threading
+
+    from intellect_jax.coordinator.client import CoordinatorClient
+    from intellect_jax.coordinator.protocol import CoordinatorConfig
+    from intellect_jax.testing.local_coordinator import LocalCoordinator
+
+    coord = LocalCoordinator(CoordinatorConfig(min_nodes=2, join_window=0.0))
+    said: list[str] = []
+
+    def client(n, plan):
+        return CoordinatorClient(None, None, n, f"local://{n}", wire=coord.wire(n), heartbeat_interval=0.2,
+                                 register_timeout=20.0, data=plan, say=said.append)
+
+    wrong, good = client("m", DataPlan(False, 0, 4)), client("a", LEASING)
+    try:
+        wrong.register()
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(good.register()))
+        t.start()
+        time.sleep(1.0)
+        assert not got and any("live node m by 4 fixed shards" in line for line in said), said
+        wrong.leave()
+        t.join(15)
+        assert got and got[0].member, (got, said)
+    finally:
+        wrong.close(), good.close()
+        coord.crash()

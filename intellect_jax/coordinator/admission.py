@@ -22,7 +22,8 @@ from intellect_jax.coordinator.roster import Node, Role
 
 
 def check_registration(node_id: str, addr: str, protocol: int, fingerprint: str, outer_steps: int | None,
-                       nodes: dict[str, Node], rec: RunRecord, data: DataPlan | None = None) -> None:
+                       nodes: dict[str, Node], rec: RunRecord, data: DataPlan | None = None,
+                       started: bool = False) -> None:
     """Raise :class:`RegistrationRefused` (or :class:`RunCompleted`) if this node may not register."""
     if protocol != PROTOCOL:
         raise RegistrationRefused(f"node {node_id}: protocol version {protocol} != coordinator's {PROTOCOL}",
@@ -42,7 +43,7 @@ def check_registration(node_id: str, addr: str, protocol: int, fingerprint: str,
         raise RunCompleted(f"the run is complete: all {rec.outer_steps} outer steps are done "
                            f"(final state hash {str(rec.hwm_hash)[:16]})")
     if data is not None:
-        check_data(node_id, data, nodes, rec)
+        check_data(node_id, data, nodes, rec, started)
 
 
 def data_plan(rec: RunRecord) -> str | None:
@@ -51,19 +52,23 @@ def data_plan(rec: RunRecord) -> str | None:
     return rec.data or ("leases" if rec.leases is not None else None)
 
 
-def check_data(node_id: str, data: DataPlan, nodes: dict[str, Node], rec: RunRecord) -> None:
-    """A run reads its data one way: the plan its first barrier formed with (until then, that of
-    the live nodes that said one: a misconfigured node that leaves settles nothing); leases
-    cannot start past outer step 0; a fixed shard is read by one live node at a time."""
-    mode, whose = data_plan(rec), "this run"
+def check_data(node_id: str, data: DataPlan, nodes: dict[str, Node], rec: RunRecord, started: bool = False) -> None:
+    """A run reads its data one way: the plan its first barrier formed with; until then, that of
+    the live nodes that said one (a refusal the node retries, reason ``plan``: a misconfigured
+    node that dies or leaves settles nothing). Leases cannot start in a run ``started`` without
+    them (past outer step 0, or history unknown); a fixed shard is read by one live node at a time."""
+    mode = data_plan(rec)
     live = [n for n in nodes.values() if n.data is not None and n.node_id != node_id]
-    if mode is None and live:
-        mode, whose = live[0].data.mode, f"live node {live[0].node_id}"  # type: ignore[union-attr]
+    other = live[0].data.mode if live else None  # type: ignore[union-attr]
+    if mode is None and other is not None and data.mode != other:
+        raise RegistrationRefused(f"node {node_id}: it reads its data by {data.mode}, live node {live[0].node_id} by "
+                                  f"{other} (the run's first barrier settles the plan: one of them is misconfigured)",
+                                  "plan")
     if mode is not None and data.mode != mode:
         fix = "--diloco.leases" if mode == "leases" else f"--diloco.data_rank I --diloco.data_ranks {mode.split()[0]}"
-        raise RegistrationRefused(f"node {node_id}: it reads its data by {data.mode}, {whose} by {mode} "
+        raise RegistrationRefused(f"node {node_id}: it reads its data by {data.mode}, this run by {mode} "
                                   f"(start it with {fix})", "data")
-    if data.leases and rec.leases is None and (rec.hwm_step or 0) > 0:
+    if data.leases and rec.leases is None and started:
         raise RegistrationRefused(f"node {node_id}: it leases its data, but this run is past outer step 0 without "
                                   "leases (they cannot start mid-run): start it with the run's data_rank/data_ranks",
                                   "data")

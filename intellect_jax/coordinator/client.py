@@ -197,8 +197,10 @@ class CoordinatorClient:
                     self._say(f"node {self.node_id}: registered with {self._name} after waiting "
                               f"{clock.now() - t0:.1f}s")
                 return r
-            except RegistrationRefused as e:  # our own previous session (or a shard's holder), not yet seen gone
-                if e.reason not in ("duplicate", "shard") or clock.now() >= grace:
+            except RegistrationRefused as e:  # our own previous session (or a shard's holder), not yet seen gone;
+                # or a run whose data plan its first barrier has not settled yet
+                if not ((e.reason in ("duplicate", "shard") and clock.now() < grace) or
+                        (e.reason == "plan" and clock.now() < deadline)):
                     raise
                 cause: Exception = e
             except TRANSIENT as e:

@@ -48,7 +48,7 @@ class RunRecord:
     votes: dict[int, dict[str, Any]] = field(default_factory=dict)
     certs: dict[str, str] = field(default_factory=dict)
     leases: Ledger | None = None  # the run's data leases (coordinator/leases.py), once a node asked for one
-    data: str | None = None  # the run's data plan (protocol.DataPlan.mode), its first registrant's
+    data: str | None = None  # the run's data plan (protocol.DataPlan.mode), its first barrier's members'
     rev: int = field(default=0, repr=False, compare=False)  # bumped by sign(): the journal saves then
 
     def record(self, step: int, state_hash: str, keep: int) -> None:

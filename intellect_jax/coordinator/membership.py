@@ -115,7 +115,8 @@ class Membership:
         else joins; a node whose state is behind or diverged is told why in ``note``.
         """
         rec = self.record
-        admission.check_registration(node_id, addr, protocol, fingerprint, outer_steps, self._nodes, rec, data)
+        admission.check_registration(node_id, addr, protocol, fingerprint, outer_steps, self._nodes, rec, data,
+                                     (rec.hwm_step or 0) > 0 or bool(self.history.unknown))
         rec.fingerprint = rec.fingerprint or fingerprint
         rec.outer_steps = rec.outer_steps or outer_steps
         self._first_reg = now if self._first_reg is None else self._first_reg
@@ -214,8 +215,10 @@ class Membership:
         node.last_seen = now
         if node.role is Role.PENDING:
             raise ProtocolError(f"node {node_id} is a joiner waiting for admission: no data before it is admitted")
-        if node.data is not None and not node.data.leases:
-            raise ProtocolError(f"node {node_id} registered to read {node.data.describe()}: it leases nothing", "lease")
+        if node.data is None or not node.data.leases:
+            said = node.data.describe() if node.data else "no data plan"
+            raise ProtocolError(f"node {node_id} registered with {said}: only a node that registered leasing its "
+                                "data (diloco.leases) is leased any", "lease")
         if self.record.completed:
             raise RunCompleted(f"the run is complete: no round {rnd} to train")
         lo = self._last.step if self._last else self._floor

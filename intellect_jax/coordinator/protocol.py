@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROTOCOL = 7  # coordinator protocol version; bump on any incompatible change (6: data leases, 7: data plans)
+# coordinator protocol version; bump on any incompatible change (6: data leases, 7: data plans,
+# 8: the last average's verdict in the state hash and the transfer header)
+PROTOCOL = 8
 
 
 class CoordinatorError(Exception):
@@ -48,8 +50,8 @@ class RunCompleted(CoordinatorError):
 class DataPlan:
     """How a node reads its training data: units leased by the coordinator (``leases``,
     coordinator/leases.py), or the fixed shard ``rank`` of ``ranks`` (``diloco.data_rank`` /
-    ``data_ranks``). A run takes one plan (its first registrant's): the coordinator refuses a
-    node of another, and a fixed shard that a live node already reads."""
+    ``data_ranks``). A run takes one plan (its first barrier's): the coordinator refuses a node
+    of another, and a fixed shard that a live node already reads."""
 
     leases: bool
     rank: int = 0

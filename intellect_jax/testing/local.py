@@ -18,7 +18,7 @@ from intellect_jax.coordinator.client import CoordinatorClient
 from intellect_jax.coordinator.clock import REAL, Clock
 from intellect_jax.diloco.loop import NodeLoop
 from intellect_jax.diloco.parts import Inner, LoopConfig, NodeParts, Outcome, TransferFailed
-from intellect_jax.coordinator.protocol import Admission, CoordinatorConfig, Epoch
+from intellect_jax.coordinator.protocol import Admission, CoordinatorConfig, DataPlan, Epoch
 from intellect_jax.testing.local_coordinator import LocalCoordinator
 from intellect_jax.diloco.state import DilocoState, MomentumState, init_state, pseudo_gradient
 from intellect_jax.diloco.store import MemoryStore
@@ -209,7 +209,8 @@ def run_local(loop_cfg: LoopConfig, inners: list[Inner], ring: RingConfig, *,
     def node(i: int) -> None:
         name = f"node{i}"
         client = CoordinatorClient(None, None, name, f"local://{name}", wire=coord.wire(name),
-                                   heartbeat_interval=heartbeat_interval, outer_steps=loop_cfg.outer_steps)
+                                   heartbeat_interval=heartbeat_interval, outer_steps=loop_cfg.outer_steps,
+                                   data=DataPlan(True) if loop_cfg.data_units else None)
         parts = NodeParts(name, inners[i], client, rings, transport.endpoint(name), stores[i],
                           log=(lambda line: log(f"[{name}] {line}")) if log else (lambda line: None))
         try:
