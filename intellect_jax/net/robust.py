@@ -2,28 +2,32 @@
 
 In a butterfly exchange each segment of the pseudo-gradient has an owner that receives every
 member's own piece of it (rows in rank order) and returns one aggregate. The plain mean lets a
-single member steer it anywhere (send ``-(N-1)`` times its honest piece and the mean reverses);
-these aggregators bound each member's influence by this round's rows alone, so no bound can be
-ratcheted up over rounds:
+single member steer it anywhere (send ``-(N-1)`` times its honest piece and the honest part
+cancels; two such members reverse it); these aggregators bound each member's influence by this
+round's rows alone, so no bound can be ratcheted up over rounds:
 
 =========  ==================================================================================
 mean       the plain mean (what the ring computes today)
-clip       each row scaled down to at most ``factor`` x the median row norm of this round,
-           then the mean
+clip       each row scaled down to at most ``factor`` x the (lower) median row norm of this
+           round, then the mean
 trim<k>    coordinate-wise trimmed mean: the ``k`` largest and ``k`` smallest values of each
            coordinate dropped (the median when fewer than ``2k + 1`` rows are left)
-cclip      CenteredClip (Karimireddy, He & Jaggi 2021; the aggregator of hivemind's BTARD):
-           from the coordinate-wise median, ``iters`` steps of ``v += mean(clip(x_i - v, tau))``,
-           ``tau`` = ``factor`` x the median distance of the rows to ``v`` in that step
+cclip      a variant of CenteredClip (Karimireddy, He & Jaggi 2021; the aggregator of hivemind's
+           BTARD): ``iters`` steps of ``v += mean(clip(x_i - v, tau))`` from the coordinate-wise
+           median (not from the previous round's aggregate, as the paper's momentum does: it
+           sees one round), ``tau`` = ``factor`` x the (lower) median distance to ``v``
 =========  ==================================================================================
 
-A row with a value that is not finite is dropped by every aggregator (its sender's signed
-piece is the evidence against it). Each aggregator is deterministic given the rows in rank
-order: float32 elementwise arithmetic in a fixed order, norms as float64 pairwise sums
-(numpy's order, fixed whatever the CPU), so a verifier that recomputes an owner's aggregate
-from the same rows gets the same bits. :func:`aggregate` also reports, per row, the weight it
-got (1: untouched; below 1: clipped; 0: dropped), which tells the owner whose pieces pulled
-hardest.
+A row that is not the segment's length, or has a value that is not finite (as float32), is
+dropped by every aggregator (its sender's signed piece is the evidence against it). Each
+aggregator is deterministic given the rows in rank order: float32 elementwise arithmetic in a
+fixed order, norms as float64 pairwise sums (numpy's order, fixed whatever the CPU), medians of
+sorted values whose zeros are made +0 (a sort may place -0 and +0 either way), so a verifier
+that recomputes an owner's aggregate from the same rows gets the same bits. The medians are
+lower medians: with an even number of rows, half of them large cannot lift a bound.
+:func:`aggregate` also reports each row's weight: 0 if dropped; for ``clip`` and ``cclip`` the
+scale it got (the last step's for ``cclip``; with ``factor`` 1 about half the honest rows are
+scaled a little every round, so a weight below 1 is no evidence against anyone); 1 otherwise.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ def _scale(n: float, bound: float) -> float:
 
 
 def _median(values: Sequence[float]) -> float:
-    return float(np.median(np.asarray(values, np.float64)))
+    """The lower median (attackers with large values cannot lift it while most rows are honest)."""
+    return sorted(values)[(len(values) - 1) // 2]
 
 
 def mean(rows: Sequence[np.ndarray]) -> np.ndarray:
@@ -85,15 +90,22 @@ def clip(rows: Sequence[np.ndarray], factor: float = DEFAULT_FACTOR) -> tuple[np
     return _ordered_sum(rows, w) / np.float32(len(rows)), w
 
 
+def _sorted(rows: Sequence[np.ndarray]) -> np.ndarray:
+    s = np.sort(np.stack(rows), axis=0)
+    s += np.float32(0)  # -0 becomes +0: where a sort puts -0 against +0 varies with the CPU's kernel
+    return s
+
+
 def _middle(s: np.ndarray) -> np.ndarray:
     """The coordinate-wise median of rows sorted along axis 0 (float32; np.median is 4x slower)."""
     n = len(s)
-    return s[n // 2].copy() if n % 2 else (s[n // 2 - 1] + s[n // 2]) * np.float32(0.5)
+    half = np.float32(0.5)
+    return s[n // 2].copy() if n % 2 else s[n // 2 - 1] * half + s[n // 2] * half
 
 
 def trimmed_mean(rows: Sequence[np.ndarray], k: int) -> np.ndarray:
     n = len(rows)
-    s = np.sort(np.stack(rows), axis=0)
+    s = _sorted(rows)
     if n - 2 * k < 1:
         return _middle(s)
     return _ordered_sum(list(s[k:n - k])) / np.float32(n - 2 * k)
@@ -101,7 +113,7 @@ def trimmed_mean(rows: Sequence[np.ndarray], k: int) -> np.ndarray:
 
 def centered_clip(rows: Sequence[np.ndarray], factor: float = DEFAULT_FACTOR,
                   iters: int = CCLIP_ITERS) -> tuple[np.ndarray, list[float]]:
-    v = _middle(np.sort(np.stack(rows), axis=0))
+    v = _middle(_sorted(rows))
     w = [1.0] * len(rows)
     for _ in range(iters):
         diffs = [x - v for x in rows]
@@ -121,15 +133,20 @@ def check_mode(mode: str) -> None:
     raise ValueError(f"aggregator {mode!r} is not one of mean, clip, trim<k> (k = 1..99), cclip")
 
 
-def aggregate(rows: Sequence[np.ndarray], mode: str, factor: float = DEFAULT_FACTOR) -> Aggregated:
-    """One segment's aggregate of ``rows`` (each member's own piece, rank order, float32)."""
+def aggregate(rows: Sequence[np.ndarray], mode: str, numel: int, factor: float = DEFAULT_FACTOR) -> Aggregated:
+    """One segment's aggregate of ``rows`` (each member's own piece of the segment's ``numel``
+    values, rank order, cast to float32)."""
     check_mode(mode)
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"the clipping factor must be finite and > 0, not {factor}")
     if not rows:
         raise ValueError("no rows to aggregate")
-    finite = [bool(np.isfinite(x).all()) for x in rows]
-    kept = [np.asarray(x, np.float32) for x, ok in zip(rows, finite) if ok]
+    with np.errstate(over="ignore"):  # (a float64 value beyond float32's range becomes inf: dropped)
+        cast = [np.asarray(x, np.float32) for x in rows]
+    good = [x.shape == (numel,) and bool(np.isfinite(x).all()) for x in cast]
+    kept = [x for x, ok in zip(cast, good) if ok]
     if not kept:
-        raise ValueError("every row has values that are not finite")
+        raise ValueError(f"no row has {numel} finite values")
     if mode == "mean":
         value, w = mean(kept), [1.0] * len(kept)
     elif mode == "clip":
@@ -139,4 +156,4 @@ def aggregate(rows: Sequence[np.ndarray], mode: str, factor: float = DEFAULT_FAC
     else:
         value, w = trimmed_mean(kept, int(mode[4:])), [1.0] * len(kept)
     it = iter(w)
-    return Aggregated(value, tuple(next(it) if ok else 0.0 for ok in finite))
+    return Aggregated(value, tuple(next(it) if ok else 0.0 for ok in good))
