@@ -4,10 +4,9 @@ A registration is refused outright for a wrong protocol, model or run length, a 
 invalid id, a completed run, or another data plan than the run's (:func:`check_registration`).
 Joiners wait (``PENDING``) for the next boundary; a barrier then gives each one a donor among
 its members, round robin in ring order (:func:`admit`), and the donor streams it the state
-after the next outer step. A joiner
-whose donor is gone, or whose transfer failed, is re-queued (:func:`requeue`) for the next
-boundary. These are rules over the :mod:`.roster` records; :class:`~.membership.Membership`
-applies them to its table.
+after the next outer step. A joiner whose donor is gone, or whose transfer failed, is
+re-queued (:func:`requeue`) for the next boundary. These are rules over the :mod:`.roster`
+records; :class:`~.membership.Membership` applies them to its table.
 """
 
 from __future__ import annotations
