@@ -32,6 +32,7 @@ scaled a little every round, so a weight below 1 is no evidence against anyone);
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -90,13 +91,39 @@ def clip(rows: Sequence[np.ndarray], factor: float = DEFAULT_FACTOR) -> tuple[np
     return _ordered_sum(rows, w) / np.float32(len(rows)), w
 
 
-def _sorted(rows: Sequence[np.ndarray]) -> np.ndarray:
-    s = np.sort(np.stack(rows), axis=0)
-    s += np.float32(0)  # -0 becomes +0: where a sort puts -0 against +0 varies with the CPU's kernel
+@functools.lru_cache(maxsize=64)
+def _network(n: int) -> tuple[tuple[int, int], ...]:
+    """Batcher's odd-even merge sort for ``n`` wires: the comparators (i < j) of the network for
+    the next power of two, less those touching a wire >= n (as if padded with +inf rows, which
+    no comparator moves)."""
+    m, pairs, p = 1 << max(0, (n - 1).bit_length()), [], 1
+    while p < m:
+        k = p
+        while k >= 1:
+            for j in range(k % p, m - k, 2 * k):
+                for i in range(min(k, m - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p) and i + j + k < n:
+                        pairs.append((i + j, i + j + k))
+            k //= 2
+        p *= 2
+    return tuple(pairs)
+
+
+def _sorted(rows: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The rows sorted coordinate-wise (finite float32 rows): a sorting network of elementwise
+    min and max, many times faster than sorting each coordinate's few values on its own."""
+    s = [np.array(x, np.float32, copy=True) for x in rows]
+    tmp = np.empty_like(s[0])
+    for i, j in _network(len(s)):
+        lo = np.minimum(s[i], s[j], out=tmp)
+        np.maximum(s[i], s[j], out=s[j])
+        tmp, s[i] = s[i], lo
+    for x in s:
+        x += np.float32(0)  # -0 becomes +0: which of -0 and +0 a comparator keeps is not defined
     return s
 
 
-def _middle(s: np.ndarray) -> np.ndarray:
+def _middle(s: Sequence[np.ndarray]) -> np.ndarray:
     """The coordinate-wise median of rows sorted along axis 0 (float32; np.median is 4x slower)."""
     n = len(s)
     half = np.float32(0.5)
@@ -108,7 +135,7 @@ def trimmed_mean(rows: Sequence[np.ndarray], k: int) -> np.ndarray:
     s = _sorted(rows)
     if n - 2 * k < 1:
         return _middle(s)
-    return _ordered_sum(list(s[k:n - k])) / np.float32(n - 2 * k)
+    return _ordered_sum(s[k:n - k]) / np.float32(n - 2 * k)
 
 
 def centered_clip(rows: Sequence[np.ndarray], factor: float = DEFAULT_FACTOR,
