@@ -18,7 +18,8 @@ from typing import Annotated, Any, Callable, Protocol, Sequence, TypeVar, runtim
 import numpy as np
 from pydantic import Field
 
-from intellect_jax.net import codecs, evidence, quant, tree as treelib
+from intellect_jax.net import codecs, evidence, quant, robust, tree as treelib
+from intellect_jax.net.butterfly import RING_MODES, MeshSeal, butterfly_all_reduce, peer_of
 from intellect_jax.net.errors import ConfigMismatch, PeerTimeout, RingClosed
 from intellect_jax.net.identity import verify
 from intellect_jax.net.schema import Nat, Wire, recv_model
@@ -49,9 +50,20 @@ class RingConfig:
     deadline: float = 300.0  # seconds for one all_reduce_mean call, connecting included
     stochastic_rounding: bool = False
     seed: int = 0
+    exchange: str = "ring"  # "ring" | "butterfly": each segment's owner sees every contribution whole (.butterfly)
+    robust: str = "mean"  # the butterfly owners' aggregator (.robust: mean, clip, trim<k>, cclip)
 
     def __post_init__(self) -> None:
         quant.check_mode(self.mode, self.block_size)
+        if self.exchange not in ("ring", "butterfly"):
+            raise ValueError(f"exchange must be ring or butterfly, not {self.exchange!r}")
+        robust.check_mode(self.robust)
+        if self.exchange == "butterfly" and (self.mode not in RING_MODES or self.stochastic_rounding
+                                             or self.streams != 1):
+            raise ValueError(f"the butterfly exchange takes {', '.join(RING_MODES)}, one stream per peer and no "
+                             f"stochastic rounding, not {self.mode} with {self.streams} streams")
+        if self.exchange == "ring" and self.robust != "mean":
+            raise ValueError(f"a robust aggregator ({self.robust}) needs the butterfly exchange")
         if self.streams < 1 or self.piece_numel < 1 or self.bucket_numel < 1 or self.deadline <= 0:
             raise ValueError(f"invalid ring config {self}")
         if self.stochastic_rounding and self.mode != "int8":
@@ -270,6 +282,8 @@ class RingMeta(Wire):
     bucket_numel: Nat
     stochastic_rounding: bool
     seed: Int64
+    exchange: Annotated[str, Field(max_length=16)]
+    robust: Annotated[str, Field(max_length=16)]
     sig: Short
     buckets: Annotated[list[Nat], Field(max_length=1 << 16)]
 
@@ -334,21 +348,29 @@ class SocketCommunicator:
                     raise PeerTimeout(f"{what}: nothing within {self.config.deadline:.1f}s (last try: {e})") from None
 
     def _open(self, deadline: float) -> Links:
+        """The ring's links (``streams`` to the successor and from the predecessor), or the
+        butterfly's mesh (one to and one from every other rank, :func:`.butterfly.peer_of`)."""
         if self._links is not None:
             return self._links
-        nxt, prv, k_streams = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size, self.config.streams
+        n, me = self.world_size, self.rank
+        if self.config.exchange == "butterfly":
+            pairs = [(peer_of(me, n, k), 0) for k in range(n - 1)]
+            outs, inns = pairs, pairs
+        else:
+            outs = [((me + 1) % n, k) for k in range(self.config.streams)]
+            inns = [((me - 1) % n, k) for k in range(self.config.streams)]
         links = Links([], [])
         try:
-            for k in range(k_streams):
-                ch = self._channel(self.rank, nxt, k)
-                links.out.append(self._until(lambda t: self.node.connect(self.peers[nxt], ch, expect=self.ids[nxt],
-                                                                         timeout=t, name=self._name(nxt)),
-                                             deadline, f"connecting to {self._name(nxt)}"))
-            for k in range(k_streams):
-                ch = self._channel(prv, self.rank, k)
-                links.inn.append(self._until(lambda t: self.node.accept(ch, peer=self.ids[prv], timeout=t,
-                                                                        name=self._name(prv)),
-                                             deadline, f"waiting for {self._name(prv)} on channel {ch!r}"))
+            for to, k in outs:
+                ch = self._channel(me, to, k)
+                links.out.append(self._until(lambda t: self.node.connect(self.peers[to], ch, expect=self.ids[to],
+                                                                         timeout=t, name=self._name(to)),
+                                             deadline, f"connecting to {self._name(to)}"))
+            for frm, k in inns:
+                ch = self._channel(frm, me, k)
+                links.inn.append(self._until(lambda t: self.node.accept(ch, peer=self.ids[frm], timeout=t,
+                                                                        name=self._name(frm)),
+                                             deadline, f"waiting for {self._name(frm)} on channel {ch!r}"))
         except BaseException:
             links.close()
             raise
@@ -358,16 +380,24 @@ class SocketCommunicator:
         return links
 
     def _check_meta(self, links: Links, meta: dict[str, Any], deadline: float) -> None:
-        """Send our parameters downstream; the upstream rank's, parsed as a :class:`RingMeta`
-        (:class:`FrameError` if they do not parse), must equal ours (:class:`ConfigMismatch`)."""
+        """Send our parameters to every rank we send to; every rank we receive from must send
+        the same, parsed as a :class:`RingMeta` (:class:`FrameError` if they do not parse,
+        :class:`ConfigMismatch` if they differ)."""
         ours = RingMeta.model_validate(meta).model_dump()  # ours must parse too: a new field goes in RingMeta
-        send_msg(links.out[0], meta, deadline)
-        theirs = recv_model(links.inn[0], RingMeta, "all-reduce header", deadline, max_len=1 << 16).model_dump()
-        diff = [k for k in ours if ours[k] != theirs[k]]
-        if diff:
-            prv = (self.rank - 1) % self.world_size
-            detail = ", ".join(f"{k}: theirs={repr(theirs[k])[:40]} ours={repr(ours[k])[:40]}" for k in diff)
-            raise ConfigMismatch(f"{self._name(prv)} disagrees on this all-reduce: {detail}")
+        mesh = self.config.exchange == "butterfly"
+        for conn in links.out if mesh else links.out[:1]:
+            send_msg(conn, meta, deadline)
+        # every header is read before any is judged: a rank that gave up at once would close its
+        # links while others still send theirs, and they would see a closed peer, not the mismatch
+        heard = [recv_model(conn, RingMeta, "all-reduce header", deadline, max_len=1 << 16).model_dump()
+                 for conn in (links.inn if mesh else links.inn[:1])]
+        for k, theirs in enumerate(heard):
+            diff = [key for key in ours if ours[key] != theirs[key]]
+            if diff:
+                frm = peer_of(self.rank, self.world_size, k) if mesh else (self.rank - 1) % self.world_size
+                detail = ", ".join(f"{key}: theirs={repr(theirs[key])[:40]} ours={repr(ours[key])[:40]}"
+                                   for key in diff)
+                raise ConfigMismatch(f"{self._name(frm)} disagrees on this all-reduce: {detail}")
 
     def all_reduce_mean(self, tree: T, *, out: T | None = None, dropped: T | None = None) -> T:
         """Mean over the ring, bit-identical on every rank, as new arrays (or written to ``out``);
@@ -395,17 +425,25 @@ class SocketCommunicator:
             sent0, recv0 = links.traffic()
 
             def before(info: dict[str, Any]) -> None:
-                meta = {"v": 2, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
+                meta = {"v": 3, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
                         "peers": self._peers_hash, **asdict(cfg), **info}
                 meta.pop("deadline")
                 self._check_meta(links, meta, deadline)
 
-            findings: list[tuple[int, Finding]] = []
+            findings: list[tuple[int, int, Finding]] = []  # (call, sender rank, its bad piece)
+            prv = (self.rank - 1) % self.world_size
 
             def flat_reduce(flat: np.ndarray, bi: int, o: np.ndarray | None, d: np.ndarray | None) -> np.ndarray:
                 found: list[Finding] = []
+                by: list[tuple[int, Finding]] = []
                 c = bucket_call(call, bi)
                 try:
+                    if cfg.exchange == "butterfly":
+                        return butterfly_all_reduce(links, flat, self.rank, self.world_size, mode=cfg.mode,
+                                                    block=cfg.block_size, piece_numel=cfg.piece_numel,
+                                                    deadline=deadline, how=cfg.robust, out=o, inspect=self.inspect,
+                                                    findings=by, seal=self._mesh_seal(c, links),
+                                                    workspace=self._workspace)
                     if codecs.gathered(cfg.mode):
                         return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
@@ -417,17 +455,19 @@ class SocketCommunicator:
                                            call=c, deadline=deadline, out=o, workspace=self._workspace,
                                            inspect=self.inspect, findings=found, seal=self._seal(c, links))
                 finally:
-                    findings.extend((c, f) for f in found)
+                    findings.extend((c, prv, f) for f in found)
+                    findings.extend((c, r, f) for r, f in by)
 
             self.suspect = None
             result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out, dropped=dropped,
                                         encoded=enc is not None)
             if findings:
-                c, f = findings[0]
-                self.suspect = ((self.rank - 1) % self.world_size, f.why, evidence.evidence(
+                c, r, f = findings[0]
+                k = (r - self.rank - 1) % self.world_size if cfg.exchange == "butterfly" else 0
+                self.suspect = (r, f.why, evidence.evidence(
                     step=self.step, epoch=self.epoch, call=c, segment=f.segment, piece=f.piece, numel=f.numel,
                     mode=cfg.mode, block=cfg.block_size, payload=f.payload, signature=f.signature,
-                    cert=links.inn[0].cert))
+                    cert=links.inn[k].cert))
         except BaseException:
             self._teardown()  # neighbours see the connections close and fail fast too
             raise
@@ -454,6 +494,24 @@ class SocketCommunicator:
             return verify(cert, said(prv, me, seg, j, n, payload), evidence.der_signature(sig))
 
         return Seal(sign, check)
+
+    def _mesh_seal(self, call: int, links: Links) -> MeshSeal:
+        """Signatures of call ``call`` in the butterfly: ours over our own pieces, to each
+        segment's owner; a sender's checked with the certificate its connection presented."""
+        cfg, run_id, ids, n = self.config, self.node.cfg.run_id, self.ids, self.world_size
+
+        def said(sender: int, owner: int, seg: int, j: int, numel: int, payload: Any) -> bytes:
+            return evidence.statement(run_id, self.step, self.epoch, call, ids[sender], ids[owner], seg, j, numel,
+                                      cfg.mode, cfg.block_size, payload)
+
+        def sign(owner: int, seg: int, j: int, numel: int, payload: Any) -> bytes:
+            return evidence.raw_signature(self.node.cfg.identity.sign(said(self.rank, owner, seg, j, numel, payload)))
+
+        def check(sender: int, seg: int, j: int, numel: int, payload: bytes, sig: bytes) -> bool:
+            cert = links.inn[(sender - self.rank - 1) % n].cert
+            return verify(cert, said(sender, self.rank, seg, j, numel, payload), evidence.der_signature(sig))
+
+        return MeshSeal(sign, check)
 
     def abort(self) -> None:
         """From another thread: fail the all-reduce in progress now (every socket of the ring is

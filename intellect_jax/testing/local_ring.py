@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from intellect_jax.net import codecs, gather, plan, tree as treelib
+from intellect_jax.net import butterfly, codecs, gather, plan, tree as treelib
 from intellect_jax.net.comm import CommStats, RingConfig, bucket_call, check_dropped, leaves_like, unpack_encoded
 from intellect_jax.net.errors import PeerClosed, PeerTimeout
 from intellect_jax.net.evidence import SIG_BYTES, unsigned_evidence
@@ -38,6 +38,14 @@ def ring_bytes(numel: int, world: int, rank: int, cfg: RingConfig) -> int:
                   for a, b in (p.piece(0, j) for j in range(p.pieces)))
         return (world - 1) * one + p.pieces * (HEADER_LEN + SIG_BYTES)
     p = plan.make_plan(numel, world, cfg.block_size, cfg.piece_numel)
+    if cfg.exchange == "butterfly":  # our pieces of every other segment, signed; our aggregate to every other rank
+
+        def seg(c: int) -> int:
+            return sum(HEADER_LEN + encoded_nbytes(b - a, cfg.mode, cfg.block_size)
+                       for a, b in (p.piece(c, j) for j in range(p.pieces)))
+
+        others = [c for c in range(world) if c != rank]
+        return sum(seg(c) for c in others) + len(others) * (p.pieces * (HEADER_LEN + SIG_BYTES) + seg(rank))
     total = 0
     for m in range(p.messages):
         s, j = divmod(m, p.pieces)
@@ -103,6 +111,8 @@ class LocalGroup:
                     if d_leaves is not None:
                         for o, v in zip((d_leaves[i] for i in idx), treelib.scatter(d, leaves0, idx)):
                             np.copyto(o, v)
+            elif cfg.exchange == "butterfly" and self.world > 1:
+                res = butterfly.simulate(inputs, cfg.mode, cfg.block_size, cfg.piece_numel, cfg.robust)
             else:
                 res = plan.simulate(inputs, cfg.mode, cfg.block_size, cfg.piece_numel, seed=seed,
                                     call=bucket_call(call, bi))
@@ -162,12 +172,16 @@ class LocalCommunicator:
         check_dropped(cfg, dropped)
         result = self.group._submit(self.rank, tree, cfg.deadline, dropped)
         self.suspect = None
-        if self.inspect is not None and self.world_size > 1:
-            prev = (self.rank - 1) % self.world_size
-            theirs = np.concatenate([x.reshape(-1) for x in treelib.flatten(self.group.last_inputs[prev])[0]])
-            found = unsigned_evidence(theirs, self.inspect, step=self.group.step, epoch=self.group.epoch,
-                                      piece_numel=cfg.piece_numel)
-            self.suspect = (prev, *found) if found else None
+        if self.inspect is not None and self.world_size > 1:  # the ring: the predecessor; the butterfly: all
+            n = self.world_size
+            for sender in [(self.rank + 1 + k) % n for k in range(n - 1)] if cfg.exchange == "butterfly" else \
+                    [(self.rank - 1) % n]:
+                theirs = np.concatenate([x.reshape(-1) for x in treelib.flatten(self.group.last_inputs[sender])[0]])
+                found = unsigned_evidence(theirs, self.inspect, step=self.group.step, epoch=self.group.epoch,
+                                          piece_numel=cfg.piece_numel)
+                if found:
+                    self.suspect = (sender, *found)
+                    break
         if out is not None:
             for o, r in zip(treelib.flatten(out)[0], treelib.flatten(result)[0]):
                 np.copyto(o, r)

@@ -1,0 +1,278 @@
+"""Butterfly all-reduce: every member's contribution reaches the owner of each segment whole.
+
+The ring sums contributions as they travel, so no rank but a sender's successor ever sees one
+unsummed, and that successor sees only 1/N of it. Here (hivemind's butterfly layout) the flat
+vector is cut into ``world`` segments (:func:`~.plan.make_plan`, pipeline pieces included) and
+rank ``c`` owns segment ``c``:
+
+1. **Scatter.** Every rank sends its own piece ``j`` of segment ``c`` to rank ``c``, encoded once
+   in the ring's codec and followed by its signature (:mod:`.evidence`, the receiver named in
+   the statement is the owner). So each owner holds every member's own piece of its segment,
+   as its sender signed it: a bad piece anywhere in a contribution is evidence against its
+   sender and nobody else.
+2. **Aggregate.** The owner decodes the ``world`` rows of piece ``j`` (its own row through the
+   same codec), shows each other row to ``inspect``, and aggregates them with
+   :func:`~.robust.aggregate` (a row that is not finite is dropped by every aggregator). It
+   encodes the aggregate once and adopts the decoded value itself.
+3. **Gather.** The owner sends those bytes to every other rank, which decodes exactly them: the
+   result is bit-identical on every rank that the owners were honest to.
+
+Each rank sends ``(N - 1)/N`` of its contribution and ``N - 1`` copies of its segment's
+aggregate: ``2 (N - 1)/N`` of the vector, as the ring does, plus one signature frame per piece
+sent in step 1. Links form a full mesh: one connection to and one from every other rank
+(:class:`~.ring.Links` whose ``out[k]`` and ``inn[k]`` join rank ``(rank + 1 + k) mod N``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from intellect_jax.net import quant, robust
+from intellect_jax.net.errors import FrameError, PeerTimeout
+from intellect_jax.net.evidence import SIG_BYTES
+from intellect_jax.net.frames import MsgType
+from intellect_jax.net.plan import RingPlan, make_plan
+from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
+
+RING_MODES = ("fp32", "bf16", "int8", "int4")  # codecs whose contributions can be cut into segments
+
+
+@dataclass(frozen=True)
+class MeshSeal:
+    """How one call signs this rank's own pieces for each owner and checks a sender's:
+    ``sign(owner, segment, piece, numel, payload) -> signature`` and ``verify(sender, segment,
+    piece, numel, payload, signature) -> bool`` (ranks, not identities)."""
+
+    sign: Callable[[int, int, int, int, bytes], bytes]
+    verify: Callable[[int, int, int, int, bytes, bytes], bool]
+
+
+def peer_of(rank: int, world: int, k: int) -> int:
+    """The rank that mesh link ``k`` of ``rank`` joins."""
+    return (rank + 1 + k) % world
+
+
+def aggregate_piece(rows: Sequence[np.ndarray], n: int, mode: str, block: int, how: str,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """The owner's wire bytes for one piece from its decoded ``rows`` (rank order): the
+    aggregate encoded once (zeros when no row is usable), into ``out`` if given."""
+    try:
+        value = robust.aggregate(rows, how, n).value
+    except ValueError:  # every row non-finite: nothing to apply
+        value = np.zeros(n, np.float32)
+    value = np.ascontiguousarray(value, np.float32)
+    if mode == "fp32":
+        out = np.empty(4 * n, np.uint8) if out is None else out
+        np.copyto(out.view(np.float32), value)
+        return out
+    return quant.encode(value, mode, block, out)
+
+
+def roundtrip(x: np.ndarray, mode: str, block: int) -> np.ndarray:
+    """What a row is to its owner: ``decode(encode(x))`` (float32)."""
+    return quant.decode(quant.encode(np.ascontiguousarray(x, np.float32), mode, block), x.shape[0], mode, block)
+
+
+def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: int, how: str = "mean") -> np.ndarray:
+    """What :func:`butterfly_all_reduce` returns on every rank, computed in one process."""
+    world, numel = len(inputs), inputs[0].shape[0]
+    if world == 1:
+        return np.array(inputs[0], np.float32, copy=True)
+    p = make_plan(numel, world, block, piece_numel)
+    out = np.empty(numel, np.float32)
+    for c in range(world):
+        for j in range(p.pieces):
+            a, b = p.piece(c, j)
+            wire = aggregate_piece([roundtrip(x[a:b], mode, block) for x in inputs], b - a, mode, block, how)
+            quant.decode(wire, b - a, mode, block, out=out[a:b])
+    return out
+
+
+class _ButterflyRun(Pipeline):
+    """State of one butterfly all-reduce of one flat vector (``links``: the mesh)."""
+
+    name = "butterfly"
+
+    def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str, block: int,
+                 piece_numel: int, how: str, deadline: float, inspect: Inspect | None, seal: MeshSeal | None,
+                 ws: Workspace) -> None:
+        super().__init__(links, deadline)
+        self.ws = ws
+        self.x, self.out, self.rank, self.world = x, out, rank, world
+        self.mode, self.block, self.how = mode, block, how
+        self.inspect, self.mseal = inspect, seal
+        self.plan: RingPlan = make_plan(x.shape[0], world, block, piece_numel)
+        self.rows: list[list[np.ndarray | None]] = [[None] * world for _ in range(self.plan.pieces)]
+        self.agg: list[np.ndarray | None] = [None] * self.plan.pieces
+        self.findings: list[tuple[int, Finding]] = []  # (sender rank, its bad piece), first per sender
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> bool:
+        """Block until ``ready()`` (False: the call failed meanwhile)."""
+        with self.cond:
+            while not ready():
+                if self.error is not None:
+                    return False
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerTimeout(f"butterfly: {what} not ready before the deadline")
+                self.cond.wait(min(left, 1.0))
+            return True
+
+    def _wire(self, n: int) -> np.ndarray:
+        """A pooled buffer for ``n`` values on the wire (give it back with ``ws.release``)."""
+        return self.ws.get(quant.encoded_nbytes(n, self.mode, self.block))
+
+    def _row(self, n: int) -> np.ndarray:
+        """A pooled float32 row of ``n`` values (its buffer goes back with ``ws.release(row.base)``)."""
+        return self.ws.get(4 * n).view(np.float32)
+
+    def _encode(self, seg: int, j: int) -> np.ndarray:
+        """Our own piece ``j`` of segment ``seg`` on the wire, in a pooled buffer."""
+        a, b = self.plan.piece(seg, j)
+        buf = self._wire(b - a)
+        if self.mode == "fp32":
+            np.copyto(buf.view(np.float32), self.x[a:b])
+            return buf
+        return quant.encode(self.x[a:b], self.mode, self.block, buf)
+
+    def _release_rows(self, rows: list[np.ndarray | None]) -> None:
+        for r in rows:
+            if r is not None and r.base is not None:
+                self.ws.release(r.base)
+
+    # -- threads -----------------------------------------------------------------------
+    def encoder(self) -> None:
+        """The owner: aggregate each piece of our segment once every member's row is in."""
+        me, P = self.rank, self.plan.pieces
+        for j in range(P):
+            a, b = self.plan.piece(me, j)
+            wire = self._encode(me, j)
+            row = quant.decode(wire, b - a, self.mode, self.block, out=self._row(b - a))
+            self.ws.release(wire)
+            with self.cond:
+                self.rows[j][me] = row
+            if not self._wait(lambda: all(r is not None for r in self.rows[j]), f"the rows of piece {j}"):
+                return
+            rows = self.rows[j]
+            wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a))
+            quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
+            with self.cond:
+                self.agg[j] = wire
+                self.rows[j] = [None] * self.world
+                self.cond.notify_all()
+            self._release_rows(rows)
+
+    def sender(self, k: int) -> None:
+        """To the owner of segment ``o``: our own pieces of it, signed; then our aggregates."""
+        conn, o, P = self.links.out[k], peer_of(self.rank, self.world, k), self.plan.pieces
+        for j in range(P):
+            if self.error is not None:
+                return
+            wire = self._encode(o, j)
+            conn.send(MsgType.DATA, wire, deadline=self.deadline)
+            if self.mseal is not None:
+                a, b = self.plan.piece(o, j)
+                conn.send(MsgType.DATA, self.mseal.sign(o, o, j, b - a, wire), deadline=self.deadline)
+            self.ws.release(wire)
+        for j in range(P):
+            if not self._wait(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
+                return
+            conn.send(MsgType.DATA, self.agg[j], deadline=self.deadline)  # type: ignore[arg-type]
+
+    def receiver(self, k: int) -> None:
+        """From rank ``o``: its own pieces of our segment; then its aggregates of segment ``o``."""
+        conn, o, P, me = self.links.inn[k], peer_of(self.rank, self.world, k), self.plan.pieces, self.rank
+        for j in range(P):
+            if self.error is not None:
+                return
+            a, b = self.plan.piece(me, j)
+            wire = self._recv(conn, b - a)
+            sig = self._signature(conn)
+            row = self._row(b - a)
+            try:
+                quant.decode(wire, b - a, self.mode, self.block, out=row)
+            except ValueError as e:  # (a wrong length cannot arrive: recv_header checked it)
+                row[...], why = np.nan, f"an undecodable payload ({e})"
+            else:
+                why = self.inspect(row) if self.inspect is not None else None
+            if why:
+                self._found(o, why, me, j, b - a, wire, sig)
+            self.ws.release(wire)
+            with self.cond:
+                self.rows[j][o] = row
+                self.cond.notify_all()
+        for j in range(P):
+            if self.error is not None:
+                return
+            a, b = self.plan.piece(o, j)
+            wire = self._recv(conn, b - a)
+            quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
+            self.ws.release(wire)
+
+    def _recv(self, conn, n: int) -> np.ndarray:  # noqa: ANN001
+        """The next data frame of ``n`` values' payload, in a pooled buffer."""
+        wire = self._wire(n)
+        hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=wire.nbytes)
+        conn.recv_payload_into(hdr, wire, deadline=self.deadline)
+        return wire
+
+    def _signature(self, conn) -> bytes | None:  # noqa: ANN001
+        """The signature frame that follows a sender's own piece (None: nothing is signed)."""
+        if self.mseal is None:
+            return None
+        hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=SIG_BYTES)
+        buf = bytearray(SIG_BYTES)
+        conn.recv_payload_into(hdr, buf, deadline=self.deadline)
+        return bytes(buf)
+
+    def _found(self, sender: int, why: str, seg: int, j: int, n: int, wire: np.ndarray, sig: bytes | None) -> None:
+        """Keep sender's bad piece (its first) as evidence, its signature checked."""
+        if any(s == sender for s, _ in self.findings):
+            return
+        payload = wire.tobytes()
+        if self.mseal is not None and not self.mseal.verify(sender, seg, j, n, payload, sig):  # type: ignore[arg-type]
+            raise FrameError(f"rank {sender}: its own piece {j} of segment {seg} has {why}, and its signature "
+                             "does not verify")
+        with self.cond:
+            self.findings.append((sender, Finding(why, seg, j, n, payload, sig)))
+
+    def run(self) -> np.ndarray:
+        self.spawn(self.encoder, self.sender, self.receiver)  # (after a failure nothing goes back to the pool)
+        for w in self.agg:  # every sender is done with them
+            if w is not None:
+                self.ws.release(w)
+        return self.out
+
+
+def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, mode: str, block: int,
+                         piece_numel: int, deadline: float, how: str = "mean", out: np.ndarray | None = None,
+                         inspect: Inspect | None = None, findings: list[tuple[int, Finding]] | None = None,
+                         seal: MeshSeal | None = None, workspace: Workspace | None = None) -> np.ndarray:
+    """Robust mean (``how``: a :mod:`.robust` aggregator) of ``x`` (flat float32) over the
+    mesh ``links``, bit-identical on every rank. ``inspect(theirs)`` is shown every other
+    member's own piece of our segment; the first bad one of each sender goes to ``findings`` as
+    (sender rank, :class:`Finding`). ``seal``: sign our pieces, check a bad one's signature."""
+    if mode not in RING_MODES:
+        raise ValueError(f"the butterfly exchange takes {', '.join(RING_MODES)}, not {mode}")
+    robust.check_mode(how)
+    out = np.empty(x.shape[0], np.float32) if out is None else out
+    if out.shape != x.shape or out.dtype != np.float32 or np.may_share_memory(out, x):
+        raise ValueError(f"out must be float32 of shape {x.shape}, apart from the input")
+    if world == 1:
+        np.copyto(out, x)
+        return out
+    if len(links.out) != world - 1 or len(links.inn) != world - 1:
+        raise ValueError(f"a butterfly of {world} needs {world - 1} links each way, not {len(links.out)}")
+    run = _ButterflyRun(links, x, out, rank, world, mode, block, piece_numel, how, deadline, inspect, seal,
+                        workspace or Workspace())
+    try:
+        return run.run()
+    finally:
+        if findings is not None:
+            findings.extend(run.findings)
+

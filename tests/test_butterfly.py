@@ -1,0 +1,144 @@
+"""The butterfly exchange over real sockets (ranks as threads in one process) and its fake."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+import pytest
+
+from intellect_jax.coordinator.policing import weigh
+from intellect_jax.coordinator.schema import Evidence
+from intellect_jax.net import ConfigMismatch, RingConfig, butterfly
+from intellect_jax.net.evidence import verdict
+from intellect_jax.net.frames import HEADER_LEN
+from intellect_jax.net.plan import make_plan
+from intellect_jax.testing.identities import credentials
+from intellect_jax.testing.local_ring import LocalGroup, ring_bytes
+from tests.test_net_ring import _inputs, _members, _nodes, _run, _same_bits
+
+
+def _butterfly(world: int, xs: list[Any], cfg: RingConfig, first: int = 0, **kw: Any):
+    nodes = _nodes(world, first=first)
+    try:
+        comms = [n.ring(_members(nodes), r, config=cfg, **kw) for r, n in enumerate(nodes)]
+        for c in comms:
+            c.inspect = lambda theirs: verdict(theirs, None)
+        outs, errs = _run(comms, xs)
+        return comms, outs, errs
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return float(a64 @ b64 / (np.linalg.norm(a64) * np.linalg.norm(b64)))
+
+
+@pytest.mark.parametrize(("world", "mode", "how"), [
+    (1, "int8", "mean"), (2, "fp32", "mean"), (3, "int8", "mean"), (5, "bf16", "cclip"), (4, "int4", "trim1"),
+    (5, "int8", "clip")])
+def test_bit_identical_on_every_rank_and_equal_to_the_fake(world: int, mode: str, how: str) -> None:
+    n = 10_007  # divisible neither by the world size nor by the block
+    cfg = RingConfig(mode=mode, block_size=64, piece_numel=700, deadline=30, exchange="butterfly", robust=how)
+    xs = _inputs(world, n)
+    copies = [x.copy() for x in xs]
+    comms, outs, errs = _butterfly(world, xs, cfg)
+    assert errs == [None] * world
+    ref = butterfly.simulate(xs, mode, 64, 700, how)
+    fake = LocalGroup(world, cfg).all_reduce_mean_all(xs)
+    for r in range(world):
+        assert _same_bits(outs[r], ref) and _same_bits(fake[r], ref), f"rank {r} differs"
+        assert np.array_equal(xs[r], copies[r]), "input modified"
+        if world > 1:  # the data frames the fake counts, plus one header frame to each other rank
+            extra = comms[r].last_stats.bytes_sent - ring_bytes(n, world, r, cfg)
+            assert (world - 1) * HEADER_LEN < extra < (world - 1) * (HEADER_LEN + 4096)
+    if how == "mean":
+        true = np.mean(np.stack(xs).astype(np.float64), axis=0)
+        tol = {"fp32": 1e-6, "bf16": 1e-2, "int8": 3e-2}[mode] if world > 1 else 0.0
+        assert np.linalg.norm(outs[0] - true) / np.linalg.norm(true) <= tol
+
+
+@pytest.mark.parametrize("world", [4, 8, 16])
+def test_bytes_per_node_within_ten_percent_of_the_ring(world: int) -> None:
+    """What each rank sends, signatures included, against the ring's, for a 25M-value vector."""
+    n = 25_000_000
+    ring, fly = RingConfig(), RingConfig(exchange="butterfly")
+    for r in range(world):
+        assert abs(ring_bytes(n, world, r, fly) / ring_bytes(n, world, r, ring) - 1) < 0.10
+
+
+def test_nan_far_from_the_first_piece_is_evidence_against_its_sender_and_dropped() -> None:
+    """Rank 2 puts a NaN in the last piece of segment 1 (the ring's successor would never see
+    it): rank 1, its owner, keeps the piece signed by rank 2 as evidence, which the coordinator's
+    check accepts with rank 1 as the accuser; every rank gets the mean of the other rows there,
+    bit-identical, and nothing else changes."""
+    world, n = 4, 8000
+    cfg = RingConfig(mode="int8", piece_numel=256, deadline=30, exchange="butterfly")
+    p = make_plan(n, world, 64, 256)
+    a, b = p.piece(1, p.pieces - 1)
+    xs = _inputs(world, n, seed=3)
+    xs[2][b - 1] = np.nan
+    comms, outs, errs = _butterfly(world, xs, cfg, first=40, epoch=3, step=9)
+    assert errs == [None] * world
+    assert all(c.suspect is None for r, c in enumerate(comms) if r != 1)
+    sender, why, ev = comms[1].suspect
+    assert (sender, why) == (2, "non-finite values")
+    e = Evidence.model_validate(ev)
+    assert (e.step, e.epoch, e.segment, e.piece) == (9, 3, 1, p.pieces - 1)
+    kw: dict[str, Any] = dict(run_id="ring-test", step=9, epoch_id=3, recorded=None, ca=credentials("r40").ca_der)
+    assert weigh(e, accuser="r41", accused="r42", **kw) == ("non-finite values", "")
+    for accuser, accused in (("r43", "r42"), ("r41", "r40")):  # told by another owner, or of another sender
+        assert weigh(e, accuser=accuser, accused=accused, **kw)[0] is None
+    raw = bytearray(base64.b64decode(e.payload))
+    raw[-1] ^= 1
+    assert weigh(e.model_copy(update={"payload": base64.b64encode(bytes(raw)).decode()}),
+                 accuser="r41", accused="r42", **kw)[0] is None
+    for r in range(world):
+        assert _same_bits(outs[r], outs[0]) and np.isfinite(outs[r]).all()
+    rows = [butterfly.roundtrip(x[a:b], "int8", 64) for i, x in enumerate(xs) if i != 2]
+    want = butterfly.roundtrip(np.mean(np.stack(rows), axis=0, dtype=np.float32), "int8", 64)
+    np.testing.assert_allclose(outs[0][a:b], want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["clip", "cclip", "trim1"])
+def test_a_sign_flip_does_not_reverse_a_robust_average(how: str) -> None:
+    """One of 4 ranks sends -N x its honest contribution: the plain mean points away from the
+    honest ranks' mean; each robust owner keeps it within 0.8 cosine of it."""
+    world, n = 4, 20_000
+    rng = np.random.default_rng(5)
+    common = rng.standard_normal(n).astype(np.float32)
+    xs = [common + 0.5 * rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    honest = np.mean(np.stack(xs[1:]), axis=0)
+    xs[0] = -world * xs[0]
+    assert _cos(butterfly.simulate(xs, "int8", 64, 1000, "mean"), honest) < 0
+    cfg = RingConfig(mode="int8", piece_numel=1000, deadline=30, exchange="butterfly", robust=how)
+    _, outs, errs = _butterfly(world, xs, cfg, first=50)
+    assert errs == [None] * world
+    assert _cos(outs[0], honest) > 0.8 and all(_same_bits(o, outs[0]) for o in outs)
+
+
+def test_an_owner_with_another_aggregator_fails_every_rank_with_a_config_mismatch() -> None:
+    world = 3
+    nodes = _nodes(world, first=60)
+    try:
+        cfgs = [RingConfig(deadline=20, exchange="butterfly", robust="cclip" if r == 2 else "mean")
+                for r in range(world)]
+        comms = [n.ring(_members(nodes), r, config=cfgs[r]) for r, n in enumerate(nodes)]
+        _, errs = _run(comms, _inputs(world, 1000))
+    finally:
+        for n in nodes:
+            n.close()
+    assert all(isinstance(e, ConfigMismatch) for e in errs), errs
+    assert "robust" in str(errs[0])
+
+
+@pytest.mark.parametrize("bad", [dict(mode="int2"), dict(stochastic_rounding=True), dict(streams=2),
+                                 dict(robust="median")])
+def test_butterfly_settings_it_cannot_run_are_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        RingConfig(exchange="butterfly", **bad)
+    with pytest.raises(ValueError, match="butterfly"):
+        RingConfig(robust="cclip")
