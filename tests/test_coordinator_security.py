@@ -188,13 +188,13 @@ def test_an_accusation_is_judged_in_the_ring_whose_all_reduce_it_reports() -> No
 
 
 def _signed(signer: str | None, values: np.ndarray, *, run_id: str, step: int, epoch: int,
-            opening: dict[str, Any] | None) -> dict[str, Any]:
-    """Evidence of ``values`` as a's own piece sent to b, signed by ``signer`` with its own
+            opening: dict[str, Any] | None, to: str = "b") -> dict[str, Any]:
+    """Evidence of ``values`` as a's own piece sent to ``to``, signed by ``signer`` with its own
     certificate (None: unsigned)."""
     payload = values.astype(np.float32).tobytes()
     sig = cert = None
     if signer is not None:
-        said = statement(run_id, step, epoch, 0, "a", "b", 2, 0, values.size, "fp32", 1, payload)
+        said = statement(run_id, step, epoch, 0, "a", to, 2, 0, values.size, "fp32", 1, payload)
         sig, cert = raw_signature(credentials(signer).sign(said)), credentials(signer).cert_der
     return {**evidence(step=step, epoch=epoch, call=0, segment=2, piece=0, numel=values.size, mode="fp32", block=1,
                        payload=payload, signature=sig, cert=cert), "opening": opening}
@@ -237,6 +237,36 @@ def test_an_accusation_stands_only_on_the_accused_s_own_signed_piece(case: str) 
     assert (a.strikes, b.false_accusations) == ((1, 0) if guilty else (0, 1))
     said = [ln for ln in r.m.drain_events() if "false accusation" in ln]
     assert bool(said) is not guilty, said
+
+
+def test_a_signed_piece_shown_by_any_receiver_is_a_strike_even_when_the_average_passed() -> None:
+    """In the butterfly exchange a's pieces go to every segment's owner, c among them (not a's
+    ring successor), and a robust owner drops a bad row, so the average passes: c's evidence,
+    signed by a to c, still strikes a, and two such rounds evict a, the evidence logged. The
+    same piece signed to b and shown by c is a false accusation (c did not receive it)."""
+    r = Run(min_nodes=3, strikes=2)
+    r.m.police.ca = credentials("a").ca_der
+    for n in "abcd":
+        r.reg(n)
+    r.barrier(0, list("abcd"), "h0")
+    epoch, run_id = r.m._last.epoch_id, r.m.record.run_id  # type: ignore[union-attr]
+    to_b = _signed("a", NAN_PIECE, run_id=run_id, step=0, epoch=epoch, opening=None, to="b")
+    for n in "abcd":
+        _arrive(r, n, 1, accuse="a" if n == "c" else None, ev=to_b if n == "c" else None)
+    assert (r.m._nodes["a"].strikes, r.m._nodes["c"].false_accusations) == (0, 1)
+    for k in (2, 3):
+        epoch = r.m._last.epoch_id  # type: ignore[union-attr]
+        to_d = _signed("a", NAN_PIECE, run_id=run_id, step=k - 1, epoch=epoch, opening=None, to="d")
+        for n in "abcd":
+            _arrive(r, n, k, accuse="a" if n == "d" else None, ev=to_d if n == "d" else None)
+        if k == 2:
+            assert r.m._nodes["a"].strikes == 1 and r.m._nodes["d"].false_accusations == 0
+    events = r.m.drain_events()
+    assert any("d shows a's own piece 0 of segment 2 (call 0) in outer step 1's all-reduce, signed by a: "
+               "non-finite values" in ln for ln in events), events
+    ev = r.m.status(r.now)["evictions"]
+    assert [(e["node_id"], e["reason"].split(" (")[0]) for e in ev] == [
+        ("a", "poisoned contributions: shown in 2 rounds with its own signed pieces")]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -264,7 +264,7 @@ def test_broken_and_poisoned_pseudo_gradients_never_reach_the_outer_state():
             assert "sitting out outer step" in log and "outer step 3 skipped" not in log, name
         if name.startswith("sent"):
             assert "skipped: the average has" in log, name
-            assert "evicted n2: poisoned contributions: blamed by its ring successor in 2 rounds" in log, name
+            assert "evicted n2: poisoned contributions: shown in 2 rounds whose average failed" in log, name
     assert "evicted n1: its own pseudo-gradient checks failed at 3 barriers in a row" in "\n".join(
         results["own Inf, 3 rounds in a row"][1]["log"])
 

@@ -2,13 +2,19 @@
 
 Three rules, counted per member across barriers on its :class:`~.roster.Node`: a member whose own
 pseudo-gradient checks failed (it sat out, contributing zeros) at ``sit_out_limit`` barriers in
-a row is broken; a member its ring successor blamed in ``strikes`` rounds whose average most
-members found bad poisons the run. One blame alone evicts nobody: the successor may be the liar,
-and a round only counts when most members saw the damage. Only the accused's ring successor in
-the epoch whose all-reduce is reported can have seen its contribution, and it must show it: the
-accused's own piece with the accused's signature (:func:`weigh`, ``net.evidence``). An accusation
-by anyone else, without evidence, or with evidence that does not hold up is false, counted
-against the accuser, who is evicted at ``strikes`` false accusations.
+a row is broken; a member shown to have sent a bad piece of its own contribution in ``strikes``
+rounds poisons the run; a member that accuses falsely ``strikes`` times is evicted.
+
+An accuser must show the accused's own piece (:func:`weigh`, ``net.evidence``). In a run with
+identities that piece carries the accused's signature over a statement naming the accuser as its
+receiver, and the coordinator re-runs the verdict on it: the accusation stands on what the
+accused itself signed, so one such round counts as a strike whoever else saw it. The accuser can
+be any member of the reported epoch: in the ring only the successor receives a member's own
+pieces, in the butterfly exchange every segment's owner does, and the signed receiver tells
+which. An in-process run signs nothing: there only the accused's ring successor may accuse, and
+a blame counts only in a round whose average most members found bad (its evidence is the
+accuser's word, so the damage must be seen by the others). An accusation without evidence, or
+with evidence that does not hold up, is false and counts against the accuser.
 """
 
 from __future__ import annotations
@@ -106,6 +112,7 @@ class Police:
         ``recorded``: the hash recorded for outer step ``step - 1``, whose all-reduce is reported."""
         reports = [(n, n.arrival.report) for n in members if n.arrival.report]  # type: ignore[union-attr]
         failed = sum(1 for _, r in reports if r.avg_failed) * 2 > len(members)
+        signed = self.ca is not None  # evidence is the accused's signature, not the accuser's word
         epoch_id, ring = self._rings.get(step - 1, (0, None))
         by_id = {n.node_id: n for n in members}
         blamed: dict[str, str] = {}
@@ -113,8 +120,9 @@ class Police:
             if r.accused is None or ring is None:
                 continue
             accused, why = r.accused
-            if not follows(ring, n.node_id, accused):
-                self._false(n, accused, why, f"is not its ring successor in epoch {epoch_id} ([{', '.join(ring)}])")
+            if not follows(ring, n.node_id, accused) and not (signed and accused in ring and accused != n.node_id):
+                self._false(n, accused, why, f"is not its ring successor in epoch {epoch_id} ([{', '.join(ring)}])"
+                            if not signed else f"was not in the ring of epoch {epoch_id} with it")
                 continue
             if accused not in by_id:
                 continue  # gone already: nothing to weigh it against
@@ -127,20 +135,25 @@ class Police:
                 self._false(n, accused, why, f"its evidence does not hold: {flaw}")
                 continue
             blamed[accused] = guilty
+            if signed or failed:
+                ev = r.evidence
+                self._say(f"WARNING {n.node_id} shows {accused}'s own piece {ev.piece} of segment {ev.segment} "
+                          f"(call {ev.call}) in outer step {step - 1}'s all-reduce, signed by {accused}: {guilty}")
         keep: list[Node] = []
         evict: list[tuple[Node, str]] = []
         for n in members:
             n.sit_outs = n.sit_outs + 1 if n.arrival.sits_out else 0  # type: ignore[union-attr]
-            n.strikes += int(failed and n.node_id in blamed)
+            n.strikes += int((failed or signed) and n.node_id in blamed)
             if n.sit_outs >= self.config.sit_out_limit:
                 evict.append((n, f"its own pseudo-gradient checks failed at {n.sit_outs} barriers in a row "
                                  f"({n.arrival.sits_out})"))  # type: ignore[union-attr]
             elif n.strikes >= self.config.strikes:
-                evict.append((n, f"poisoned contributions: blamed by its ring successor in {n.strikes} "
-                                 f"rounds whose average failed ({blamed.get(n.node_id)})"))
+                evict.append((n, f"poisoned contributions: shown in {n.strikes} rounds "
+                                 + ("with its own signed pieces" if signed else "whose average failed")
+                                 + f" ({blamed.get(n.node_id)})"))
             elif n.false_accusations >= self.config.strikes:
                 evict.append((n, f"false accusations: {n.false_accusations} accusations without valid evidence "
-                                 "or of nodes it does not follow in the ring"))
+                                 "or of nodes that sent it nothing"))
             else:
                 keep.append(n)
         return keep, evict

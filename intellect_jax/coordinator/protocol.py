@@ -80,7 +80,7 @@ class CoordinatorConfig:
     history: int = 200  # per-step hash records and eviction log entries kept
     outer_steps: int | None = None  # the run's length in outer steps (None: the first registrant's)
     sit_out_limit: int = 3  # a node whose own checks fail at this many barriers in a row is evicted
-    strikes: int = 2  # a node blamed by its ring successor in this many failed rounds is evicted
+    strikes: int = 2  # a node shown to have sent bad pieces in this many rounds is evicted (policing.py)
     allow_rollback_to: int | None = None  # operator: the run may restart from this outer step or later
     # with no live node holding the run's newest state for this long, roll back by itself to the
     # newest state registered nodes hold from their checkpoints (None: wait for an operator)

@@ -51,8 +51,8 @@ class Node:
     received: bool = False  # admitted joiner reported state_received
     claim: Resume | None = None  # the state the node brought (a joiner's may resume a rebuild)
     sit_outs: int = 0  # barriers in a row at which it sat out
-    strikes: int = 0  # failed rounds in which its ring successor blamed it
-    false_accusations: int = 0  # accusations of nodes it does not follow in the ring
+    strikes: int = 0  # rounds in which it was shown to have sent a bad piece (policing.py)
+    false_accusations: int = 0  # accusations without valid evidence (policing.py)
     data: DataPlan | None = None  # how it reads its data (None: it did not say)
 
 
