@@ -124,7 +124,8 @@ def ring_config(cfg):
     from intellect_jax.net.comm import RingConfig
 
     d = cfg.diloco
-    return RingConfig(mode=d.mode, block_size=d.block_size, streams=d.streams, deadline=d.allreduce_deadline)
+    return RingConfig(mode=d.mode, block_size=d.block_size, streams=d.streams, deadline=d.allreduce_deadline,
+                      exchange=d.exchange, robust=d.robust)
 
 
 def node_inner(cfg, trainer):

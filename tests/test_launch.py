@@ -67,8 +67,8 @@ def test_a_joiner_named_like_a_founder_is_refused():
 
 @pytest.mark.slow
 def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
-    """The one launcher run end to end: 2 founders, node2 joins after outer step 1 by live transfer
-    (its donor trains meanwhile), the coordinator is SIGKILLed after step 3 and restarted from its
+    """The one launcher run end to end, over the butterfly exchange with CenteredClip: 2 founders,
+    node2 joins after outer step 1 by live transfer (its donor trains meanwhile), the coordinator is SIGKILLed after step 3 and restarted from its
     journal; a node of another run authority and one with another model are refused in one line.
     node2's process starts at outer step 1 of 20: the run must outlast its start-up (imports,
     compilation) on a loaded machine, or it would be told that the run is complete."""
@@ -77,7 +77,8 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     # 20 outer steps: the refused nodes below start at outer step 1 and must meet a live
     # coordinator, however slow their start-up on a loaded machine (two test workers)
     p = launch(tmp_path, "--nodes", "2", "--join", "node2@1", "--kill-coordinator", "3", "--run.steps", "100",
-               "--diloco.leases", "--diloco.unit_steps", "1", port=port, env=env)
+               "--diloco.leases", "--diloco.unit_steps", "1", "--diloco.exchange", "butterfly", "--diloco.robust", "cclip",
+               port=port, env=env)
     # once the run is going: a node of another authority and one with another model are refused
     from intellect_jax.coordinator.client import coordinator_status
     from intellect_jax.net.identity import Authority, Credentials
@@ -115,6 +116,8 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     assert len(err_foreign.strip().splitlines()) == 1 and "certificate not of this run" in err_foreign, err_foreign[-500:]
     assert len(err_model.strip().splitlines()) == 1 and "fingerprint" in err_model, err_model[-500:]
     assert "SIGKILL coordinator" in out and "resumed member" in out and "journal: the run is at outer step" in out
+    assert out.count("butterfly exchange: each segment's owner checks every member's signed piece and aggregates "
+                     "them with cclip") == 3, out[-3000:]  # node0, node1, node2
     ref = one_history(rows(tmp_path / "runs" / "debug_diloco" / n) for n in ["node0", "node1"])
     steps = one_history(rows(tmp_path / "runs" / "debug_diloco" / n) for n in ["node0", "node1", "node2"])
     assert sorted(steps) == list(range(1, 21))

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
+from intellect_jax.net import robust
+
 
 class DilocoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -51,6 +53,14 @@ class DilocoConfig(BaseModel):
     # reproducible; the inner loop waits there if the all-reduce is not done
     overlap_delay: PositiveInt | None = None
     streams: PositiveInt = 1  # parallel TCP streams per ring link
+    # "ring": contributions summed as they travel (a sender's successor sees 1/N of its own);
+    # "butterfly": every member's own piece of each segment goes, signed, to that segment's owner,
+    # which checks each and aggregates them with `robust` (net/butterfly.py): a bad value anywhere
+    # in a contribution is evidence against its sender. Same bytes per node; int8, int4, bf16, fp32
+    exchange: Literal["ring", "butterfly"] = "ring"
+    # the butterfly owners' aggregator (net/robust.py): "mean", "clip" (each row to this round's
+    # median norm), "trim<k>" (coordinate-wise trimmed mean), "cclip" (CenteredClip)
+    robust: str = "mean"
     coordinator: str | None = None  # host:port of the run's coordinator (a node requires it)
     run_id: str = "intellect-jax"
     node_id: str | None = None  # this node's identity; default: the one node identity in `keys`
@@ -138,6 +148,16 @@ class DilocoConfig(BaseModel):
         if self.feedback_local and not (self.gathered and self.feedback):
             raise ValueError(f"feedback_local is a share of the error feedback of a gathered codec (mode int2, "
                              f"topk or top1, feedback > 0), not of mode {self.mode} with feedback {self.feedback}")
+        if self.exchange == "butterfly" and (self.gathered or self.streams != 1):
+            raise ValueError(f"exchange = \"butterfly\" takes mode int8, int4, bf16 or fp32 and streams = 1, not "
+                             f"mode {self.mode} with streams {self.streams}")
+        try:
+            robust.check_mode(self.robust)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        if self.robust != "mean" and self.exchange != "butterfly":
+            raise ValueError(f"robust = {self.robust!r} is applied by the butterfly's segment owners: set "
+                             "exchange = \"butterfly\"")
         if not 0.0 <= self.outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         return self

@@ -95,7 +95,7 @@ class DilocoNode:
         self.net = NetNode(self.tcfg, host, port)
         addr = d.advertise or f"{self.net.address[0]}:{self.net.address[1]}"
         self.ring_cfg = RingConfig(mode=d.wire_mode, block_size=d.wire_block, streams=d.streams,
-                                   deadline=d.allreduce_deadline)
+                                   deadline=d.allreduce_deadline, exchange=d.exchange, robust=d.robust)
         self.client = CoordinatorClient(
             d.coordinator, self.tcfg, self.node_id, addr, devices=jax.device_count(),
             fingerprint=cfg.model.build().fingerprint(), heartbeat_interval=d.heartbeat_interval,
@@ -132,6 +132,9 @@ class DilocoNode:
             inner = TrainerInner(self.trainer, dpg, self.path.encoder(rc.mode, rc.block_size, rc.bucket_numel,
                                                                       rc.piece_numel))
         self._log(self.path.describe(d.overlap_delay))
+        if d.exchange == "butterfly":
+            self._log(f"butterfly exchange: each segment's owner checks every member's signed piece and "
+                      f"aggregates them with {d.robust}")
         parts = NodeParts(self.node_id, inner, self.client, self._ring, transport, store, log=self._log)
         loop_cfg = self.loop_cfg
         if d.leases:  # (every process of the node reads its rows of the leased batches: LeadInner.lease)
