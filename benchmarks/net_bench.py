@@ -1,7 +1,7 @@
 """Benchmark the ring all-reduce against torch.distributed gloo on the same links.
 
     python benchmarks/net_bench.py --nodes 4 --numel 25000000 --mode int8 \
-        [--repeats 5] [--shape-mbit 500] [--streams 1] [--block 64] [--no-gloo]
+        [--repeats 5] [--shape-mbit 500] [--streams 1] [--block 64] [--no-gloo] [--butterfly cclip]
 
 Spawns N node processes (each in its own network namespace with tbf-shaped links when
 ``--shape-mbit`` is given; root only). Every node times this layer's all-reduce and,
@@ -10,6 +10,9 @@ gloo ``all_reduce`` of fp32 over the same links. Prints one JSON object per meth
 median seconds (slowest rank of each repeat), algorithm bandwidth (fp32 bytes / time),
 CPU seconds per node, bytes sent per node, and the ratio of the line-rate bound
 ``2(N-1)/N * payload / rate`` to the measured time (1.0 = wire speed).
+With ``--butterfly AGG`` every node also times the butterfly exchange (``net.butterfly``, the
+owners aggregating with AGG: mean, clip, trim<k>, cclip) on the same data, alternating with the
+ring, and the report gives its time over the ring's.
 The workers' certificates come from a throwaway run authority made here (the test one).
 """
 
@@ -54,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--piece", type=int, default=1 << 18, help="pipeline piece, elements")
     p.add_argument("--integrity", choices=("sha256", "crc32"), default="crc32")
     p.add_argument("--no-gloo", action="store_true", help="skip the torch.distributed gloo baseline")
+    p.add_argument("--butterfly", metavar="AGG", default=None,
+                   help="also time the butterfly exchange, its owners aggregating with AGG (mean, clip, trim<k>, cclip)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before workers are killed")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -90,19 +95,31 @@ def _worker(a: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
                                 rank=a.rank, world_size=a.nodes)
         gloo = torch.from_numpy(x.copy())
         dist.all_reduce(gloo)  # warm-up
-    out: dict[str, Any] = {"rank": a.rank, "ring": {"times": [], "cpu": []}, "gloo": {"times": [], "cpu": []}}
+    out: dict[str, Any] = {"rank": a.rank, "ring": {"times": [], "cpu": []}, "gloo": {"times": [], "cpu": []},
+                           "butterfly": {"times": [], "cpu": []}}
     with NetNode(cfg, host, int(port)) as node:
         ring = node.ring(members, a.rank, epoch=0, config=RingConfig(
             mode=a.mode, block_size=a.block, streams=a.streams, piece_numel=a.piece, deadline=a.timeout))
         barrier = node.ring(members, a.rank, epoch=1, config=RingConfig(mode="fp32", deadline=a.timeout))
+        fly = None if a.butterfly is None else node.ring(members, a.rank, epoch=2, config=RingConfig(
+            mode=a.mode, block_size=a.block, piece_numel=a.piece, deadline=a.timeout, exchange="butterfly",
+            robust=a.butterfly))
         one = np.zeros(1, np.float32)
         ring.all_reduce_mean(x, out=y)  # warm-up (connects, fills buffer pools)
+        if fly is not None:
+            fly.all_reduce_mean(x, out=y)
         for _ in range(a.repeats):
             barrier.all_reduce_mean(one)
             t0, c0 = time.perf_counter(), time.process_time()
             ring.all_reduce_mean(x, out=y)
             out["ring"]["times"].append(time.perf_counter() - t0)
             out["ring"]["cpu"].append(time.process_time() - c0)
+            if fly is not None:
+                barrier.all_reduce_mean(one)
+                t0, c0 = time.perf_counter(), time.process_time()
+                fly.all_reduce_mean(x, out=y)
+                out["butterfly"]["times"].append(time.perf_counter() - t0)
+                out["butterfly"]["cpu"].append(time.process_time() - c0)
             if gloo is not None:
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -110,6 +127,9 @@ def _worker(a: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
                 out["gloo"]["times"].append(time.perf_counter() - t0)
                 out["gloo"]["cpu"].append(time.process_time() - c0)
         out["ring"]["bytes_sent"] = ring.last_stats.bytes_sent
+        if fly is not None:
+            out["butterfly"]["bytes_sent"] = fly.last_stats.bytes_sent
+            fly.close()
         # gloo's ring sends 2(N-1)/N of the fp32 payload per node (torch does not count it)
         out["gloo"]["bytes_sent"] = int(2 * (a.nodes - 1) / a.nodes * 4 * a.numel)
         barrier.all_reduce_mean(one)
@@ -169,7 +189,8 @@ def _launch(a: argparse.Namespace, net: netns.ShapedNet | None, gloo: bool) -> l
 def _passthrough(a: argparse.Namespace) -> list[str]:
     return ["--nodes", str(a.nodes), "--numel", str(a.numel), "--mode", a.mode, "--repeats", str(a.repeats),
             "--streams", str(a.streams), "--block", str(a.block), "--piece", str(a.piece),
-            "--integrity", a.integrity, "--timeout", str(a.timeout)]
+            "--integrity", a.integrity, "--timeout", str(a.timeout)] + \
+        ([] if a.butterfly is None else ["--butterfly", a.butterfly])
 
 
 def _summary(results: list[dict[str, Any]], a: argparse.Namespace, payload: int) -> dict[str, Any]:
@@ -213,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     net = netns.ShapedNet(a.nodes, a.shape_mbit) if a.shape_mbit else None
     report: dict[str, Any] = {"nodes": a.nodes, "numel": a.numel, "mode": a.mode, "block": a.block,
                               "streams": a.streams, "piece": a.piece, "integrity": a.integrity,
-                              "shape_mbit": a.shape_mbit, "repeats": a.repeats,
+                              "shape_mbit": a.shape_mbit, "repeats": a.repeats, "butterfly_agg": a.butterfly,
                               "loadavg_before": round(os.getloadavg()[0], 2)}
     try:
         if net is not None:
@@ -224,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
             net.close()
     report["loadavg_after"] = round(os.getloadavg()[0], 2)
     report["ring"] = _summary([r["ring"] for r in results], a, quant.encoded_nbytes(a.numel, a.mode, a.block))
+    if a.butterfly is not None:
+        report["butterfly"] = _summary([r["butterfly"] for r in results], a,
+                                       quant.encoded_nbytes(a.numel, a.mode, a.block))
+        report["butterfly_time_over_ring"] = round(report["butterfly"]["median_s"] / report["ring"]["median_s"], 3)
+        report["butterfly_bytes_over_ring"] = round(report["butterfly"]["bytes_sent_per_node"]
+                                                    / report["ring"]["bytes_sent_per_node"], 4)
     if gloo:
         report["gloo_fp32"] = _summary([r["gloo"] for r in results], a, 4 * a.numel)
         report["speedup_vs_gloo"] = round(report["gloo_fp32"]["median_s"] / report["ring"]["median_s"], 3)
