@@ -40,6 +40,7 @@ from intellect_jax.net.plan import RingPlan, make_plan
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
 
 RING_MODES = ("fp32", "bf16", "int8", "int4")  # codecs whose contributions can be cut into segments
+WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md: 2 against 1, 4 and none)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class _ButterflyRun(Pipeline):
         self.rows: list[list[np.ndarray | None]] = [[None] * world for _ in range(self.plan.pieces)]
         self.agg: list[np.ndarray | None] = [None] * self.plan.pieces
         self.findings: list[tuple[int, Finding]] = []  # (sender rank, its bad piece), first per sender
+        self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
 
     def _wait(self, ready: Callable[[], bool], what: str) -> bool:
         """Block until ``ready()`` (False: the call failed meanwhile)."""
@@ -171,7 +173,7 @@ class _ButterflyRun(Pipeline):
         """To the owner of segment ``o``: our own pieces of it, signed; then our aggregates."""
         conn, o, P = self.links.out[k], peer_of(self.rank, self.world, k), self.plan.pieces
         for j in range(P):
-            if self.error is not None:
+            if not self._pace(0, k, j):
                 return
             wire = self._encode(o, j)
             conn.send(MsgType.DATA, wire, deadline=self.deadline)
@@ -179,10 +181,26 @@ class _ButterflyRun(Pipeline):
                 a, b = self.plan.piece(o, j)
                 conn.send(MsgType.DATA, self.mseal.sign(o, o, j, b - a, wire), deadline=self.deadline)
             self.ws.release(wire)
+            self._sent(0, k)
         for j in range(P):
             if not self._wait(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
                 return
+            if not self._pace(1, k, j):
+                return
             conn.send(MsgType.DATA, self.agg[j], deadline=self.deadline)  # type: ignore[arg-type]
+            self._sent(1, k)
+
+    def _pace(self, phase: int, k: int, j: int) -> bool:
+        """Hold link ``k`` before piece ``j`` of ``phase`` while it is ``WINDOW`` pieces ahead of
+        the slowest link (False: the call failed meanwhile). TCP shares our uplink unevenly
+        among the links; unpaced, an owner's last rows come from its slowest sender long after
+        the others, and our uplink idles while we wait for them."""
+        return self._wait(lambda: j - min(self.sent[phase]) < WINDOW, f"link {k}'s turn for piece {j}")
+
+    def _sent(self, phase: int, k: int) -> None:
+        with self.cond:
+            self.sent[phase][k] += 1
+            self.cond.notify_all()
 
     def receiver(self, k: int) -> None:
         """From rank ``o``: its own pieces of our segment; then its aggregates of segment ``o``."""
