@@ -430,7 +430,7 @@ class Membership:
         if rec.leases is not None:  # the round-``step`` units of those not sitting out go into step + 1
             rec.leases.contributions(step, [p[0] for p in pairs if p[0] not in sitting_out])
         self.history.formed()
-        self.police.formed(step, epoch_id, tuple(p[0] for p in pairs))
+        self.police.formed(step, epoch_id, tuple(p[0] for p in pairs), sitting_out)
         for n in members:
             n.arrival, n.fresh = None, False
             if n.role is Role.ADMITTED:

@@ -42,12 +42,13 @@ def follows(ring: tuple[str, ...], accuser: str, accused: str) -> bool:
 
 
 def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser: str, accused: str,
-          ca: bytes | None, recorded: str | None) -> tuple[str | None, str]:
+          ca: bytes | None, recorded: str | None, sat_out: bool = False) -> tuple[str | None, str]:
     """Whether ``ev`` shows ``accused``'s own piece in outer step ``step``'s all-reduce (epoch
     ``epoch_id``, received by ``accuser``) bad: (verdict, "") or (None, why it does not).
     ``ca``: the run authority's certificate (DER), which must have issued to ``accused`` the
     certificate that signed the piece (None: an in-process run, nothing is signed);
-    ``recorded``: the hash the run recorded for ``step``, which the scale must open."""
+    ``recorded``: the hash the run recorded for ``step``, which the scale must open;
+    ``sat_out``: the accused declared it sits that all-reduce out (any value it sent is bad)."""
     if ev is None:
         return None, "no evidence"
     if (ev.step, ev.epoch) != (step, epoch_id):
@@ -78,7 +79,7 @@ def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser
         theirs = quant.decode(np.frombuffer(raw, np.uint8).copy(), ev.numel, ev.mode, ev.block)
     except ValueError as e:  # signed (above) yet no payload of its codec: bad on its face
         return f"an undecodable payload ({e})", ""
-    why = verdict(theirs, ref, SUSPECT_FACTOR * LENIENCY)
+    why = verdict(theirs, ref, SUSPECT_FACTOR * LENIENCY, sat_out)
     return (why, "") if why else (None, "the evidence's piece is within bounds")
 
 
@@ -99,11 +100,13 @@ class Police:
     def __init__(self, config: CoordinatorConfig, say: Callable[[str], None], ca: bytes | None = None) -> None:
         self.config, self._say = config, say
         self.ca = ca  # the run authority's certificate (DER): evidence must be signed (None: in process)
-        self._rings: dict[int, tuple[int, tuple[str, ...]]] = {}  # barrier step -> (epoch id, ring order)
+        # barrier step -> (epoch id, ring order, members sitting that all-reduce out)
+        self._rings: dict[int, tuple[int, tuple[str, ...], tuple[str, ...]]] = {}
 
-    def formed(self, step: int, epoch_id: int, ring: tuple[str, ...]) -> None:
-        """Barrier ``step`` formed epoch ``epoch_id`` (a retry replaces the failed epoch)."""
-        self._rings = {k: v for k, v in self._rings.items() if k == step - 1} | {step: (epoch_id, ring)}
+    def formed(self, step: int, epoch_id: int, ring: tuple[str, ...], sitting_out: tuple[str, ...] = ()) -> None:
+        """Barrier ``step`` formed epoch ``epoch_id`` (a retry replaces the failed epoch), in
+        which ``sitting_out`` declared they contribute nothing (so must send zeros)."""
+        self._rings = {k: v for k, v in self._rings.items() if k == step - 1} | {step: (epoch_id, ring, sitting_out)}
 
     def judge(self, step: int, members: list[Node], run_id: str = "",
               recorded: str | None = None) -> tuple[list[Node], list[tuple[Node, str]]]:
@@ -113,7 +116,7 @@ class Police:
         reports = [(n, n.arrival.report) for n in members if n.arrival.report]  # type: ignore[union-attr]
         failed = sum(1 for _, r in reports if r.avg_failed) * 2 > len(members)
         signed = self.ca is not None  # evidence is the accused's signature, not the accuser's word
-        epoch_id, ring = self._rings.get(step - 1, (0, None))
+        epoch_id, ring, sat_out = self._rings.get(step - 1, (0, None, ()))
         by_id = {n.node_id: n for n in members}
         blamed: dict[str, str] = {}
         for n, r in reports:
@@ -128,7 +131,7 @@ class Police:
                 continue  # gone already: nothing to weigh it against
             try:
                 guilty, flaw = weigh(r.evidence, run_id=run_id, step=step - 1, epoch_id=epoch_id, accuser=n.node_id,
-                                     accused=accused, ca=self.ca, recorded=recorded)
+                                     accused=accused, ca=self.ca, recorded=recorded, sat_out=accused in sat_out)
             except Exception as e:  # noqa: BLE001 - whatever a peer sent, the barrier goes on
                 guilty, flaw = None, f"it could not be checked ({type(e).__name__})"
             if guilty is None:

@@ -374,14 +374,14 @@ class NodeLoop:
         else:
             pg, dropped = self._with_feedback(s, pg, sits_out)
             made = dropped
-        avg, ep, stats, tries, suspect = self._all_reduce(k, h, pg, sits_out, report, ref, dropped)
+        avg, ep, stats, tries, suspect, present = self._all_reduce(k, h, pg, sits_out, report, ref, dropped)
         residual = s.residual if made is None else made
         if residual is not None and not (self.cfg.feedback and (_finite(residual) if finite is None else finite)):
             if self.cfg.feedback:
                 p.log(f"WARNING outer step {k + 1}: the error-feedback residual is not finite; starting it anew")
             residual = None  # feedback off (e.g. another codec since the checkpoint), or a broken one
         self._confirm(k, h)
-        avg, avg_norm, skip = self._vet(s, avg, ep, scale)
+        avg, avg_norm, skip = self._vet(s, avg, ep, scale, present)
         if skip:  # every node holds the same bits, so every node skips
             p.log(f"WARNING outer step {k + 1} skipped: the average has {skip}")
             s = s._replace(outer_step=k + 1, inner_step=(k + 1) * H, skipped=True)
@@ -466,13 +466,15 @@ class NodeLoop:
             self.p.inner.record(k * self.cfg.inner_steps, row)
             self._pending = None
 
-    def _vet(self, s: DilocoState, avg: Any, ep: Epoch, scale: float | None) -> tuple[Any, float, str | None]:
+    def _vet(self, s: DilocoState, avg: Any, ep: Epoch, scale: float | None,
+             present: bool = False) -> tuple[Any, float, str | None]:
         """The average of the nodes that contributed (the ring's mean counts zeros for those that
-        sat out), its norm, and why it must not be applied (None: fine)."""
+        sat out; ``present``: the exchange left them out already), its norm, and why it must not
+        be applied (None: fine)."""
         n = ep.world_size - len(ep.sitting_out)
         if n <= 0:
             return avg, 0.0, "no contribution (every node sat out)"
-        if n < ep.world_size:
+        if n < ep.world_size and not present:
             scale = np.float32(ep.world_size / n)
             avg = jax.tree.map(lambda a: (a * scale).astype(np.float32), avg)
         norm, why = check_average(avg, s.norms, self.guard, scale)
@@ -480,7 +482,7 @@ class NodeLoop:
 
     def _all_reduce(self, k: int, h: str, pg: Any, sits_out: str | None, report: dict | None,
                     ref: float | None,
-                    dropped: Any = None) -> tuple[Any, Epoch, Any, int, tuple[int, str, dict] | None]:
+                    dropped: Any = None) -> tuple[Any, Epoch, Any, int, tuple[int, str, dict] | None, bool]:
         p, cfg = self.p, self.cfg
         retry_of = None
         for attempt in range(cfg.max_retries + 1):
@@ -491,11 +493,12 @@ class NodeLoop:
                 p.log(f"no ring for outer step {k + 1} in epoch {ep.epoch_id}: {e}; retrying")
                 retry_of = ep.epoch_id
                 continue
-            comm.inspect = lambda theirs: verdict(theirs, ref)  # the predecessor's own pieces
+            comm.inspect = lambda theirs: verdict(theirs, ref)  # the own pieces it receives
+            comm.absent = frozenset(ep.node_ids.index(n) for n in ep.sitting_out if n in ep.node_ids)
             try:
                 with abort_when(p.clock, lambda: p.client.epoch_broken(ep.epoch_id), comm.abort, cfg.watch_interval):
                     avg = comm.all_reduce_mean(pg) if dropped is None else comm.all_reduce_mean(pg, dropped=dropped)
-                return avg, ep, comm.last_stats, attempt + 1, getattr(comm, "suspect", None)
+                return avg, ep, comm.last_stats, attempt + 1, getattr(comm, "suspect", None), comm.over_present
             except NetError as e:
                 p.log(f"all-reduce of outer step {k + 1} failed in epoch {ep.epoch_id}: {e}; retrying")
                 retry_of = ep.epoch_id

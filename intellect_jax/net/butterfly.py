@@ -13,7 +13,10 @@ rank ``c`` owns segment ``c``:
 2. **Aggregate.** The owner decodes the ``world`` rows of piece ``j`` (its own row through the
    same codec), shows each other row to ``inspect``, and aggregates them with
    :func:`~.robust.aggregate` (a row that is not finite is dropped by every aggregator). It
-   encodes the aggregate once and adopts the decoded value itself.
+   encodes the aggregate once and adopts the decoded value itself. The rows of members that
+   sit the round out (``absent``: their own checks failed, and the coordinator told every
+   member) are left out, so the result averages the contributors only; such a member must
+   send zeros, and a piece of it that is not all zeros is evidence against it too.
 3. **Gather.** The owner sends those bytes to every other rank, which decodes exactly them: the
    result is bit-identical on every rank that the owners were honest to.
 
@@ -34,7 +37,7 @@ import numpy as np
 
 from intellect_jax.net import quant, robust
 from intellect_jax.net.errors import FrameError, PeerTimeout
-from intellect_jax.net.evidence import SIG_BYTES
+from intellect_jax.net.evidence import SAT_OUT, SIG_BYTES
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import RingPlan, make_plan
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
@@ -59,12 +62,13 @@ def peer_of(rank: int, world: int, k: int) -> int:
 
 
 def aggregate_piece(rows: Sequence[np.ndarray], n: int, mode: str, block: int, how: str,
-                    out: np.ndarray | None = None) -> np.ndarray:
+                    out: np.ndarray | None = None, absent: frozenset[int] = frozenset()) -> np.ndarray:
     """The owner's wire bytes for one piece from its decoded ``rows`` (rank order): the
-    aggregate encoded once (zeros when no row is usable), into ``out`` if given."""
+    aggregate of the rows of the ranks not ``absent`` (sitting the round out), encoded once
+    (zeros when no row is usable), into ``out`` if given."""
     try:
-        value = robust.aggregate(rows, how, n).value
-    except ValueError:  # every row non-finite: nothing to apply
+        value = robust.aggregate([r for i, r in enumerate(rows) if i not in absent], how, n).value
+    except ValueError:  # no row, or every row non-finite: nothing to apply
         value = np.zeros(n, np.float32)
     value = np.ascontiguousarray(value, np.float32)
     if mode == "fp32":
@@ -79,17 +83,19 @@ def roundtrip(x: np.ndarray, mode: str, block: int) -> np.ndarray:
     return quant.decode(quant.encode(np.ascontiguousarray(x, np.float32), mode, block), x.shape[0], mode, block)
 
 
-def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: int, how: str = "mean") -> np.ndarray:
+def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: int, how: str = "mean",
+             absent: frozenset[int] = frozenset()) -> np.ndarray:
     """What :func:`butterfly_all_reduce` returns on every rank, computed in one process."""
     world, numel = len(inputs), inputs[0].shape[0]
     if world == 1:
-        return np.array(inputs[0], np.float32, copy=True)
+        return np.zeros(numel, np.float32) if absent else np.array(inputs[0], np.float32, copy=True)
     p = make_plan(numel, world, block, piece_numel)
     out = np.empty(numel, np.float32)
     for c in range(world):
         for j in range(p.pieces):
             a, b = p.piece(c, j)
-            wire = aggregate_piece([roundtrip(x[a:b], mode, block) for x in inputs], b - a, mode, block, how)
+            wire = aggregate_piece([roundtrip(x[a:b], mode, block) for x in inputs], b - a, mode, block, how,
+                                   absent=absent)
             quant.decode(wire, b - a, mode, block, out=out[a:b])
     return out
 
@@ -101,9 +107,9 @@ class _ButterflyRun(Pipeline):
 
     def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str, block: int,
                  piece_numel: int, how: str, deadline: float, inspect: Inspect | None, seal: MeshSeal | None,
-                 ws: Workspace) -> None:
+                 ws: Workspace, absent: frozenset[int]) -> None:
         super().__init__(links, deadline)
-        self.ws = ws
+        self.ws, self.absent = ws, absent
         self.x, self.out, self.rank, self.world = x, out, rank, world
         self.mode, self.block, self.how = mode, block, how
         self.inspect, self.mseal = inspect, seal
@@ -161,7 +167,7 @@ class _ButterflyRun(Pipeline):
             if not self._wait(lambda: all(r is not None for r in self.rows[j]), f"the rows of piece {j}"):
                 return
             rows = self.rows[j]
-            wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a))
+            wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a), self.absent)
             quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
             with self.cond:
                 self.agg[j] = wire
@@ -217,7 +223,8 @@ class _ButterflyRun(Pipeline):
             except ValueError as e:  # (a wrong length cannot arrive: recv_header checked it)
                 row[...], why = np.nan, f"an undecodable payload ({e})"
             else:
-                why = self.inspect(row) if self.inspect is not None else None
+                why = (SAT_OUT if row.any() else None) if o in self.absent else \
+                    self.inspect(row) if self.inspect is not None else None
             if why:
                 self._found(o, why, me, j, b - a, wire, sig)
             self.ws.release(wire)
@@ -270,11 +277,13 @@ class _ButterflyRun(Pipeline):
 def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, mode: str, block: int,
                          piece_numel: int, deadline: float, how: str = "mean", out: np.ndarray | None = None,
                          inspect: Inspect | None = None, findings: list[tuple[int, Finding]] | None = None,
-                         seal: MeshSeal | None = None, workspace: Workspace | None = None) -> np.ndarray:
+                         seal: MeshSeal | None = None, workspace: Workspace | None = None,
+                         absent: frozenset[int] = frozenset()) -> np.ndarray:
     """Robust mean (``how``: a :mod:`.robust` aggregator) of ``x`` (flat float32) over the
     mesh ``links``, bit-identical on every rank. ``inspect(theirs)`` is shown every other
     member's own piece of our segment; the first bad one of each sender goes to ``findings`` as
-    (sender rank, :class:`Finding`). ``seal``: sign our pieces, check a bad one's signature."""
+    (sender rank, :class:`Finding`). ``seal``: sign our pieces, check a bad one's signature.
+    ``absent``: the ranks sitting the round out, whose rows must be zeros and are left out."""
     if mode not in RING_MODES:
         raise ValueError(f"the butterfly exchange takes {', '.join(RING_MODES)}, not {mode}")
     robust.check_mode(how)
@@ -282,12 +291,12 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
     if out.shape != x.shape or out.dtype != np.float32 or np.may_share_memory(out, x):
         raise ValueError(f"out must be float32 of shape {x.shape}, apart from the input")
     if world == 1:
-        np.copyto(out, x)
+        out[...] = 0 if absent else x
         return out
     if len(links.out) != world - 1 or len(links.inn) != world - 1:
         raise ValueError(f"a butterfly of {world} needs {world - 1} links each way, not {len(links.out)}")
     run = _ButterflyRun(links, x, out, rank, world, mode, block, piece_numel, how, deadline, inspect, seal,
-                        workspace or Workspace())
+                        workspace or Workspace(), frozenset(absent))
     try:
         return run.run()
     finally:

@@ -98,6 +98,9 @@ class Communicator(Protocol):
 
     rank: int
     world_size: int
+    # ranks sitting the round out (set before a call): with the butterfly exchange their rows are
+    # left out (and must be zeros); ``over_present`` says whether results average the others only
+    absent: frozenset[int]
 
     def all_reduce_mean(self, tree: T, *, out: T | None = None, dropped: T | None = None) -> T:
         """Elementwise mean over ranks, bit-identical on every rank; the input is never modified.
@@ -116,6 +119,9 @@ class Communicator(Protocol):
 
     @property
     def last_stats(self) -> CommStats: ...
+
+    @property
+    def over_present(self) -> bool: ...
 
     def abort(self) -> None:
         """Make a call in progress (in another thread) fail soon with a ``NetError``."""
@@ -315,6 +321,7 @@ class SocketCommunicator:
                              f"max_frame_bytes={node.cfg.max_frame_bytes}; lower piece_numel")
         self._aborted = False
         self.inspect: Any = None  # theirs -> reason | None, shown the predecessor's own pieces
+        self.absent: frozenset[int] = frozenset()  # ranks sitting the round out (the butterfly leaves them out)
         # after a call: (predecessor rank, reason, evidence: its signed piece, see net.evidence)
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
         self._links: Links | None = None
@@ -328,6 +335,12 @@ class SocketCommunicator:
     def last_stats(self) -> CommStats:
         """Traffic and time of the last call."""
         return self._stats
+
+    @property
+    def over_present(self) -> bool:
+        """Whether results average only the ranks not in ``absent`` (the butterfly); the ring
+        averages every rank, zeros included."""
+        return self.config.exchange == "butterfly"
 
     def _name(self, r: int) -> str:
         return f"rank {r} ({self.ids[r]} at {self.peers[r][0]}:{self.peers[r][1]})"
@@ -443,7 +456,7 @@ class SocketCommunicator:
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
                                                     deadline=deadline, how=cfg.robust, out=o, inspect=self.inspect,
                                                     findings=by, seal=self._mesh_seal(c, links),
-                                                    workspace=self._workspace)
+                                                    workspace=self._workspace, absent=self.absent)
                     if codecs.gathered(cfg.mode):
                         return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,

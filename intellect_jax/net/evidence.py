@@ -31,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
 SIG_BYTES = 64  # a P-256 signature as r || s, 32 bytes each
 SUSPECT_FACTOR = 10.0  # a piece whose RMS is this many times the outer params' RMS is bad
+SAT_OUT = "values though it sits the round out"  # the butterfly's verdict on a sitter's non-zero piece
 MAX_EVIDENCE_BYTES = 1 << 20  # a piece larger than this on the wire cannot be shown (piece_numel caps it)
 
 
@@ -74,11 +75,14 @@ def reference_rms(scale: float, numel: int) -> float | None:
     return scale / math.sqrt(numel)
 
 
-def verdict(theirs: np.ndarray, ref: float | None, factor: float = SUSPECT_FACTOR) -> str | None:
-    """Why a predecessor's own piece is bad (None: it is not): non-finite values, or an RMS
-    above ``factor`` x ``ref`` (no magnitude verdict without a reference)."""
+def verdict(theirs: np.ndarray, ref: float | None, factor: float = SUSPECT_FACTOR, sat_out: bool = False) -> str | None:
+    """Why a member's own piece is bad (None: it is not): non-finite values, values from a
+    member that declared it sits the round out (``sat_out``), or an RMS above ``factor`` x
+    ``ref`` (no magnitude verdict without a reference)."""
     if not np.isfinite(theirs).all():
         return "non-finite values"
+    if sat_out and theirs.any():
+        return SAT_OUT
     if ref is None or ref <= 0 or theirs.size == 0:
         return None
     rms = float(np.sqrt(np.mean(np.square(theirs, dtype=np.float64))))
