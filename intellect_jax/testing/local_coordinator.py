@@ -20,16 +20,17 @@ class LocalCoordinator:
     reloads the journal), reached through :class:`LocalWire`."""
 
     def __init__(self, config: CoordinatorConfig | None = None, *, run_id: str = "local", clock: Clock = REAL,
-                 journal: Journal | None = None, on_event: Callable[[str], None] | None = None) -> None:
+                 journal: Journal | None = None, on_event: Callable[[str], None] | None = None,
+                 ca: bytes | None = None) -> None:
         self.config, self.run_id, self.clock, self.journal = config, run_id, clock, journal
-        self.on_event = on_event
+        self.on_event, self.ca = on_event, ca  # ca: the run authority's certificate (evidence must be signed)
         self.service: CoordinatorService | None = None
         self.start()
 
     def start(self, config: CoordinatorConfig | None = None) -> CoordinatorService:
         """(Re)start, with another config if given (e.g. an operator's allow_rollback_to)."""
         self.service = CoordinatorService(config or self.config, run_id=self.run_id, clock=self.clock,
-                                          journal=self.journal, on_event=self.on_event).start()
+                                          journal=self.journal, on_event=self.on_event, ca=self.ca).start()
         return self.service
 
     def crash(self) -> None:

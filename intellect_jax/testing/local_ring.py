@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -20,7 +21,7 @@ import numpy as np
 from intellect_jax.net import butterfly, codecs, gather, plan, tree as treelib
 from intellect_jax.net.comm import CommStats, RingConfig, bucket_call, check_dropped, leaves_like, unpack_encoded
 from intellect_jax.net.errors import PeerClosed, PeerTimeout
-from intellect_jax.net.evidence import SIG_BYTES, unsigned_evidence
+from intellect_jax.net.evidence import SAT_OUT, SIG_BYTES, unsigned_evidence
 from intellect_jax.net.frames import HEADER_LEN
 from intellect_jax.net.quant import encoded_nbytes
 
@@ -54,6 +55,38 @@ def ring_bytes(numel: int, world: int, rank: int, cfg: RingConfig) -> int:
     return total + p.pieces * (HEADER_LEN + SIG_BYTES)
 
 
+def ring_view(tree: Any, world: int, sender: int, cfg: RingConfig) -> np.ndarray:
+    """What the ring shows of ``sender``'s contribution to its successor, unsummed: its own
+    segment of every bucket (the first messages it sends), or all of it with a gathered codec
+    (every piece of it travels whole). Flat float32."""
+    leaves = treelib.flatten(tree)[0]
+    sizes = [x.size for x in leaves]
+    parts = []
+    for idx in treelib.make_buckets(sizes, cfg.bucket_numel):
+        flat = np.concatenate([np.asarray(leaves[i], np.float32).reshape(-1) for i in idx]) if idx else \
+            np.empty(0, np.float32)
+        if codecs.gathered(cfg.mode) or world == 1:
+            parts.append(flat)
+            continue
+        b = plan.make_plan(flat.shape[0], world, cfg.block_size, cfg.piece_numel).seg_bounds
+        parts.append(flat[b[sender]: b[sender + 1]])
+    return np.concatenate(parts) if parts else np.empty(0, np.float32)
+
+
+def owner_pieces(tree: Any, world: int, owner: int, cfg: RingConfig) -> Iterator[tuple[int, int, np.ndarray]]:
+    """What a butterfly owner receives of a member's contribution: (bucket, piece, values) for
+    each piece of segment ``owner`` of every bucket (flat float32 views)."""
+    leaves = treelib.flatten(tree)[0]
+    sizes = [x.size for x in leaves]
+    for bi, idx in enumerate(treelib.make_buckets(sizes, cfg.bucket_numel)):
+        flat = np.concatenate([np.asarray(leaves[i], np.float32).reshape(-1) for i in idx])
+        p = plan.make_plan(flat.shape[0], world, cfg.block_size, cfg.piece_numel)
+        for j in range(p.pieces):
+            a, b = p.piece(owner, j)
+            if b > a:
+                yield bi, j, flat[a:b]
+
+
 class LocalGroup:
     """``world`` ranks in one process sharing the ring's arithmetic."""
 
@@ -79,9 +112,11 @@ class LocalGroup:
         """Make the next collective raise :class:`PeerClosed` on every rank."""
         self._fail = reason
 
-    def all_reduce_mean_all(self, trees: list[T], dropped: list[T | None] | None = None) -> list[T]:
+    def all_reduce_mean_all(self, trees: list[T], dropped: list[T | None] | None = None,
+                            absent: frozenset[int] = frozenset()) -> list[T]:
         """Every rank's result for every rank's input, computed in the calling thread
-        (``dropped[r]``: rank r's error feedback, as ``Communicator.all_reduce_mean``'s)."""
+        (``dropped[r]``: rank r's error feedback, as ``Communicator.all_reduce_mean``'s;
+        ``absent``: the ranks sitting the round out, which the butterfly leaves out)."""
         if len(trees) != self.world:
             raise ValueError(f"expected {self.world} trees, got {len(trees)}")
         call = self._calls
@@ -112,7 +147,7 @@ class LocalGroup:
                         for o, v in zip((d_leaves[i] for i in idx), treelib.scatter(d, leaves0, idx)):
                             np.copyto(o, v)
             elif cfg.exchange == "butterfly" and self.world > 1:
-                res = butterfly.simulate(inputs, cfg.mode, cfg.block_size, cfg.piece_numel, cfg.robust)
+                res = butterfly.simulate(inputs, cfg.mode, cfg.block_size, cfg.piece_numel, cfg.robust, absent)
             else:
                 res = plan.simulate(inputs, cfg.mode, cfg.block_size, cfg.piece_numel, seed=seed,
                                     call=bucket_call(call, bi))
@@ -133,7 +168,8 @@ class LocalGroup:
                 got, self._inputs = [self._inputs[r] for r in range(self.world)], {}
                 inputs = [t for t, _ in got]
                 try:
-                    self._results, self._error = self.all_reduce_mean_all(inputs, [d for _, d in got]), None
+                    self._results, self._error = self.all_reduce_mean_all(
+                        inputs, [d for _, d in got], self.comms[0].absent), None
                 except Exception as e:  # noqa: BLE001 - re-raised on every rank
                     self._results, self._error = None, e
                 self._generation += 1
@@ -159,6 +195,12 @@ class LocalCommunicator:
         self._stats = CommStats(world_size=group.world, mode=group.config.mode)
         self.inspect: Any = None  # as SocketCommunicator.inspect, shown the predecessor's whole input
         self.suspect: tuple[int, str, dict[str, Any]] | None = None  # as SocketCommunicator.suspect (unsigned)
+        self.absent: frozenset[int] = frozenset()  # as SocketCommunicator.absent (every rank sets the same)
+
+    @property
+    def over_present(self) -> bool:
+        """As the socket communicator's: the butterfly averages the ranks not ``absent``."""
+        return self.group.config.exchange == "butterfly"
 
     @property
     def last_stats(self) -> CommStats:
@@ -174,10 +216,14 @@ class LocalCommunicator:
         self.suspect = None
         if self.inspect is not None and self.world_size > 1:  # the ring: the predecessor; the butterfly: all
             n = self.world_size
-            for sender in [(self.rank + 1 + k) % n for k in range(n - 1)] if cfg.exchange == "butterfly" else \
-                    [(self.rank - 1) % n]:
-                theirs = np.concatenate([x.reshape(-1) for x in treelib.flatten(self.group.last_inputs[sender])[0]])
-                found = unsigned_evidence(theirs, self.inspect, step=self.group.step, epoch=self.group.epoch,
+            fly = cfg.exchange == "butterfly"
+            for sender in [(self.rank + 1 + k) % n for k in range(n - 1)] if fly else [(self.rank - 1) % n]:
+                theirs = np.concatenate([w for _, _, w in owner_pieces(self.group.last_inputs[sender], n, self.rank,
+                                                                       cfg)] or [np.empty(0, np.float32)]) \
+                    if fly else ring_view(self.group.last_inputs[sender], n, sender, cfg)
+                look = (lambda v: SAT_OUT if v.any() else None) if sender in self.absent and self.over_present \
+                    else self.inspect
+                found = unsigned_evidence(theirs, look, step=self.group.step, epoch=self.group.epoch,
                                           piece_numel=cfg.piece_numel)
                 if found:
                     self.suspect = (sender, *found)

@@ -271,8 +271,8 @@ class Sim(World):
 
     def _drive(self) -> None:
         p, rng, clock = self.p, self.rng, self.clock
-        self.coord = LocalCoordinator(self.coord_cfg, run_id="sim", clock=clock, journal=self.journal,
-                                      on_event=self._coord_event)
+        self.coord = LocalCoordinator(self.coord_cfg, run_id=self.run_id, clock=clock, journal=self.journal,
+                                      on_event=self._coord_event, ca=self.ca)
         events = sorted(self.script.events if self.script is not None else draw_schedule(self.rng, self.p))
         while events and events[0][0] <= 0:  # e.g. the coordinator starts after the founders
             _, what, arg = events.pop(0)

@@ -14,11 +14,13 @@ import numpy as np
 from intellect_jax.coordinator.protocol import Admission, Epoch
 from intellect_jax.diloco.parts import TransferFailed
 from intellect_jax.diloco.state import DilocoState, state_hash
-from intellect_jax.net.comm import CommStats
+from intellect_jax.net.comm import CommStats, bucket_call
 from intellect_jax.net.errors import PeerClosed, PeerTimeout
-from intellect_jax.net.evidence import unsigned_evidence
+from intellect_jax.net import quant
+from intellect_jax.net.evidence import SAT_OUT, evidence, raw_signature, statement, unsigned_evidence
+from intellect_jax.testing.identities import credentials
 from intellect_jax.testing.local import NumpyInner
-from intellect_jax.testing.local_ring import LocalGroup
+from intellect_jax.testing.local_ring import LocalGroup, owner_pieces, ring_view
 from intellect_jax.testing.sim_plan import Fault, Script, SimParams
 from intellect_jax.testing.sim_world import Group, Killed, Proc, World, corrupt
 
@@ -161,6 +163,12 @@ class _Comm:
         self.last_stats = CommStats(world_size=ep.world_size, mode=sim.ring_cfg.mode)
         self.inspect: Any = None  # as the socket ring's: shown the predecessor's own contribution
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
+        self.absent: frozenset[int] = frozenset()  # set by the loop: the ranks that sit the round out
+        self.node_ids = list(ep.node_ids)
+
+    @property
+    def over_present(self) -> bool:
+        return self.sim.ring_cfg.exchange == "butterfly"
 
     def all_reduce_mean(self, tree: Any, dropped: Any = None) -> Any:
         sim, g, clock = self.sim, self.group, self.sim.clock
@@ -173,7 +181,10 @@ class _Comm:
             if len(g.inputs) == g.world and g.results is None and g.error is None:
                 ordered = [g.inputs[r] for r in range(g.world)]
                 g.results = LocalGroup(g.world, sim.ring_cfg, epoch=self.epoch).all_reduce_mean_all(
-                    ordered, [g.drops.get(r) for r in range(g.world)])
+                    ordered, [g.drops.get(r) for r in range(g.world)], self.absent)
+                sim.exchanges.append((self.step, self.epoch, {g.members[r].node_id: _flat(g.inputs[r]) for r in
+                                                              range(g.world)},
+                                      _flat(g.results[0]), {self.node_ids[r] for r in self.absent}))
                 if any(sim.framing(q, self.step) for q in g.members.values()):  # a framer's poisoned partial
                     g.results = [corrupt(r, "nan") for r in g.results]  # sums: nobody can see whose they are
                 if f is not None and f.kind.startswith("partial") and g.world > 2:
@@ -204,16 +215,41 @@ class _Comm:
             raise PeerClosed(f"sim ring epoch {self.epoch}: {g.error or 'a peer died before passing it on'}")
         sim.gate(self.proc, "allreduce", "after")
         self.proc.ring = (self.epoch, self.step - 1)
-        if self.inspect is not None and self.world_size > 1:
+        if self.inspect is not None and self.world_size > 1 and self.over_present:
+            self.suspect = self._butterfly_suspect(g)
+        elif self.inspect is not None and self.world_size > 1:
             prev = (self.rank - 1) % self.world_size
-            found = unsigned_evidence(_flat(g.inputs[prev]), self.inspect, step=self.step - 1, epoch=self.epoch,
-                                      piece_numel=self.sim.ring_cfg.piece_numel)
+            found = unsigned_evidence(ring_view(g.inputs[prev], self.world_size, prev, self.sim.ring_cfg), self.inspect,
+                                      step=self.step - 1, epoch=self.epoch, piece_numel=self.sim.ring_cfg.piece_numel)
             self.suspect = (prev, *found) if found else None
             if sim.frames(self.proc, self.step):  # a malicious successor: the honest piece as its evidence
                 self.suspect = (prev, "framed", unsigned_evidence(_flat(g.inputs[prev]), lambda _: "framed",
                                                                   step=self.step - 1, epoch=self.epoch,
                                                                   piece_numel=sim.ring_cfg.piece_numel)[1])
         return copy.deepcopy(g.results[self.rank])
+
+    def _butterfly_suspect(self, g: Group) -> tuple[int, str, dict[str, Any]] | None:
+        """As a butterfly owner sees them: every other member's own pieces, the first bad one
+        (a sitter's that is not zeros, or one ``inspect`` rejects) as evidence signed by its
+        sender under the run's test authority (the coordinator checks it as over sockets)."""
+        cfg, n = self.sim.ring_cfg, self.world_size
+        for sender in ((self.rank + 1 + k) % n for k in range(n - 1)):
+            look = (lambda v: SAT_OUT if v.any() else None) if sender in self.absent else self.inspect
+            for bi, j, values in owner_pieces(g.inputs[sender], n, self.rank, cfg):
+                wire = quant.encode(np.ascontiguousarray(values), cfg.mode, cfg.block_size)
+                numel = values.shape[0]
+                why = look(quant.decode(wire, numel, cfg.mode, cfg.block_size))
+                if not why:
+                    continue
+                who, me, call = self.node_ids[sender], self.node_ids[self.rank], bucket_call(0, bi)
+                payload = wire.tobytes()
+                said = statement(self.sim.run_id, self.step - 1, self.epoch, call, who, me, self.rank, j, numel,
+                                 cfg.mode, cfg.block_size, payload)
+                key = credentials(who)
+                return sender, why, evidence(step=self.step - 1, epoch=self.epoch, call=call, segment=self.rank,
+                                             piece=j, numel=numel, mode=cfg.mode, block=cfg.block_size, payload=payload,
+                                             signature=raw_signature(key.sign(said)), cert=key.cert_der)
+        return None
 
     def abort(self) -> None:
         with self.sim.cond:

@@ -54,6 +54,8 @@ class SimParams:
     feedback_local: float = 0.0  # the share of it kept in each node's own params (diloco.feedback_local)
     leases: bool = True  # each round's data leased from the coordinator (coordinator/leases.py), units of H/2 steps
     frame_prob: float = 0.15  # chance that an incarnation accuses its ring predecessor falsely (1-2 rounds)
+    exchange: str = "ring"  # "butterfly": each segment's owner sees every piece (net/butterfly.py); signed evidence
+    robust: str = "mean"  # the butterfly owners' aggregator (net/robust.py)
 
 
 

@@ -21,6 +21,7 @@ from intellect_jax.coordinator.client import CoordinatorClient
 from intellect_jax.diloco.parts import Outcome
 from intellect_jax.diloco.state import DilocoState
 from intellect_jax.net.comm import RingConfig
+from intellect_jax.testing.identities import credentials
 from intellect_jax.testing.clock import SimClock
 from intellect_jax.testing.sim_plan import Fault, SimParams
 
@@ -87,7 +88,12 @@ class World:
         self.clock = SimClock()
         self.cond = self.clock.Condition()
         self.log: list[str] = []
-        self.ring_cfg = RingConfig(mode=self.p.mode, block_size=32, piece_numel=64, deadline=self.p.ring_deadline)
+        self.ring_cfg = RingConfig(mode=self.p.mode, block_size=32, piece_numel=64, deadline=self.p.ring_deadline,
+                                   exchange=self.p.exchange, robust=self.p.robust)
+        self.run_id = "sim"
+        # the butterfly's evidence comes from any owner: it must be signed (net.evidence), and is,
+        # under the test authority whose certificate the coordinator is given
+        self.ca = credentials("sim-operator").ca_der if self.p.exchange == "butterfly" else None
         self.rows: list[tuple[str, int, dict[str, Any]]] = []  # (proc, inner step, row) as recorded
         self.groups: dict[tuple[int, int], Group] = {}  # (epoch, boundary): an epoch spans steps
         self.leased: dict[tuple[str, int], Any] = {}  # (process, round) -> the batch ranges it was leased
@@ -98,6 +104,9 @@ class World:
         self.by_addr: dict[str, Proc] = {}
         self.injected: Counter = Counter()
         self.paused_until = 0.0  # the coordinator is SIGSTOPped until then
+        self.held: dict[tuple[str, int], Any] = {}  # (process, step): a false sitter's honest contribution
+        # every exchange's (outer step, epoch, {node: its input}, result, {nodes sitting out})
+        self.exchanges: list[tuple[int, int, dict[str, np.ndarray], np.ndarray, set[str]]] = []
         self.pausing = False  # a pause is under way (its thread holds, or waits for, the service's lock)
         rs = np.random.default_rng(12345)  # the task itself is the same for every seed
         p = self.p
@@ -136,12 +145,24 @@ class World:
 
     def poison(self, proc: Proc, where: str, step: int, tree: Any) -> Any:
         """``tree`` as the node's pseudo-gradient of outer step ``step`` (``where``: "own" before its
-        own check, "wire" on its way into the ring), corrupted if a poison fault says so."""
+        own check, "wire" on its way into the exchange), corrupted if a poison fault says so.
+
+        Besides :func:`corrupt`'s values, a malicious member's ("wire"): "flip" sends ``-N`` x its
+        honest contribution (N: the run's nodes), "push" ``7`` x its norm in one fixed direction,
+        "ratchet" ``1.6^step`` x it, and "sitout" declares that it sits the round out (its own
+        check is made to fail) yet sends its honest contribution."""
         for f in proc.faults:
-            if f.hook == "poison" and f.when == where and f.nth == step:
+            if not (f.hook == "poison" and f.nth == step):
+                continue
+            if f.value == "sitout" and where == "own":  # its check must fail: the honest one waits
+                self.held[(proc.name, step)] = tree
+                return corrupt(tree, "nan")
+            if f.when == where:
                 self.injected[f"poison {f.value} ({where})"] += 1
                 self.say(proc.name, f"FAULT poison ({f.value}, {where}) at outer step {step}")
-                return corrupt(tree, f.value)
+                if f.value == "sitout":
+                    return self.held.pop((proc.name, step), tree)
+                return attack(tree, f.value, self.p.nodes, step) if f.value in ATTACKS else corrupt(tree, f.value)
         return tree
 
     def framing(self, proc: Proc, step: int) -> bool:
@@ -186,14 +207,43 @@ class World:
         raise Killed()
 
 
-def corrupt(tree: Any, value: str) -> Any:
-    """A copy of a pseudo-gradient tree with NaN, Inf, or every value x1000."""
+ATTACKS = ("flip", "push", "ratchet")
+
+
+def attack(tree: Any, value: str, nodes: int, step: int) -> Any:
+    """A malicious member's contribution made from its honest ``tree`` (:meth:`World.poison`)."""
     import jax
+
+    leaves, treedef = jax.tree.flatten(tree)
+    xs = [np.asarray(x, np.float32) for x in leaves]
+    if value == "flip":
+        out = [x * np.float32(-nodes) for x in xs]
+    elif value == "ratchet":
+        out = [x * np.float32(1.6 ** step) for x in xs]
+    else:  # push: one direction, the same every round (seeded apart from the run)
+        rng = np.random.default_rng(20_22)
+        ds = [rng.standard_normal(x.shape).astype(np.float32) for x in xs]
+        norm = np.sqrt(sum(float(np.sum(np.square(x, dtype=np.float64))) for x in xs))
+        dn = np.sqrt(sum(float(np.sum(np.square(d, dtype=np.float64))) for d in ds))
+        out = [d * np.float32(7 * norm / dn) for d in ds]
+    return jax.tree.unflatten(treedef, out)
+
+
+def corrupt(tree: Any, value: str) -> Any:
+    """A copy of a pseudo-gradient tree with NaN or Inf in the first 1% of every leaf, NaN in the
+    very last value only ("late-nan": where a ring successor never looks), or every value x1000."""
+    import jax
+
+    last = jax.tree.leaves(tree)[-1] if jax.tree.leaves(tree) else None
 
     def bad(x: np.ndarray) -> np.ndarray:
         y = np.array(x, np.float32, copy=True)
         if value == "x1000":
             return y * np.float32(1000)
+        if value == "late-nan":
+            if x is last:
+                y.reshape(-1)[-1] = np.nan
+            return y
         y.reshape(-1)[: max(1, y.size // 100)] = np.nan if value == "nan" else np.inf
         return y
 
