@@ -10,8 +10,8 @@ rank ``c`` owns segment ``c``:
    the statement is the owner). So each owner holds every member's own piece of its segment,
    as its sender signed it: a bad piece anywhere in a contribution is evidence against its
    sender and nobody else.
-2. **Aggregate.** The owner decodes the ``world`` rows of piece ``j`` (its own row through the
-   same codec), shows each other row to ``inspect``, and aggregates them with
+2. **Aggregate.** The owner decodes the ``world - 1`` rows of piece ``j`` it received (its own
+   row is its input as it is), shows each to ``inspect``, and aggregates them with
    :func:`~.robust.aggregate` (a row that is not finite is dropped by every aggregator). It
    encodes the aggregate once and adopts the decoded value itself. The rows of members that
    sit the round out (``absent``: their own checks failed, and the coordinator told every
@@ -94,8 +94,8 @@ def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: i
     for c in range(world):
         for j in range(p.pieces):
             a, b = p.piece(c, j)
-            wire = aggregate_piece([roundtrip(x[a:b], mode, block) for x in inputs], b - a, mode, block, how,
-                                   absent=absent)
+            rows = [x[a:b] if r == c else roundtrip(x[a:b], mode, block) for r, x in enumerate(inputs)]
+            wire = aggregate_piece(rows, b - a, mode, block, how, absent=absent)
             quant.decode(wire, b - a, mode, block, out=out[a:b])
     return out
 
@@ -149,8 +149,8 @@ class _ButterflyRun(Pipeline):
         return quant.encode(self.x[a:b], self.mode, self.block, buf)
 
     def _release_rows(self, rows: list[np.ndarray | None]) -> None:
-        for r in rows:
-            if r is not None and r.base is not None:
+        for i, r in enumerate(rows):
+            if r is not None and i != self.rank:  # (ours is a view of the caller's input)
                 self.ws.release(r.base)
 
     # -- threads -----------------------------------------------------------------------
@@ -159,11 +159,8 @@ class _ButterflyRun(Pipeline):
         me, P = self.rank, self.plan.pieces
         for j in range(P):
             a, b = self.plan.piece(me, j)
-            wire = self._encode(me, j)
-            row = quant.decode(wire, b - a, self.mode, self.block, out=self._row(b - a))
-            self.ws.release(wire)
             with self.cond:
-                self.rows[j][me] = row
+                self.rows[j][me] = self.x[a:b]  # our own row as it is: nothing to send
             if not self._wait(lambda: all(r is not None for r in self.rows[j]), f"the rows of piece {j}"):
                 return
             rows = self.rows[j]
