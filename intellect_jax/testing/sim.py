@@ -56,12 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--feedback-local", type=float, default=0.0, metavar="ALPHA",
                     help="a gathered codec's local feedback (diloco.feedback_local)")
     ap.add_argument("--no-leases", action="store_true", help="nodes read their own data (no coordinator leases)")
+    ap.add_argument("--exchange", default="ring", choices=("ring", "butterfly"),
+                    help="butterfly: every segment's owner checks each member's signed piece (net/butterfly.py)")
+    ap.add_argument("--robust", default="mean", help="the butterfly owners' aggregator: mean, clip, trim<k>, cclip")
     a = ap.parse_args(argv)
     seeds = [a.seed] if a.seed is not None else range(*map(int, a.seeds.split(":")))
     bad, total = 0, Counter()
     t0 = time.monotonic()
     for seed in seeds:
-        r = Sim(seed, SimParams(overlap=a.overlap, mode=a.mode, feedback_local=a.feedback_local, leases=not a.no_leases)).run()
+        r = Sim(seed, SimParams(overlap=a.overlap, mode=a.mode, feedback_local=a.feedback_local, leases=not a.no_leases,
+                                exchange=a.exchange, robust=a.robust)).run()
         total.update(r["faults"])
         if a.verbose:
             print("\n".join(r["log"]))
