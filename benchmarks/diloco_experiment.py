@@ -1,12 +1,15 @@
 """DiLoCo vs one node, and int8 vs fp32 all-reduce, on the bundled corpus (a script, not a test).
 
     python benchmarks/diloco_experiment.py [--nodes 4] [--inner-steps 50] [--steps 500] [--out runs/exp]
+        [--butterfly clip,cclip] [--no-baselines]
 
 Runs, through the real launcher (socket ring, coordinator, separate processes):
   1. N DiLoCo nodes, H inner steps, int8 all-reduce;
   2. the same with the fp32 all-reduce;
   3. one node trained on the same total number of tokens (its batch is N x a node's batch, same
-     number of steps: what data-parallel training over N nodes would compute).
+     number of steps: what data-parallel training over N nodes would compute);
+  4. with ``--butterfly AGG,...``: run 1 over the butterfly exchange with each robust aggregator
+     (what the Byzantine-robust path costs a clean run; ``--no-baselines`` skips runs 2 and 3).
 Prints one JSON object: each run's final validation loss (outer params for DiLoCo), the ratios
 DiLoCo/one-node and int8/fp32, and the bytes each DiLoCo node sent against what DDP (an fp32
 ring all-reduce of the gradients every step) would send.
@@ -55,6 +58,8 @@ def main() -> None:
                     help="held-out sequences every run is evaluated on (the same windows for all)")
     ap.add_argument("--overlap", action="store_true", help="overlapped rounds (default: synchronous, as measured)")
     ap.add_argument("--out", default="runs/exp")
+    ap.add_argument("--butterfly", default="", help="robust aggregators to run over the butterfly, e.g. clip,cclip")
+    ap.add_argument("--no-baselines", action="store_true", help="skip the fp32 and one-node runs")
     ap.add_argument("--summarize", action="store_true",
                     help="run nothing: report on the runs already in --out (same arguments)")
     a = ap.parse_args()
@@ -68,10 +73,12 @@ def main() -> None:
     res: dict = {"nodes": a.nodes, "inner_steps": a.inner_steps, "steps": a.steps,
                  "tokens_per_node_step": a.batch * a.seq, "lr": a.lr, "outer_lr": a.outer_lr,
                  "outer_momentum": a.outer_momentum}
-    for mode in ("int8", "fp32"):
-        name = f"diloco_{mode}"
+    runs = [("diloco_int8", "int8", [])] + ([] if a.no_baselines else [("diloco_fp32", "fp32", [])]) + [
+        (f"diloco_int8_butterfly_{agg}", "int8", ["--diloco.exchange", "butterfly", "--diloco.robust", agg])
+        for agg in filter(None, a.butterfly.split(","))]
+    for name, mode, extra in runs:
         secs = run([sys.executable, "-m", "intellect_jax.launch", "--nodes", str(a.nodes), "--config", CONFIG,
-                    "--out-dir", str(out), "--table-every", "0", "--run.name", name,
+                    "--out-dir", str(out), "--table-every", "0", "--run.name", name, *extra,
                     "--diloco.mode", mode, "--diloco.inner_steps", str(a.inner_steps), "--diloco.overlap", str(a.overlap),
                     "--diloco.outer_lr", str(a.outer_lr), "--diloco.outer_momentum", str(a.outer_momentum),
                     "--data.batch_size", str(a.batch), "--run.eval_batches", str(a.eval_seqs // a.batch),
@@ -84,6 +91,11 @@ def main() -> None:
                      "bytes_sent_per_node": sum(r["bytes_sent"] for r in outer),
                      "mean_utilization": sum(r["utilization"] for r in outer) / len(outer),
                      "hashes_agree": len(hashes) == 1}
+        if name.startswith("diloco_int8_butterfly"):
+            res[name]["val_ratio_vs_ring_int8"] = res[name]["val_loss"] / res["diloco_int8"]["val_loss"]
+    if a.no_baselines:
+        print(json.dumps(res, indent=2))
+        return
     secs = run([sys.executable, "-m", "intellect_jax.train", "--config", CONFIG, "--run.name", "single",
                 "--run.out_dir", str(out), "--diloco.no-enabled", "--run.no-progress",
                 "--data.batch_size", str(a.batch * a.nodes),
