@@ -170,7 +170,7 @@ class CoordinatorService:
         trouble propagates: :class:`ServiceStopped`, a ``deadline`` passed, a keepalive lost."""
         op = str(req.get("op"))[:40] if isinstance(req, dict) else "?"
         try:
-            if op == "register" and isinstance(req.get("protocol"), int) and req["protocol"] != PROTOCOL:
+            if op == "register" and type(req.get("protocol")) is int and req["protocol"] != PROTOCOL:
                 # (before the strict parse: a node of another version may send fields this one lacks)
                 raise RegistrationRefused(f"node {str(req.get('node'))[:128]}: protocol version {req['protocol']} "
                                           f"!= coordinator's {PROTOCOL}", "protocol")
@@ -238,7 +238,7 @@ class CoordinatorService:
         poll: Callable[[], Any]
         if isinstance(msg, Sync):
             first = lambda now: m.arrive(node, sess, msg.step, now, msg.state_hash, msg.retry_of,  # noqa: E731
-                                         msg.sits_out, msg.report, vote)
+                                         msg.sits_out, msg.report, vote, tuple(msg.stalled or ()))
             poll = lambda: m.epoch_for(node, sess)  # noqa: E731
             key = "epoch"
         else:
