@@ -1,9 +1,12 @@
 """Policing at a barrier: which members have to go for what they contributed.
 
-Three rules, counted per member across barriers on its :class:`~.roster.Node`: a member whose own
+Four rules, counted per member across barriers on its :class:`~.roster.Node`: a member whose own
 pseudo-gradient checks failed (it sat out, contributing zeros) at ``sit_out_limit`` barriers in
 a row is broken; a member shown to have sent a bad piece of its own contribution in ``strikes``
-rounds poisons the run; a member that accuses falsely ``strikes`` times is evicted.
+rounds poisons the run; a member for whose pieces most other members of a failed epoch waited in
+vain, in ``strikes`` failed epochs, stalls the run (the honest ones would otherwise retry until
+they give up and leave, while it stays); a member that accuses falsely ``strikes`` times is
+evicted.
 
 An accuser must show the accused's own piece (:func:`weigh`, ``net.evidence``). In a run with
 identities that piece carries the accused's signature over a statement naming the accuser as its
@@ -142,6 +145,7 @@ class Police:
                 ev = r.evidence
                 self._say(f"WARNING {n.node_id} shows {accused}'s own piece {ev.piece} of segment {ev.segment} "
                           f"(call {ev.call}) in outer step {step - 1}'s all-reduce, signed by {accused}: {guilty}")
+        self._stalls(step, members)
         keep: list[Node] = []
         evict: list[tuple[Node, str]] = []
         for n in members:
@@ -154,12 +158,32 @@ class Police:
                 evict.append((n, f"poisoned contributions: shown in {n.strikes} rounds "
                                  + ("with its own signed pieces" if signed else "whose average failed")
                                  + f" ({blamed.get(n.node_id)})"))
+            elif n.stalls >= self.config.strikes:
+                evict.append((n, f"stalled the all-reduce: most other members waited in vain for its pieces in "
+                                 f"{n.stalls} failed epochs"))
             elif n.false_accusations >= self.config.strikes:
                 evict.append((n, f"false accusations: {n.false_accusations} accusations without valid evidence "
                                  "or of nodes that sent it nothing"))
             else:
                 keep.append(n)
         return keep, evict
+
+    def _stalls(self, step: int, members: list[Node]) -> None:
+        """At a retry of barrier ``step``: a member of the failed epoch whose pieces most of that
+        epoch's other members say they waited for in vain (``sync(..., stalled=...)``) gets a
+        stall. Each report is one member's word; only a strict majority of the others counts."""
+        failed = self._rings.get(step)  # the epoch this barrier formed before: its all-reduce failed
+        if failed is None or not any(n.arrival.retry for n in members):  # type: ignore[union-attr]
+            return
+        epoch_id, ring, _ = failed
+        heard = {n.node_id: set(n.arrival.stalled) for n in members  # type: ignore[union-attr]
+                 if n.arrival.retry and n.node_id in ring}  # type: ignore[union-attr]
+        for m in members:
+            named = sorted(r for r, s in heard.items() if m.node_id in s and r != m.node_id)
+            if m.node_id in ring and 2 * len(named) > len(ring) - 1:
+                m.stalls += 1
+                self._say(f"WARNING {', '.join(named)} of epoch {epoch_id} ({len(ring)} members) waited in vain "
+                          f"for {m.node_id}'s pieces in its all-reduce; {m.stalls} such epochs for {m.node_id}")
 
     def _false(self, n: Node, accused: str, why: str, flaw: str) -> None:
         n.false_accusations += 1

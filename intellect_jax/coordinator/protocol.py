@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 # coordinator protocol version; bump on any incompatible change (6: data leases, 7: data plans,
 # 8: the last average's verdict in the state hash and the transfer header)
-PROTOCOL = 8
+PROTOCOL = 9
 
 
 class CoordinatorError(Exception):

@@ -124,6 +124,8 @@ class Sync(Msg):
     sits_out: Text | None = None
     report: Report | None = None
     vote: Signature | None = None  # the node's signature of (run, step, state_hash)
+    # on a retry: the members of the failed epoch whose pieces this node waited for in vain
+    stalled: Annotated[list[NodeId], Field(max_length=1 << 12)] | None = None
 
 
 class Admit(Msg):

@@ -44,6 +44,7 @@ from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
 
 RING_MODES = ("fp32", "bf16", "int8", "int4")  # codecs whose contributions can be cut into segments
 WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md: 2 against 1, 4 and none)
+PACE_HOLD = 0.5  # seconds a link waits for the slowest before it counts as stuck (a peer that does not read)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,9 @@ class _ButterflyRun(Pipeline):
         self.agg: list[np.ndarray | None] = [None] * self.plan.pieces
         self.findings: list[tuple[int, Finding]] = []  # (sender rank, its bad piece), first per sender
         self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
+        self.got = [[0] * (world - 1), [0] * (world - 1)]  # pieces received on each link in step 1 and 3
+        self.stuck: set[int] = set()  # links left out of the pacing: they did not move for PACE_HOLD
+        self.t0 = time.monotonic()
 
     def _wait(self, ready: Callable[[], bool], what: str) -> bool:
         """Block until ``ready()`` (False: the call failed meanwhile)."""
@@ -198,12 +202,38 @@ class _ButterflyRun(Pipeline):
         the slowest link (False: the call failed meanwhile). TCP shares our uplink unevenly
         among the links; unpaced, an owner's last rows come from its slowest sender long after
         the others, and our uplink idles while we wait for them."""
-        return self._wait(lambda: j - min(self.sent[phase]) < WINDOW, f"link {k}'s turn for piece {j}")
+        sent, until = self.sent[phase], time.monotonic() + PACE_HOLD
+        with self.cond:
+            while j - min((n for i, n in enumerate(sent) if i not in self.stuck), default=j) >= WINDOW:
+                if self.error is not None:
+                    return False
+                left = until - time.monotonic()
+                if left <= 0:  # the slowest link has not moved: a peer that does not read holds nobody back
+                    self.stuck.add(min((i for i in range(len(sent)) if i not in self.stuck), key=sent.__getitem__))
+                    until = time.monotonic() + PACE_HOLD
+                    continue
+                self.cond.wait(min(left, 1.0))
+            return self.error is None
 
     def _sent(self, phase: int, k: int) -> None:
         with self.cond:
             self.sent[phase][k] += 1
+            self.stuck.discard(k)
             self.cond.notify_all()
+
+    def waited_for(self) -> set[int]:
+        """After a failure: the ranks whose pieces we still lacked, if the call ran at least half
+        its time (an early failure, e.g. a peer that closed its links, says nothing of who
+        stalled). The ranks whose own pieces (step 1) had not all come; if they had, the owners
+        whose aggregates (step 3) had not."""
+        if time.monotonic() - self.t0 < (self.deadline - self.t0) / 2:
+            return set()
+        P = self.plan.pieces
+        for phase in (0, 1):
+            lacking = {peer_of(self.rank, self.world, k) for k, n in enumerate(self.got[phase]) if n < P}
+            if lacking:
+                return lacking
+        return set()
 
     def receiver(self, k: int) -> None:
         """From rank ``o``: its own pieces of our segment; then its aggregates of segment ``o``."""
@@ -227,6 +257,7 @@ class _ButterflyRun(Pipeline):
             self.ws.release(wire)
             with self.cond:
                 self.rows[j][o] = row
+                self.got[0][k] += 1
                 self.cond.notify_all()
         for j in range(P):
             if self.error is not None:
@@ -235,6 +266,7 @@ class _ButterflyRun(Pipeline):
             wire = self._recv(conn, b - a)
             quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
             self.ws.release(wire)
+            self.got[1][k] += 1
 
     def _recv(self, conn, n: int) -> np.ndarray:  # noqa: ANN001
         """The next data frame of ``n`` values' payload, in a pooled buffer."""
@@ -275,12 +307,13 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
                          piece_numel: int, deadline: float, how: str = "mean", out: np.ndarray | None = None,
                          inspect: Inspect | None = None, findings: list[tuple[int, Finding]] | None = None,
                          seal: MeshSeal | None = None, workspace: Workspace | None = None,
-                         absent: frozenset[int] = frozenset()) -> np.ndarray:
+                         absent: frozenset[int] = frozenset(), stalled: set[int] | None = None) -> np.ndarray:
     """Robust mean (``how``: a :mod:`.robust` aggregator) of ``x`` (flat float32) over the
     mesh ``links``, bit-identical on every rank. ``inspect(theirs)`` is shown every other
     member's own piece of our segment; the first bad one of each sender goes to ``findings`` as
     (sender rank, :class:`Finding`). ``seal``: sign our pieces, check a bad one's signature.
-    ``absent``: the ranks sitting the round out, whose rows must be zeros and are left out."""
+    ``absent``: the ranks sitting the round out, whose rows must be zeros and are left out.
+    ``stalled``: if the call fails, receives the ranks we waited for in vain (``waited_for``)."""
     if mode not in RING_MODES:
         raise ValueError(f"the butterfly exchange takes {', '.join(RING_MODES)}, not {mode}")
     robust.check_mode(how)
@@ -296,6 +329,10 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
                         workspace or Workspace(), frozenset(absent))
     try:
         return run.run()
+    except BaseException:
+        if stalled is not None:
+            stalled.update(run.waited_for())
+        raise
     finally:
         if findings is not None:
             findings.extend(run.findings)

@@ -322,6 +322,7 @@ class SocketCommunicator:
         self._aborted = False
         self.inspect: Any = None  # theirs -> reason | None, shown the predecessor's own pieces
         self.absent: frozenset[int] = frozenset()  # ranks sitting the round out (the butterfly leaves them out)
+        self.stalled: frozenset[int] = frozenset()  # after a failed call: the ranks we waited for in vain
         # after a call: (predecessor rank, reason, evidence: its signed piece, see net.evidence)
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
         self._links: Links | None = None
@@ -392,7 +393,7 @@ class SocketCommunicator:
             links.abort()
         return links
 
-    def _check_meta(self, links: Links, meta: dict[str, Any], deadline: float) -> None:
+    def _check_meta(self, links: Links, meta: dict[str, Any], deadline: float, waited: set[int]) -> None:
         """Send our parameters to every rank we send to; every rank we receive from must send
         the same, parsed as a :class:`RingMeta` (:class:`FrameError` if they do not parse,
         :class:`ConfigMismatch` if they differ)."""
@@ -402,8 +403,14 @@ class SocketCommunicator:
             send_msg(conn, meta, deadline)
         # every header is read before any is judged: a rank that gave up at once would close its
         # links while others still send theirs, and they would see a closed peer, not the mismatch
-        heard = [recv_model(conn, RingMeta, "all-reduce header", deadline, max_len=1 << 16).model_dump()
-                 for conn in (links.inn if mesh else links.inn[:1])]
+        heard = []
+        for k, conn in enumerate(links.inn if mesh else links.inn[:1]):
+            try:
+                heard.append(recv_model(conn, RingMeta, "all-reduce header", deadline, max_len=1 << 16).model_dump())
+            except PeerTimeout:
+                if mesh:  # the deadline passed with no header from it: whom we waited for in vain
+                    waited.add(peer_of(self.rank, self.world_size, k))
+                raise
         for k, theirs in enumerate(heard):
             diff = [key for key in ours if ours[key] != theirs[key]]
             if diff:
@@ -433,6 +440,8 @@ class SocketCommunicator:
             self._stats = CommStats(0, 0, time.monotonic() - t0, numel, 1, cfg.mode)
             self._calls += 1
             return result
+        waited: set[int] = set()  # (the butterfly fills it when a call fails)
+        self.stalled = frozenset()
         try:
             links = self._open(deadline)
             sent0, recv0 = links.traffic()
@@ -441,7 +450,7 @@ class SocketCommunicator:
                 meta = {"v": 3, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
                         "peers": self._peers_hash, **asdict(cfg), **info}
                 meta.pop("deadline")
-                self._check_meta(links, meta, deadline)
+                self._check_meta(links, meta, deadline, waited)
 
             findings: list[tuple[int, int, Finding]] = []  # (call, sender rank, its bad piece)
             prv = (self.rank - 1) % self.world_size
@@ -456,7 +465,8 @@ class SocketCommunicator:
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
                                                     deadline=deadline, how=cfg.robust, out=o, inspect=self.inspect,
                                                     findings=by, seal=self._mesh_seal(c, links),
-                                                    workspace=self._workspace, absent=self.absent)
+                                                    workspace=self._workspace, absent=self.absent,
+                                                    stalled=waited)
                     if codecs.gathered(cfg.mode):
                         return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
@@ -483,6 +493,7 @@ class SocketCommunicator:
                     cert=links.inn[k].cert))
         except BaseException:
             self._teardown()  # neighbours see the connections close and fail fast too
+            self.stalled = frozenset(waited)
             raise
         sent, recv = links.traffic()
         self._stats = CommStats(sent - sent0, recv - recv0, time.monotonic() - t0, numel, self.world_size, cfg.mode)
