@@ -10,7 +10,8 @@ each sender and checked by the coordinator) with the first attackers (``n1``, th
 
 * ``flip``: -N x its honest pseudo-gradient; ``push``: 7x its norm in one fixed direction;
   ``ratchet``: 1.6^step x it; ``late-nan``: NaN in its very last value; ``x1000``: every value
-  x1000; ``sitout``: says it sits the round out (its own check fails) yet sends its honest one.
+  x1000; ``sitout``: says it sits the round out (its own check fails) yet sends its honest one;
+  ``mute``: heartbeats and arrives at every barrier, then sends nothing in the all-reduce.
 
 For each (setup, attack, aggregator) it prints one JSON line: the lowest cosine, over the
 exchanges an attacker took part in, between the applied average and the honest contributors'
@@ -35,7 +36,7 @@ import numpy as np
 from intellect_jax.testing.sim import Script, Sim, SimParams
 from intellect_jax.testing.sim_parts import Fault
 
-ATTACKS = ("flip", "push", "ratchet", "late-nan", "x1000", "sitout")
+ATTACKS = ("flip", "push", "ratchet", "late-nan", "x1000", "sitout", "mute")
 
 
 def run(nodes: int, attackers: list[int], value: str | None, robust: str, exchange: str, steps: int,
@@ -62,7 +63,7 @@ def run(nodes: int, attackers: list[int], value: str | None, robust: str, exchan
     final = [row["val_loss"] for _, _, row in sim.rows if row["outer_step"] == steps and "val_loss" in row]
     evicted: dict[str, int] = {}
     for line in report["log"]:
-        m = re.search(r"\[coord\] epoch \d+: members \[.*\] at boundary (\d+) \((.*)\)$", line)
+        m = re.search(r"\[coord\] epoch \d+: members \[.*\] at boundary (\d+)(?: retry)? \((.*)\)$", line)
         for who in re.findall(r"evicted (\S+):", m.group(2)) if m else ():
             evicted.setdefault(who, int(m.group(1)))  # type: ignore[union-attr]
     return {"ok": report["ok"], "problems": report["problems"][:3], "min_cos": min(cos) if cos else None,
