@@ -475,8 +475,8 @@ class NodeLoop:
         if n <= 0:
             return avg, 0.0, "no contribution (every node sat out)"
         if n < ep.world_size and not present:
-            scale = np.float32(ep.world_size / n)
-            avg = jax.tree.map(lambda a: (a * scale).astype(np.float32), avg)
+            up = np.float32(ep.world_size / n)  # (not ``scale``: that is the outer params' norm, the early bound)
+            avg = jax.tree.map(lambda a: (a * up).astype(np.float32), avg)
         norm, why = check_average(avg, s.norms, self.guard, scale)
         return avg, norm, why
 
