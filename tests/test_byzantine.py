@@ -46,17 +46,25 @@ def clean() -> float:
     return _run(4, [], None)[1]
 
 
-@pytest.mark.parametrize("value", ["late-nan", "x1000", "sitout"])
-def test_a_bad_value_anywhere_is_evidence_and_evicts_its_sender_within_two_rounds(value: str) -> None:
-    """NaN in a contribution's very last value (no ring successor looks there), every value
-    x1000, or a member that says it sits the round out and sends anyway: the segments' owners
-    show its signed pieces, the coordinator upholds them, and it is gone by boundary 3 (its
-    first two rounds); the average applied is never non-finite and no honest node is evicted."""
-    report, _, evicted = _run(4, [1], value)
+@pytest.mark.parametrize(("value", "robust"), [("late-nan", "cclip"), ("sitout", "cclip"), ("x1000", "mean")])
+def test_a_bad_value_anywhere_is_evidence_and_evicts_its_sender_within_two_rounds(value: str, robust: str) -> None:
+    """NaN in a contribution's very last value (no ring successor looks there), a member that
+    says it sits the round out and sends anyway (both clear-cut: a strike each round), or every
+    value x1000 into plain means (a magnitude verdict: a strike in rounds whose average failed):
+    the segments' owners show its signed pieces, the coordinator upholds them, and it is gone by
+    boundary 3 (its first two rounds); no honest node is evicted."""
+    report, _, evicted = _run(4, [1], value, robust=robust)
     log = "\n".join(report["log"])
     assert list(evicted) == ["n1"] and evicted["n1"] <= 3, evicted
     assert re.search(r"\[coord\] WARNING n\d shows n1's own piece \d+ of segment \d+ .* signed by n1", log)
-    assert "skipped: the average has" not in log
+    assert ("skipped: the average has" in log) == (value == "x1000")  # NaN and sitters' rows are left out
+
+
+def test_a_magnitude_verdict_alone_strikes_nobody_when_the_average_passes() -> None:
+    """x1000 into CenteredClip owners: the row is bounded, the average passes, and an RMS above
+    10x the outer params' (a heuristic an unusual honest piece could meet) evicts nobody."""
+    report, _, evicted = _run(4, [1], "x1000")
+    assert evicted == {} and "skipped: the average has" not in "\n".join(report["log"])
 
 
 def test_the_ring_cannot_see_a_late_nan_the_butterfly_evicts() -> None:
@@ -68,8 +76,8 @@ def test_the_ring_cannot_see_a_late_nan_the_butterfly_evicts() -> None:
 
 
 def test_two_attackers_among_eight_are_both_evicted_and_nobody_else() -> None:
-    """n1 sends a late NaN (one owner sees it), n5 every value x1000 (every owner does)."""
-    _, _, evicted = _run(8, [1, 5], "late-nan", values={5: "x1000"})
+    """n1 sends a late NaN (one owner sees it), n5 sits out falsely (every owner sees it)."""
+    _, _, evicted = _run(8, [1, 5], "late-nan", values={5: "sitout"})
     assert sorted(evicted) == ["n1", "n5"] and max(evicted.values()) <= 3, evicted
 
 
@@ -82,7 +90,7 @@ def test_a_steering_member_is_bounded_by_the_robust_owners(value: str, clean: fl
     _, plain, _ = _run(4, [1], value, robust="mean")
     _, robust, evicted = _run(4, [1], value)
     assert set(evicted) <= {"n1"}, evicted
-    assert not np.isfinite(plain) or plain > 1.4 * clean, (plain, clean)
+    assert not np.isfinite(plain) or plain > 1.1 * clean, (plain, clean)
     assert robust < 1.5 * clean and (not np.isfinite(plain) or robust < plain), (robust, plain, clean)
 
 

@@ -11,7 +11,11 @@ evicted.
 An accuser must show the accused's own piece (:func:`weigh`, ``net.evidence``). In a run with
 identities that piece carries the accused's signature over a statement naming the accuser as its
 receiver, and the coordinator re-runs the verdict on it: the accusation stands on what the
-accused itself signed, so one such round counts as a strike whoever else saw it. The accuser can
+accused itself signed, so when the verdict is clear-cut (non-finite or undecodable values, any
+value from a member that declared it sits the round out) one such round counts as a strike
+whoever else saw it; a magnitude verdict (an RMS above 10x the outer params') is a heuristic an
+unusual honest piece could meet, so it counts only in a round whose average most members found
+bad, as before. The accuser can
 be any member of the reported epoch: in the ring only the successor receives a member's own
 pieces, in the butterfly exchange every segment's owner does, and the signed receiver tells
 which. An in-process run signs nothing: there only the accused's ring successor may accuse, and
@@ -32,7 +36,8 @@ from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Node
 from intellect_jax.coordinator.schema import Evidence
 from intellect_jax.net import quant
-from intellect_jax.net.evidence import SUSPECT_FACTOR, der_signature, reference_rms, seal, statement, verdict
+from intellect_jax.net.evidence import (SUSPECT_FACTOR, clear_cut, der_signature, reference_rms, seal, statement,
+                                        verdict)
 from intellect_jax.net.identity import vouched
 
 # the coordinator's verdict allows for float sums done in another order on the accuser's machine
@@ -141,7 +146,7 @@ class Police:
                 self._false(n, accused, why, f"its evidence does not hold: {flaw}")
                 continue
             blamed[accused] = guilty
-            if signed or failed:
+            if failed or (signed and clear_cut(guilty)):
                 ev = r.evidence
                 self._say(f"WARNING {n.node_id} shows {accused}'s own piece {ev.piece} of segment {ev.segment} "
                           f"(call {ev.call}) in outer step {step - 1}'s all-reduce, signed by {accused}: {guilty}")
@@ -150,7 +155,7 @@ class Police:
         evict: list[tuple[Node, str]] = []
         for n in members:
             n.sit_outs = n.sit_outs + 1 if n.arrival.sits_out else 0  # type: ignore[union-attr]
-            n.strikes += int((failed or signed) and n.node_id in blamed)
+            n.strikes += int(n.node_id in blamed and (failed or (signed and clear_cut(blamed[n.node_id]))))
             if n.sit_outs >= self.config.sit_out_limit:
                 evict.append((n, f"its own pseudo-gradient checks failed at {n.sit_outs} barriers in a row "
                                  f"({n.arrival.sits_out})"))  # type: ignore[union-attr]
@@ -169,18 +174,29 @@ class Police:
         return keep, evict
 
     def _stalls(self, step: int, members: list[Node]) -> None:
-        """At a retry of barrier ``step``: a member of the failed epoch whose pieces most of that
-        epoch's other members say they waited for in vain (``sync(..., stalled=...)``) gets a
-        stall. Each report is one member's word; only a strict majority of the others counts."""
+        """At a retry of barrier ``step``, a member ``m`` of the failed epoch gets a stall when
+        every other member of that epoch that reports here (a strict majority of them, and the
+        epoch had at least 3 members) waited in vain for its header, its own pieces or its
+        aggregates (``sync(..., stalled=, stalled_owners=)``), and ``m`` itself waited for no
+        one's header or pieces. A member blocked by another (one that would not connect, send or
+        read) waited for that one and is never counted; so a member that stalls only some of the
+        others, or lies about whom it waited for, is not evicted by this rule, but no honest
+        member can be: each report is one member's word, and only the words of all the others
+        together, against a member with nothing to wait for, count."""
         failed = self._rings.get(step)  # the epoch this barrier formed before: its all-reduce failed
         if failed is None or not any(n.arrival.retry for n in members):  # type: ignore[union-attr]
             return
         epoch_id, ring, _ = failed
-        heard = {n.node_id: set(n.arrival.stalled) for n in members  # type: ignore[union-attr]
-                 if n.arrival.retry and n.node_id in ring}  # type: ignore[union-attr]
+        if len(ring) < 3:  # two members: one's word against the other's
+            return
+        heard = {n.node_id: n.arrival for n in members if n.arrival.retry and n.node_id in ring}  # type: ignore[union-attr]
         for m in members:
-            named = sorted(r for r, s in heard.items() if m.node_id in s and r != m.node_id)
-            if m.node_id in ring and 2 * len(named) > len(ring) - 1:
+            mine = heard.get(m.node_id)
+            if mine is None or mine.stalled:
+                continue
+            others = [r for r in heard if r != m.node_id]
+            named = sorted(r for r in others if m.node_id in heard[r].stalled or m.node_id in heard[r].stalled_owners)
+            if others and len(named) == len(others) and 2 * len(named) > len(ring) - 1:
                 m.stalls += 1
                 self._say(f"WARNING {', '.join(named)} of epoch {epoch_id} ({len(ring)} members) waited in vain "
                           f"for {m.node_id}'s pieces in its all-reduce; {m.stalls} such epochs for {m.node_id}")

@@ -91,6 +91,13 @@ def verdict(theirs: np.ndarray, ref: float | None, factor: float = SUSPECT_FACTO
     return None
 
 
+def clear_cut(why: str) -> bool:
+    """Whether a verdict holds whatever the scale: values no honest node sends (not finite, not
+    decodable, or any value from a member that sits the round out), unlike the magnitude
+    verdict, a heuristic against the outer params' RMS."""
+    return why == "non-finite values" or why == SAT_OUT or why.startswith("an undecodable payload")
+
+
 # ---- evidence ----------------------------------------------------------------------------------
 def evidence(*, step: int, epoch: int, call: int, segment: int, piece: int, numel: int, mode: str, block: int,
              payload: bytes, signature: bytes | None, cert: bytes | None = None) -> dict[str, Any]:
