@@ -166,7 +166,8 @@ class Membership:
 
     def arrive(self, node_id: str, session: str, step: int, now: float, state_hash: str | None = None,
                retry_of: int | None = None, sits_out: str | None = None, report: Report | None = None,
-               vote: tuple[str, str] | None = None, stalled: tuple[str, ...] = ()) -> Epoch | None:
+               vote: tuple[str, str] | None = None, stalled: tuple[str, ...] = (),
+               stalled_owners: tuple[str, ...] = ()) -> Epoch | None:
         """A node reached boundary ``step``; returns its epoch once the barrier completes (else None)."""
         node = self._get(node_id, session)
         node.last_seen = now
@@ -205,7 +206,9 @@ class Membership:
             report = report or node.arrival.report  # type: ignore[union-attr]
         if again:
             stalled = stalled or node.arrival.stalled  # type: ignore[union-attr]
-        node.arrival, node.outbox = Arrival(step, t0, state_hash, retry, sits_out, report, vote, stalled), None
+            stalled_owners = stalled_owners or node.arrival.stalled_owners  # type: ignore[union-attr]
+        node.arrival, node.outbox = Arrival(step, t0, state_hash, retry, sits_out, report, vote, stalled,
+                                            stalled_owners), None
         self._advance(now)
         return node.outbox
 

@@ -33,7 +33,8 @@ class Arrival:
     sits_out: str | None = None  # why this node contributes zeros to the next all-reduce
     report: Report | None = None  # on the all-reduce before
     vote: tuple[str, str] | None = None  # (signature, signer's certificate), both hex: see journal.RunRecord.votes
-    stalled: tuple[str, ...] = ()  # (a retry) members of the failed epoch whose pieces it waited for in vain
+    stalled: tuple[str, ...] = ()  # (a retry) members of the failed epoch whose own pieces it waited for in vain
+    stalled_owners: tuple[str, ...] = ()  # (a retry) ... whose aggregates (as segment owners) it waited for
 
 
 @dataclass(eq=False)  # identity semantics: nodes go in sets

@@ -43,8 +43,8 @@ from intellect_jax.net.plan import RingPlan, make_plan
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
 
 RING_MODES = ("fp32", "bf16", "int8", "int4")  # codecs whose contributions can be cut into segments
-WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md: 2 against 1, 4 and none)
-PACE_HOLD = 0.5  # seconds a link waits for the slowest before it counts as stuck (a peer that does not read)
+WINDOW = 2  # pieces a link may run ahead of the (lower) median link (docs/results.md)
+PACE_HOLD = 0.5  # seconds a link waits for the median before the slowest counts as stuck (a peer that does not read)
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,11 @@ class MeshSeal:
 
     sign: Callable[[int, int, int, int, bytes], bytes]
     verify: Callable[[int, int, int, int, bytes, bytes], bool]
+
+
+def _median(values: list[int], default: int) -> int:
+    """The lower median (``default`` when empty)."""
+    return sorted(values)[(len(values) - 1) // 2] if values else default
 
 
 def peer_of(rank: int, world: int, k: int) -> int:
@@ -199,12 +204,15 @@ class _ButterflyRun(Pipeline):
 
     def _pace(self, phase: int, k: int, j: int) -> bool:
         """Hold link ``k`` before piece ``j`` of ``phase`` while it is ``WINDOW`` pieces ahead of
-        the slowest link (False: the call failed meanwhile). TCP shares our uplink unevenly
-        among the links; unpaced, an owner's last rows come from its slowest sender long after
-        the others, and our uplink idles while we wait for them."""
+        the (lower) median link (False: the call failed meanwhile). TCP shares our uplink
+        unevenly among the links; unpaced, an owner's last rows come from its slowest sender
+        long after the others, and our uplink idles while we wait for them. Against the median,
+        not the slowest, and leaving out a link that has not moved for ``PACE_HOLD``: a peer
+        that reads slowly or not at all holds back no other link (each link's progress is its
+        own, which the coordinator's stall rule relies on)."""
         sent, until = self.sent[phase], time.monotonic() + PACE_HOLD
-        with self.cond:
-            while j - min((n for i, n in enumerate(sent) if i not in self.stuck), default=j) >= WINDOW:
+        with self.cond:  # (against the median link: a minority of slow readers holds nobody back)
+            while j - _median([n for i, n in enumerate(sent) if i not in self.stuck], j) >= WINDOW:
                 if self.error is not None:
                     return False
                 left = until - time.monotonic()
@@ -221,19 +229,13 @@ class _ButterflyRun(Pipeline):
             self.stuck.discard(k)
             self.cond.notify_all()
 
-    def waited_for(self) -> set[int]:
-        """After a failure: the ranks whose pieces we still lacked, if the call ran at least half
-        its time (an early failure, e.g. a peer that closed its links, says nothing of who
-        stalled). The ranks whose own pieces (step 1) had not all come; if they had, the owners
-        whose aggregates (step 3) had not."""
-        if time.monotonic() - self.t0 < (self.deadline - self.t0) / 2:
-            return set()
+    def waited_for(self) -> tuple[set[int], set[int]]:
+        """After a failure: (the ranks whose own pieces, step 1, had not all come; the owners
+        whose aggregates, step 3, had not). An owner that lacked rows cannot aggregate: the
+        coordinator counts waits for its aggregates against it only if it lacked none."""
         P = self.plan.pieces
-        for phase in (0, 1):
-            lacking = {peer_of(self.rank, self.world, k) for k, n in enumerate(self.got[phase]) if n < P}
-            if lacking:
-                return lacking
-        return set()
+        return tuple({peer_of(self.rank, self.world, k) for k, n in enumerate(self.got[phase]) if n < P}
+                     for phase in (0, 1))  # type: ignore[return-value]
 
     def receiver(self, k: int) -> None:
         """From rank ``o``: its own pieces of our segment; then its aggregates of segment ``o``."""
@@ -307,13 +309,15 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
                          piece_numel: int, deadline: float, how: str = "mean", out: np.ndarray | None = None,
                          inspect: Inspect | None = None, findings: list[tuple[int, Finding]] | None = None,
                          seal: MeshSeal | None = None, workspace: Workspace | None = None,
-                         absent: frozenset[int] = frozenset(), stalled: set[int] | None = None) -> np.ndarray:
+                         absent: frozenset[int] = frozenset(),
+                         stalled: tuple[set[int], set[int]] | None = None) -> np.ndarray:
     """Robust mean (``how``: a :mod:`.robust` aggregator) of ``x`` (flat float32) over the
     mesh ``links``, bit-identical on every rank. ``inspect(theirs)`` is shown every other
     member's own piece of our segment; the first bad one of each sender goes to ``findings`` as
     (sender rank, :class:`Finding`). ``seal``: sign our pieces, check a bad one's signature.
     ``absent``: the ranks sitting the round out, whose rows must be zeros and are left out.
-    ``stalled``: if the call fails, receives the ranks we waited for in vain (``waited_for``)."""
+    ``stalled``: if the call fails, receives the ranks whose pieces and the owners whose
+    aggregates we waited for in vain (``waited_for``)."""
     if mode not in RING_MODES:
         raise ValueError(f"the butterfly exchange takes {', '.join(RING_MODES)}, not {mode}")
     robust.check_mode(how)
@@ -331,7 +335,9 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
         return run.run()
     except BaseException:
         if stalled is not None:
-            stalled.update(run.waited_for())
+            own, aggregates = run.waited_for()
+            stalled[0].update(own)
+            stalled[1].update(aggregates)
         raise
     finally:
         if findings is not None:

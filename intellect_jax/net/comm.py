@@ -322,7 +322,10 @@ class SocketCommunicator:
         self._aborted = False
         self.inspect: Any = None  # theirs -> reason | None, shown the predecessor's own pieces
         self.absent: frozenset[int] = frozenset()  # ranks sitting the round out (the butterfly leaves them out)
-        self.stalled: frozenset[int] = frozenset()  # after a failed call: the ranks we waited for in vain
+        # after a failed call (the butterfly): the ranks whose header or own pieces we waited for in
+        # vain, and the owners whose aggregates we did
+        self.stalled: frozenset[int] = frozenset()
+        self.stalled_owners: frozenset[int] = frozenset()
         # after a call: (predecessor rank, reason, evidence: its signed piece, see net.evidence)
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
         self._links: Links | None = None
@@ -361,9 +364,10 @@ class SocketCommunicator:
                 if time.monotonic() >= deadline:
                     raise PeerTimeout(f"{what}: nothing within {self.config.deadline:.1f}s (last try: {e})") from None
 
-    def _open(self, deadline: float) -> Links:
+    def _open(self, deadline: float, waited: tuple[set[int], set[int]] | None = None) -> Links:
         """The ring's links (``streams`` to the successor and from the predecessor), or the
-        butterfly's mesh (one to and one from every other rank, :func:`.butterfly.peer_of`)."""
+        butterfly's mesh (one to and one from every other rank, :func:`.butterfly.peer_of`).
+        ``waited``: receives the rank we were waiting for if the deadline passes."""
         if self._links is not None:
             return self._links
         n, me = self.world_size, self.rank
@@ -376,15 +380,20 @@ class SocketCommunicator:
         links = Links([], [])
         try:
             for to, k in outs:
-                ch = self._channel(me, to, k)
+                ch, waiting = self._channel(me, to, k), to
                 links.out.append(self._until(lambda t: self.node.connect(self.peers[to], ch, expect=self.ids[to],
                                                                          timeout=t, name=self._name(to)),
                                              deadline, f"connecting to {self._name(to)}"))
             for frm, k in inns:
-                ch = self._channel(frm, me, k)
+                ch, waiting = self._channel(frm, me, k), frm
                 links.inn.append(self._until(lambda t: self.node.accept(ch, peer=self.ids[frm], timeout=t,
                                                                         name=self._name(frm)),
                                              deadline, f"waiting for {self._name(frm)} on channel {ch!r}"))
+        except PeerTimeout:
+            links.close()
+            if waited is not None and self.config.exchange == "butterfly":
+                waited[0].add(waiting)
+            raise
         except BaseException:
             links.close()
             raise
@@ -393,7 +402,8 @@ class SocketCommunicator:
             links.abort()
         return links
 
-    def _check_meta(self, links: Links, meta: dict[str, Any], deadline: float, waited: set[int]) -> None:
+    def _check_meta(self, links: Links, meta: dict[str, Any], deadline: float,
+                    waited: tuple[set[int], set[int]]) -> None:
         """Send our parameters to every rank we send to; every rank we receive from must send
         the same, parsed as a :class:`RingMeta` (:class:`FrameError` if they do not parse,
         :class:`ConfigMismatch` if they differ)."""
@@ -409,7 +419,7 @@ class SocketCommunicator:
                 heard.append(recv_model(conn, RingMeta, "all-reduce header", deadline, max_len=1 << 16).model_dump())
             except PeerTimeout:
                 if mesh:  # the deadline passed with no header from it: whom we waited for in vain
-                    waited.add(peer_of(self.rank, self.world_size, k))
+                    waited[0].add(peer_of(self.rank, self.world_size, k))
                 raise
         for k, theirs in enumerate(heard):
             diff = [key for key in ours if ours[key] != theirs[key]]
@@ -440,10 +450,10 @@ class SocketCommunicator:
             self._stats = CommStats(0, 0, time.monotonic() - t0, numel, 1, cfg.mode)
             self._calls += 1
             return result
-        waited: set[int] = set()  # (the butterfly fills it when a call fails)
-        self.stalled = frozenset()
+        waited: tuple[set[int], set[int]] = (set(), set())  # (the butterfly fills them when a call fails)
+        self.stalled = self.stalled_owners = frozenset()
         try:
-            links = self._open(deadline)
+            links = self._open(deadline, waited)
             sent0, recv0 = links.traffic()
 
             def before(info: dict[str, Any]) -> None:
@@ -493,7 +503,7 @@ class SocketCommunicator:
                     cert=links.inn[k].cert))
         except BaseException:
             self._teardown()  # neighbours see the connections close and fail fast too
-            self.stalled = frozenset(waited)
+            self.stalled, self.stalled_owners = frozenset(waited[0]), frozenset(waited[1])
             raise
         sent, recv = links.traffic()
         self._stats = CommStats(sent - sent0, recv - recv0, time.monotonic() - t0, numel, self.world_size, cfg.mode)

@@ -214,10 +214,13 @@ class LocalCommunicator:
         check_dropped(cfg, dropped)
         result = self.group._submit(self.rank, tree, cfg.deadline, dropped)
         self.suspect = None
-        if self.inspect is not None and self.world_size > 1:  # the ring: the predecessor; the butterfly: all
+        if self.inspect is not None and self.world_size > 1:
+            # the predecessor's pieces only, as the ring's successor sees them (the butterfly's: those
+            # of our segment): this fake signs nothing, and a coordinator with no authority to check
+            # signatures takes accusations from a member's ring successor only
             n = self.world_size
             fly = cfg.exchange == "butterfly"
-            for sender in [(self.rank + 1 + k) % n for k in range(n - 1)] if fly else [(self.rank - 1) % n]:
+            for sender in [(self.rank - 1) % n]:
                 theirs = np.concatenate([w for _, _, w in owner_pieces(self.group.last_inputs[sender], n, self.rank,
                                                                        cfg)] or [np.empty(0, np.float32)]) \
                     if fly else ring_view(self.group.last_inputs[sender], n, sender, cfg)
