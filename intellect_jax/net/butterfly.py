@@ -43,8 +43,9 @@ from intellect_jax.net.plan import RingPlan, make_plan
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
 
 RING_MODES = ("fp32", "bf16", "int8", "int4")  # codecs whose contributions can be cut into segments
-WINDOW = 2  # pieces a link may run ahead of the (lower) median link (docs/results.md)
-PACE_HOLD = 0.5  # seconds a link waits for the median before the slowest counts as stuck (a peer that does not read)
+WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
+LAG = 4  # pieces the slowest link may fall behind the median before it no longer holds the others
+PACE_HOLD = 0.5  # seconds a link waits before the slowest counts as stuck (a peer that does not read)
 
 
 @dataclass(frozen=True)
@@ -204,15 +205,15 @@ class _ButterflyRun(Pipeline):
 
     def _pace(self, phase: int, k: int, j: int) -> bool:
         """Hold link ``k`` before piece ``j`` of ``phase`` while it is ``WINDOW`` pieces ahead of
-        the (lower) median link (False: the call failed meanwhile). TCP shares our uplink
-        unevenly among the links; unpaced, an owner's last rows come from its slowest sender
-        long after the others, and our uplink idles while we wait for them. Against the median,
-        not the slowest, and leaving out a link that has not moved for ``PACE_HOLD``: a peer
-        that reads slowly or not at all holds back no other link (each link's progress is its
-        own, which the coordinator's stall rule relies on)."""
+        the slowest link (False: the call failed meanwhile). TCP shares our uplink unevenly
+        among the links; unpaced, an owner's last rows come from its slowest sender long after
+        the others, and our uplink idles while we wait for them. A link ``LAG`` pieces behind the
+        median, or one that has not moved for ``PACE_HOLD``, holds nobody: a peer that reads
+        slowly or not at all delays no other link for long (each link's progress is its own,
+        which the coordinator's stall rule relies on)."""
         sent, until = self.sent[phase], time.monotonic() + PACE_HOLD
-        with self.cond:  # (against the median link: a minority of slow readers holds nobody back)
-            while j - _median([n for i, n in enumerate(sent) if i not in self.stuck], j) >= WINDOW:
+        with self.cond:
+            while j - self._base(sent, j) >= WINDOW:
                 if self.error is not None:
                     return False
                 left = until - time.monotonic()
@@ -222,6 +223,13 @@ class _ButterflyRun(Pipeline):
                     continue
                 self.cond.wait(min(left, 1.0))
             return self.error is None
+
+    def _base(self, sent: list[int], j: int) -> int:
+        """The progress a link is paced against: the slowest link's, but never more than
+        ``LAG`` pieces behind the (lower) median's, so a minority of slow readers holds nobody
+        back for long."""
+        active = [n for i, n in enumerate(sent) if i not in self.stuck]
+        return max(min(active), _median(active, j) - LAG) if active else j
 
     def _sent(self, phase: int, k: int) -> None:
         with self.cond:
