@@ -269,12 +269,12 @@ def test_a_signed_piece_shown_by_any_receiver_is_a_strike_even_when_the_average_
         ("a", "poisoned contributions: shown in 2 rounds with its own signed pieces")]
 
 
-def test_a_stall_counts_only_when_every_other_member_waited_for_it_and_it_for_nobody() -> None:
+def test_a_stall_counts_only_when_most_others_waited_for_it_and_it_for_nobody() -> None:
     """Epoch [a, b, c, d, e] fails. At the retry: b alone names a (a liar, or a bad link: no
-    stall); then c, d and e name b but a does not (no stall: not all the others); then all four
-    name b but b says it waited for a (b may have been blocked by a: no stall); then all four
-    name b, b names nobody and waited only for owners' aggregates: a stall, and a second one
-    evicts b; nobody else is evicted."""
+    stall); then c and d name b (2 of 4 others: no stall); then all four name b but b says it
+    waited for a (b may have been blocked by a: no stall); then c, d and e name b, b names
+    nobody and waited only for owners' aggregates: a stall, and a second one evicts b; nobody
+    else is evicted."""
     r = Run(min_nodes=5, strikes=2)
     for n in "abcde":
         r.reg(n)
@@ -290,16 +290,16 @@ def test_a_stall_counts_only_when_every_other_member_waited_for_it_and_it_for_no
     r.barrier(1, list("abcde"), "h1")
     retry({"b": ("a",)})
     assert (r.m._nodes["a"].stalls, r.m._nodes["b"].stalls) == (0, 0)
-    retry({"c": ("b",), "d": ("b",), "e": ("b", "a")})
+    retry({"c": ("b",), "d": ("b", "a")})
     assert (r.m._nodes["a"].stalls, r.m._nodes["b"].stalls) == (0, 0)
     retry({"a": ("b",), "c": ("b",), "d": ("b",), "e": ("b",), "b": ("a",)})
     assert r.m._nodes["b"].stalls == 0
-    retry({"a": ("b",), "c": ("b",), "d": ("b",), "e": ("b",), "b": ("*",)})
+    retry({"c": ("b",), "d": ("b",), "e": ("b",), "b": ("*",)})
     assert (r.m._nodes["a"].stalls, r.m._nodes["b"].stalls) == (0, 1)
-    retry({"a": ("b",), "c": ("b",), "d": ("b",), "e": ("b",), "b": ("*",)})
+    retry({"c": ("b",), "d": ("b",), "e": ("b",), "b": ("*",)})
     ev = r.m.status(r.now)["evictions"]
     assert [(e["node_id"], e["reason"].split(":")[0]) for e in ev] == [("b", "stalled the all-reduce")]
-    assert any("a, c, d, e of epoch" in ln and "waited in vain for b's pieces" in ln for ln in r.m.drain_events())
+    assert any("c, d, e of epoch" in ln and "waited in vain for b's pieces" in ln for ln in r.m.drain_events())
 
 
 def test_in_a_ring_of_two_a_stall_is_one_word_against_another() -> None:

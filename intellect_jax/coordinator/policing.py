@@ -174,15 +174,16 @@ class Police:
         return keep, evict
 
     def _stalls(self, step: int, members: list[Node]) -> None:
-        """At a retry of barrier ``step``, a member ``m`` of the failed epoch gets a stall when
-        every other member of that epoch that reports here (a strict majority of them, and the
-        epoch had at least 3 members) waited in vain for its header, its own pieces or its
-        aggregates (``sync(..., stalled=, stalled_owners=)``), and ``m`` itself waited for no
-        one's header or pieces. A member blocked by another (one that would not connect, send or
-        read) waited for that one and is never counted; so a member that stalls only some of the
-        others, or lies about whom it waited for, is not evicted by this rule, but no honest
-        member can be: each report is one member's word, and only the words of all the others
-        together, against a member with nothing to wait for, count."""
+        """At a retry of barrier ``step``, a member ``m`` of the failed epoch gets a stall when a
+        strict majority of that epoch's other members (and it had at least 3) say they waited
+        in vain for its header, its own pieces or its aggregates (``sync(..., stalled=,
+        stalled_owners=)``), and ``m`` itself waited for no one's header or pieces. Each report
+        is one member's word. An honest member that had every piece it needed sent all of its
+        own (each link's progress is its own: ``net.butterfly``), so only dishonest members can
+        name it: while they are a minority, it gets no stall. A member blocked by another (one
+        that would not connect, send or read) waited for that one, so it is never counted;
+        a member that stalls only some of the others, or lies about whom it waited for, is not
+        evicted by this rule either."""
         failed = self._rings.get(step)  # the epoch this barrier formed before: its all-reduce failed
         if failed is None or not any(n.arrival.retry for n in members):  # type: ignore[union-attr]
             return
@@ -194,9 +195,9 @@ class Police:
             mine = heard.get(m.node_id)
             if mine is None or mine.stalled:
                 continue
-            others = [r for r in heard if r != m.node_id]
-            named = sorted(r for r in others if m.node_id in heard[r].stalled or m.node_id in heard[r].stalled_owners)
-            if others and len(named) == len(others) and 2 * len(named) > len(ring) - 1:
+            named = sorted(r for r in heard if r != m.node_id and (m.node_id in heard[r].stalled
+                                                                     or m.node_id in heard[r].stalled_owners))
+            if 2 * len(named) > len(ring) - 1:
                 m.stalls += 1
                 self._say(f"WARNING {', '.join(named)} of epoch {epoch_id} ({len(ring)} members) waited in vain "
                           f"for {m.node_id}'s pieces in its all-reduce; {m.stalls} such epochs for {m.node_id}")
