@@ -11,7 +11,7 @@ import pytest
 from intellect_jax.coordinator.policing import weigh
 from intellect_jax.coordinator.schema import Evidence
 from intellect_jax.net import ConfigMismatch, NetError, RingConfig, butterfly
-from intellect_jax.net.evidence import verdict
+from intellect_jax.net.evidence import SAT_OUT, verdict
 from intellect_jax.net.frames import HEADER_LEN
 from intellect_jax.net.plan import make_plan
 from intellect_jax.testing.identities import credentials
@@ -173,3 +173,42 @@ def test_every_rank_names_the_one_it_waited_for_in_vain(when: str, monkeypatch: 
     for r in (0, 1, 3):
         assert isinstance(errs[r], NetError), errs[r]
         assert comms[r].stalled == {2}, (r, comms[r].stalled, errs[r])
+
+
+@pytest.mark.parametrize("sends", ["zeros", "values"])
+def test_a_member_sitting_out_is_left_out_and_its_values_are_evidence(sends: str) -> None:
+    """Rank 1 sits the round out (every rank's ``absent``): with zeros, the result is the
+    aggregate of the other three ranks' rows, bit-identical to the fake; with values, every
+    owner keeps one of its signed pieces as evidence, which the coordinator upholds only for a
+    member that declared it sits out."""
+    world, n = 4, 4000
+    xs = _inputs(world, n, seed=9)
+    if sends == "zeros":
+        xs[1][...] = 0
+    cfg = RingConfig(mode="int8", piece_numel=256, deadline=30, exchange="butterfly", robust="cclip")
+    nodes = _nodes(world, first=80)
+    try:
+        comms = [nd.ring(_members(nodes), r, epoch=2, step=5, config=cfg) for r, nd in enumerate(nodes)]
+        for c in comms:
+            c.inspect, c.absent = (lambda theirs: verdict(theirs, None)), frozenset({1})
+        outs, errs = _run(comms, xs)
+    finally:
+        for nd in nodes:
+            nd.close()
+    assert errs == [None] * world
+    ref = butterfly.simulate(xs, "int8", 64, 256, "cclip", frozenset({1}))
+    assert all(_same_bits(o, ref) for o in outs)
+    group = LocalGroup(world, cfg)
+    for c in group.comms:
+        c.absent = frozenset({1})
+    assert _same_bits(group.all_reduce_mean_all(xs, absent=frozenset({1}))[0], ref)
+    if sends == "zeros":
+        assert all(c.suspect is None for c in comms)
+        return
+    kw: dict[str, Any] = dict(run_id="ring-test", step=5, epoch_id=2, recorded=None, ca=credentials("r80").ca_der)
+    for owner in (0, 2, 3):
+        sender, why, ev = comms[owner].suspect
+        assert (sender, why) == (1, SAT_OUT)
+        e = Evidence.model_validate(ev)
+        assert weigh(e, accuser=f"r8{owner}", accused="r81", sat_out=True, **kw) == (SAT_OUT, "")
+        assert weigh(e, accuser=f"r8{owner}", accused="r81", **kw)[0] is None  # it did not declare it

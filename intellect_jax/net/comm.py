@@ -273,7 +273,8 @@ Short = Annotated[str, Field(max_length=64)]
 
 class RingMeta(Wire):
     """What ring neighbours compare before every all-reduce call (``_check_meta``): the call,
-    the ring, the :class:`RingConfig` (less its deadline) and the tree's signature and buckets."""
+    the ring, the :class:`RingConfig` (less its deadline), the ranks sitting the round out and the
+    tree's signature and buckets."""
 
     v: Annotated[int, Field(ge=0, le=1 << 16)]
     call: Nat
@@ -290,6 +291,7 @@ class RingMeta(Wire):
     seed: Int64
     exchange: Annotated[str, Field(max_length=16)]
     robust: Annotated[str, Field(max_length=16)]
+    absent: Annotated[list[Nat], Field(max_length=1 << 20)]  # the ranks sitting the round out
     sig: Short
     buckets: Annotated[list[Nat], Field(max_length=1 << 16)]
 
@@ -458,7 +460,7 @@ class SocketCommunicator:
 
             def before(info: dict[str, Any]) -> None:
                 meta = {"v": 3, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
-                        "peers": self._peers_hash, **asdict(cfg), **info}
+                        "peers": self._peers_hash, **asdict(cfg), "absent": sorted(self.absent), **info}
                 meta.pop("deadline")
                 self._check_meta(links, meta, deadline, waited)
 
