@@ -10,8 +10,7 @@ each sender and checked by the coordinator) with the first attackers (``n1``, th
 
 * ``flip``: -N x its honest pseudo-gradient; ``push``: 7x its norm in one fixed direction;
   ``ratchet``: 1.6^step x it; ``late-nan``: NaN in its very last value; ``x1000``: every value
-  x1000; ``sitout``: says it sits the round out (its own check fails) yet sends its honest one;
-  ``mute``: heartbeats and arrives at every barrier, then sends nothing in the all-reduce.
+  x1000; ``sitout``: says it sits the round out (its own check fails) yet sends its honest one.
 
 For each (setup, attack, aggregator) it prints one JSON line: the lowest cosine, over the
 exchanges an attacker took part in, between the applied average and the honest contributors'
@@ -36,7 +35,7 @@ import numpy as np
 from intellect_jax.testing.sim import Script, Sim, SimParams
 from intellect_jax.testing.sim_parts import Fault
 
-ATTACKS = ("flip", "push", "ratchet", "late-nan", "x1000", "sitout", "mute")
+ATTACKS = ("flip", "push", "ratchet", "late-nan", "x1000", "sitout")
 
 
 def run(nodes: int, attackers: list[int], value: str | None, robust: str, exchange: str, steps: int,

@@ -105,16 +105,3 @@ def test_seeded_fault_schedules_over_the_butterfly_keep_one_history() -> None:
         if not r["ok"]:
             bad.append((seed, r["problems"][:2]))
     assert not bad, bad[:3]
-
-
-def test_a_member_that_stalls_in_every_all_reduce_is_evicted_and_no_honest_node_leaves() -> None:
-    """n1 heartbeats and arrives at every barrier, then sends nothing in the all-reduce: each
-    epoch fails at the deadline, the three others name it at their retry, and after two such
-    epochs it is evicted; the third epoch (without it) completes, and no honest node gives up
-    (they would after 6 failed epochs: `diloco.max_retries`)."""
-    report, _, evicted = _run(4, [1], "mute")
-    log = "\n".join(report["log"])
-    assert list(evicted) == ["n1"] and evicted["n1"] == 0, evicted  # at boundary 0's second retry
-    assert "n0, n2, n3 of epoch 1 (4 members) waited in vain for n1's pieces" in log
-    assert "evicted n1: stalled the all-reduce: most other members waited in vain for its pieces in 2" in log
-    assert "left to join again" not in log

@@ -269,48 +269,25 @@ def test_a_signed_piece_shown_by_any_receiver_is_a_strike_even_when_the_average_
         ("a", "poisoned contributions: shown in 2 rounds with its own signed pieces")]
 
 
-def test_a_stall_counts_only_when_most_others_waited_for_it_and_it_for_nobody() -> None:
-    """Epoch [a, b, c, d, e] fails. At the retry: b alone names a (a liar, or a bad link: no
-    stall); then c and d name b (2 of 4 others: no stall); then all four name b but b says it
-    waited for a (b may have been blocked by a: no stall); then c, d and e name b, b names
-    nobody and waited only for owners' aggregates: a stall, and a second one evicts b; nobody
-    else is evicted."""
-    r = Run(min_nodes=5, strikes=2)
-    for n in "abcde":
-        r.reg(n)
-    r.barrier(0, list("abcde"), "h0")
-
-    def retry(names: dict[str, tuple[str, ...]]) -> None:
-        epoch = r.m._last.epoch_id  # type: ignore[union-attr]
-        for n in [p[0] for p in r.m._last.members]:  # type: ignore[union-attr]
-            own = names.get(n, ())
-            r.m.arrive(n, r.s[n], 1, r.now, "h1", epoch, None, None, None, tuple(x for x in own if x != "*"),
-                       ("c", "d") if "*" in own else ())
-
-    r.barrier(1, list("abcde"), "h1")
-    retry({"b": ("a",)})
-    assert (r.m._nodes["a"].stalls, r.m._nodes["b"].stalls) == (0, 0)
-    retry({"c": ("b",), "d": ("b", "a")})
-    assert (r.m._nodes["a"].stalls, r.m._nodes["b"].stalls) == (0, 0)
-    retry({"a": ("b",), "c": ("b",), "d": ("b",), "e": ("b",), "b": ("a",)})
-    assert r.m._nodes["b"].stalls == 0
-    retry({"c": ("b",), "d": ("b",), "e": ("b",), "b": ("*",)})
-    assert (r.m._nodes["a"].stalls, r.m._nodes["b"].stalls) == (0, 1)
-    retry({"c": ("b",), "d": ("b",), "e": ("b",), "b": ("*",)})
-    ev = r.m.status(r.now)["evictions"]
-    assert [(e["node_id"], e["reason"].split(":")[0]) for e in ev] == [("b", "stalled the all-reduce")]
-    assert any("c, d, e of epoch" in ln and "waited in vain for b's pieces" in ln for ln in r.m.drain_events())
-
-
-def test_in_a_ring_of_two_a_stall_is_one_word_against_another() -> None:
-    r = Run(min_nodes=2, strikes=1)
-    r.reg("a"), r.reg("b")
-    r.barrier(0, ["a", "b"], "h0")
-    r.barrier(1, ["a", "b"], "h1")
-    epoch = r.m._last.epoch_id  # type: ignore[union-attr]
-    for n in "ab":
-        r.m.arrive(n, r.s[n], 1, r.now, "h1", epoch, None, None, None, ("b",) if n == "a" else ())
-    assert r.m._nodes["b"].stalls == 0 and r.m.status(r.now)["evictions"] == []
+def test_a_clear_cut_verdict_is_not_undone_by_a_later_magnitude_one() -> None:
+    """a sends a NaN piece to owner b and an outsized one to owner c in a round whose average
+    passed: b's evidence (clear-cut) strikes a, whatever c shows after it; c's alone would not."""
+    for shown in ("bc", "c"):
+        r = Run(min_nodes=3, strikes=2)
+        r.m.police.ca = credentials("a").ca_der
+        for n in "abc":
+            r.reg(n)
+        r.barrier(0, list("abc"), seal(OPENING["core"], OPENING["numel"], OPENING["scale"]))
+        epoch, run_id = r.m._last.epoch_id, r.m.record.run_id  # type: ignore[union-attr]
+        ev = {"b": _signed("a", NAN_PIECE, run_id=run_id, step=0, epoch=epoch, opening=None, to="b"),
+              "c": _signed("a", OUTSIZED, run_id=run_id, step=0, epoch=epoch, opening=OPENING, to="c")}
+        for n in "abc":
+            accuse = n in shown and n != "a"
+            report = Report.model_validate({"avg_failed": False, "accused": ["a", "its piece"] if accuse else None,
+                                            "evidence": ev[n] if accuse else None})
+            r.m.arrive(n, r.s[n], 1, r.now, None if n == "a" else "h1", None, None, report)
+        assert r.m._nodes["a"].strikes == (1 if "b" in shown else 0), shown
+        assert r.m._nodes["b"].false_accusations == r.m._nodes["c"].false_accusations == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def test_a_ring_peer_meets_fuzzed_headers_with_net_errors_only() -> None:
     def check(send: Any) -> BaseException | None:
         send(up)
         try:
-            comm._check_meta(links, ours, time.monotonic() + 5, set())
+            comm._check_meta(links, ours, time.monotonic() + 5)
             return None
         except NetError as e:
             return e

@@ -216,15 +216,12 @@ class CoordinatorClient:
             delay = min(2 * delay, 1.0)
 
     def sync(self, k: int, state_hash: str | None = None, retry_of: int | None = None,
-             timeout: float | None = None, sits_out: str | None = None, report: dict | None = None,
-             stalled: list[str] | None = None, stalled_owners: list[str] | None = None) -> Epoch:
+             timeout: float | None = None, sits_out: str | None = None, report: dict | None = None) -> Epoch:
         """Barrier at boundary ``k`` (``k`` completed outer steps); returns the epoch of step ``k+1``.
 
         ``retry_of``: the epoch whose all-reduce just failed. ``sits_out``: why this node will
         contribute zeros. ``report``: on the all-reduce before (``{"avg_failed": bool,
-        "accused": [node, why] | None}``). ``stalled``, ``stalled_owners`` (with ``retry_of``):
-        the members whose own pieces, and whose aggregates, this node waited for in vain in that
-        epoch. Raises :class:`Evicted` if the node was dropped
+        "accused": [node, why] | None}``). Raises :class:`Evicted` if the node was dropped
         (register again), :class:`CoordinatorUnavailable`.
         """
         self.hold(k, state_hash)
@@ -232,8 +229,7 @@ class CoordinatorClient:
         if self._signer is not None and state_hash is not None:
             sig = self._signer.identity.sign(vote(self._signer.run_id, k, state_hash)).hex()
         reply = self._call("sync", {"step": k, "state_hash": state_hash, "retry_of": retry_of, "sits_out": sits_out,
-                                    "report": report, "vote": sig, "stalled": stalled,
-                                    "stalled_owners": stalled_owners}, timeout)
+                                    "report": report, "vote": sig}, timeout)
         ep = parse_reply(EpochOk, reply, "sync", self._name).epoch.parsed()
         with self._lock:
             self._epoch, self._rank, self._has_state, self._seen_run = ep.epoch_id, ep.rank, True, True

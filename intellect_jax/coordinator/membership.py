@@ -166,8 +166,7 @@ class Membership:
 
     def arrive(self, node_id: str, session: str, step: int, now: float, state_hash: str | None = None,
                retry_of: int | None = None, sits_out: str | None = None, report: Report | None = None,
-               vote: tuple[str, str] | None = None, stalled: tuple[str, ...] = (),
-               stalled_owners: tuple[str, ...] = ()) -> Epoch | None:
+               vote: tuple[str, str] | None = None) -> Epoch | None:
         """A node reached boundary ``step``; returns its epoch once the barrier completes (else None)."""
         node = self._get(node_id, session)
         node.last_seen = now
@@ -204,11 +203,7 @@ class Membership:
         retry = retry or (again and node.arrival.retry)  # type: ignore[union-attr]
         if again:  # a re-issued or retried sync keeps the first one's report (counted once)
             report = report or node.arrival.report  # type: ignore[union-attr]
-        if again:
-            stalled = stalled or node.arrival.stalled  # type: ignore[union-attr]
-            stalled_owners = stalled_owners or node.arrival.stalled_owners  # type: ignore[union-attr]
-        node.arrival, node.outbox = Arrival(step, t0, state_hash, retry, sits_out, report, vote, stalled,
-                                            stalled_owners), None
+        node.arrival, node.outbox = Arrival(step, t0, state_hash, retry, sits_out, report, vote), None
         self._advance(now)
         return node.outbox
 

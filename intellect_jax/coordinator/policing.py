@@ -1,12 +1,11 @@
 """Policing at a barrier: which members have to go for what they contributed.
 
-Four rules, counted per member across barriers on its :class:`~.roster.Node`: a member whose own
+Three rules, counted per member across barriers on its :class:`~.roster.Node`: a member whose own
 pseudo-gradient checks failed (it sat out, contributing zeros) at ``sit_out_limit`` barriers in
 a row is broken; a member shown to have sent a bad piece of its own contribution in ``strikes``
-rounds poisons the run; a member for whose pieces most other members of a failed epoch waited in
-vain, in ``strikes`` failed epochs, stalls the run (the honest ones would otherwise retry until
-they give up and leave, while it stays); a member that accuses falsely ``strikes`` times is
-evicted.
+rounds poisons the run; a member that accuses falsely ``strikes`` times is evicted. (A member that
+stalls the all-reduce is not evicted for it yet: whose fault a failed call is cannot be told from
+the members' reports while failures cascade, docs/security.md.)
 
 An accuser must show the accused's own piece (:func:`weigh`, ``net.evidence``). In a run with
 identities that piece carries the accused's signature over a statement naming the accuser as its
@@ -145,12 +144,12 @@ class Police:
             if guilty is None:
                 self._false(n, accused, why, f"its evidence does not hold: {flaw}")
                 continue
-            blamed[accused] = guilty
+            if not clear_cut(blamed.get(accused, "")):  # a clear-cut verdict stands against later magnitude ones
+                blamed[accused] = guilty
             if failed or (signed and clear_cut(guilty)):
                 ev = r.evidence
                 self._say(f"WARNING {n.node_id} shows {accused}'s own piece {ev.piece} of segment {ev.segment} "
                           f"(call {ev.call}) in outer step {step - 1}'s all-reduce, signed by {accused}: {guilty}")
-        self._stalls(step, members)
         keep: list[Node] = []
         evict: list[tuple[Node, str]] = []
         for n in members:
@@ -163,44 +162,12 @@ class Police:
                 evict.append((n, f"poisoned contributions: shown in {n.strikes} rounds "
                                  + ("with its own signed pieces" if signed else "whose average failed")
                                  + f" ({blamed.get(n.node_id)})"))
-            elif n.stalls >= self.config.strikes:
-                evict.append((n, f"stalled the all-reduce: most other members waited in vain for its pieces in "
-                                 f"{n.stalls} failed epochs"))
             elif n.false_accusations >= self.config.strikes:
                 evict.append((n, f"false accusations: {n.false_accusations} accusations without valid evidence "
                                  "or of nodes that sent it nothing"))
             else:
                 keep.append(n)
         return keep, evict
-
-    def _stalls(self, step: int, members: list[Node]) -> None:
-        """At a retry of barrier ``step``, a member ``m`` of the failed epoch gets a stall when a
-        strict majority of that epoch's other members (and it had at least 3) say they waited
-        in vain for its header, its own pieces or its aggregates (``sync(..., stalled=,
-        stalled_owners=)``), and ``m`` itself waited for no one's header or pieces. Each report
-        is one member's word. An honest member that had every piece it needed sent all of its
-        own (each link's progress is its own: ``net.butterfly``), so only dishonest members can
-        name it: while they are a minority, it gets no stall. A member blocked by another (one
-        that would not connect, send or read) waited for that one, so it is never counted;
-        a member that stalls only some of the others, or lies about whom it waited for, is not
-        evicted by this rule either."""
-        failed = self._rings.get(step)  # the epoch this barrier formed before: its all-reduce failed
-        if failed is None or not any(n.arrival.retry for n in members):  # type: ignore[union-attr]
-            return
-        epoch_id, ring, _ = failed
-        if len(ring) < 3:  # two members: one's word against the other's
-            return
-        heard = {n.node_id: n.arrival for n in members if n.arrival.retry and n.node_id in ring}  # type: ignore[union-attr]
-        for m in members:
-            mine = heard.get(m.node_id)
-            if mine is None or mine.stalled:
-                continue
-            named = sorted(r for r in heard if r != m.node_id and (m.node_id in heard[r].stalled
-                                                                     or m.node_id in heard[r].stalled_owners))
-            if 2 * len(named) > len(ring) - 1:
-                m.stalls += 1
-                self._say(f"WARNING {', '.join(named)} of epoch {epoch_id} ({len(ring)} members) waited in vain "
-                          f"for {m.node_id}'s pieces in its all-reduce; {m.stalls} such epochs for {m.node_id}")
 
     def _false(self, n: Node, accused: str, why: str, flaw: str) -> None:
         n.false_accusations += 1

@@ -33,8 +33,6 @@ class Arrival:
     sits_out: str | None = None  # why this node contributes zeros to the next all-reduce
     report: Report | None = None  # on the all-reduce before
     vote: tuple[str, str] | None = None  # (signature, signer's certificate), both hex: see journal.RunRecord.votes
-    stalled: tuple[str, ...] = ()  # (a retry) members of the failed epoch whose own pieces it waited for in vain
-    stalled_owners: tuple[str, ...] = ()  # (a retry) ... whose aggregates (as segment owners) it waited for
 
 
 @dataclass(eq=False)  # identity semantics: nodes go in sets
@@ -55,7 +53,6 @@ class Node:
     sit_outs: int = 0  # barriers in a row at which it sat out
     strikes: int = 0  # rounds in which it was shown to have sent a bad piece (policing.py)
     false_accusations: int = 0  # accusations without valid evidence (policing.py)
-    stalls: int = 0  # failed epochs in which most other members waited for its pieces in vain (policing.py)
     data: DataPlan | None = None  # how it reads its data (None: it did not say)
 
 

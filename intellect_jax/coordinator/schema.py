@@ -124,10 +124,6 @@ class Sync(Msg):
     sits_out: Text | None = None
     report: Report | None = None
     vote: Signature | None = None  # the node's signature of (run, step, state_hash)
-    # on a retry: the members of the failed epoch whose header or own pieces this node waited for
-    # in vain, and those whose aggregates (as segment owners) it did
-    stalled: Annotated[list[NodeId], Field(max_length=1 << 12)] | None = None
-    stalled_owners: Annotated[list[NodeId], Field(max_length=1 << 12)] | None = None
 
 
 class Admit(Msg):

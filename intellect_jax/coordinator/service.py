@@ -238,8 +238,7 @@ class CoordinatorService:
         poll: Callable[[], Any]
         if isinstance(msg, Sync):
             first = lambda now: m.arrive(node, sess, msg.step, now, msg.state_hash, msg.retry_of,  # noqa: E731
-                                         msg.sits_out, msg.report, vote, tuple(msg.stalled or ()),
-                                         tuple(msg.stalled_owners or ()))
+                                         msg.sits_out, msg.report, vote)
             poll = lambda: m.epoch_for(node, sess)  # noqa: E731
             key = "epoch"
         else:

@@ -484,11 +484,9 @@ class NodeLoop:
                     ref: float | None,
                     dropped: Any = None) -> tuple[Any, Epoch, Any, int, tuple[int, str, dict] | None, bool]:
         p, cfg = self.p, self.cfg
-        retry_of, stalled, owners = None, None, None
+        retry_of = None
         for attempt in range(cfg.max_retries + 1):
-            ep = p.client.sync(k, h, retry_of=retry_of, sits_out=sits_out, report=report if attempt == 0 else None,
-                               stalled=stalled, stalled_owners=owners)
-            stalled = owners = None
+            ep = p.client.sync(k, h, retry_of=retry_of, sits_out=sits_out, report=report if attempt == 0 else None)
             try:
                 comm = p.ring(ep)
             except NetError as e:  # e.g. a member's address that is no address: this epoch fails
@@ -502,10 +500,7 @@ class NodeLoop:
                     avg = comm.all_reduce_mean(pg) if dropped is None else comm.all_reduce_mean(pg, dropped=dropped)
                 return avg, ep, comm.last_stats, attempt + 1, getattr(comm, "suspect", None), comm.over_present
             except NetError as e:
-                stalled = sorted(ep.node_ids[r] for r in getattr(comm, "stalled", ()))
-                owners = sorted(ep.node_ids[r] for r in getattr(comm, "stalled_owners", ()))
-                waited = f" (waited in vain for {', '.join(stalled or owners)})" if stalled or owners else ""
-                p.log(f"all-reduce of outer step {k + 1} failed in epoch {ep.epoch_id}: {e}{waited}; retrying")
+                p.log(f"all-reduce of outer step {k + 1} failed in epoch {ep.epoch_id}: {e}; retrying")
                 retry_of = ep.epoch_id
             finally:
                 comm.close()

@@ -125,9 +125,7 @@ class _ButterflyRun(Pipeline):
         self.agg: list[np.ndarray | None] = [None] * self.plan.pieces
         self.findings: list[tuple[int, Finding]] = []  # (sender rank, its bad piece), first per sender
         self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
-        self.got = [[0] * (world - 1), [0] * (world - 1)]  # pieces received on each link in step 1 and 3
-        self.stuck: set[int] = set()  # links left out of the pacing: they did not move for PACE_HOLD
-        self.t0 = time.monotonic()
+        self.stuck: list[set[int]] = [set(), set()]  # links left out of the pacing (per step): they did not move
 
     def _wait(self, ready: Callable[[], bool], what: str) -> bool:
         """Block until ``ready()`` (False: the call failed meanwhile)."""
@@ -213,37 +211,32 @@ class _ButterflyRun(Pipeline):
         which the coordinator's stall rule relies on)."""
         sent, until = self.sent[phase], time.monotonic() + PACE_HOLD
         with self.cond:
-            while j - self._base(sent, j) >= WINDOW:
+            while j - self._base(phase, j) >= WINDOW:
                 if self.error is not None:
                     return False
                 left = until - time.monotonic()
                 if left <= 0:  # the slowest link has not moved: a peer that does not read holds nobody back
-                    self.stuck.add(min((i for i in range(len(sent)) if i not in self.stuck), key=sent.__getitem__))
+                    self.stuck[phase].add(min((i for i in range(len(sent)) if i not in self.stuck[phase]),
+                                              key=sent.__getitem__))
                     until = time.monotonic() + PACE_HOLD
                     continue
                 self.cond.wait(min(left, 1.0))
             return self.error is None
 
-    def _base(self, sent: list[int], j: int) -> int:
-        """The progress a link is paced against: the slowest link's, but never more than
-        ``LAG`` pieces behind the (lower) median's, so a minority of slow readers holds nobody
-        back for long."""
-        active = [n for i, n in enumerate(sent) if i not in self.stuck]
-        return max(min(active), _median(active, j) - LAG) if active else j
+    def _base(self, phase: int, j: int) -> int:
+        """The progress a link is paced against: the slowest link's among those at most ``LAG``
+        pieces behind the (lower) median (and not stuck), so a minority of slow readers holds
+        nobody back for long."""
+        active = [n for i, n in enumerate(self.sent[phase]) if i not in self.stuck[phase]]
+        floor = _median(active, j) - LAG
+        return min((n for n in active if n >= floor), default=j)
 
     def _sent(self, phase: int, k: int) -> None:
         with self.cond:
             self.sent[phase][k] += 1
-            self.stuck.discard(k)
+            if self.sent[phase][k] >= _median(self.sent[phase], 0) - LAG:  # caught up: it paces the others again
+                self.stuck[phase].discard(k)
             self.cond.notify_all()
-
-    def waited_for(self) -> tuple[set[int], set[int]]:
-        """After a failure: (the ranks whose own pieces, step 1, had not all come; the owners
-        whose aggregates, step 3, had not). An owner that lacked rows cannot aggregate: the
-        coordinator counts waits for its aggregates against it only if it lacked none."""
-        P = self.plan.pieces
-        return tuple({peer_of(self.rank, self.world, k) for k, n in enumerate(self.got[phase]) if n < P}
-                     for phase in (0, 1))  # type: ignore[return-value]
 
     def receiver(self, k: int) -> None:
         """From rank ``o``: its own pieces of our segment; then its aggregates of segment ``o``."""
@@ -267,7 +260,6 @@ class _ButterflyRun(Pipeline):
             self.ws.release(wire)
             with self.cond:
                 self.rows[j][o] = row
-                self.got[0][k] += 1
                 self.cond.notify_all()
         for j in range(P):
             if self.error is not None:
@@ -276,7 +268,6 @@ class _ButterflyRun(Pipeline):
             wire = self._recv(conn, b - a)
             quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
             self.ws.release(wire)
-            self.got[1][k] += 1
 
     def _recv(self, conn, n: int) -> np.ndarray:  # noqa: ANN001
         """The next data frame of ``n`` values' payload, in a pooled buffer."""
@@ -317,15 +308,12 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
                          piece_numel: int, deadline: float, how: str = "mean", out: np.ndarray | None = None,
                          inspect: Inspect | None = None, findings: list[tuple[int, Finding]] | None = None,
                          seal: MeshSeal | None = None, workspace: Workspace | None = None,
-                         absent: frozenset[int] = frozenset(),
-                         stalled: tuple[set[int], set[int]] | None = None) -> np.ndarray:
+                         absent: frozenset[int] = frozenset()) -> np.ndarray:
     """Robust mean (``how``: a :mod:`.robust` aggregator) of ``x`` (flat float32) over the
     mesh ``links``, bit-identical on every rank. ``inspect(theirs)`` is shown every other
     member's own piece of our segment; the first bad one of each sender goes to ``findings`` as
     (sender rank, :class:`Finding`). ``seal``: sign our pieces, check a bad one's signature.
-    ``absent``: the ranks sitting the round out, whose rows must be zeros and are left out.
-    ``stalled``: if the call fails, receives the ranks whose pieces and the owners whose
-    aggregates we waited for in vain (``waited_for``)."""
+    ``absent``: the ranks sitting the round out, whose rows must be zeros and are left out."""
     if mode not in RING_MODES:
         raise ValueError(f"the butterfly exchange takes {', '.join(RING_MODES)}, not {mode}")
     robust.check_mode(how)
@@ -341,12 +329,6 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
                         workspace or Workspace(), frozenset(absent))
     try:
         return run.run()
-    except BaseException:
-        if stalled is not None:
-            own, aggregates = run.waited_for()
-            stalled[0].update(own)
-            stalled[1].update(aggregates)
-        raise
     finally:
         if findings is not None:
             findings.extend(run.findings)

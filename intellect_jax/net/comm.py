@@ -324,10 +324,6 @@ class SocketCommunicator:
         self._aborted = False
         self.inspect: Any = None  # theirs -> reason | None, shown the predecessor's own pieces
         self.absent: frozenset[int] = frozenset()  # ranks sitting the round out (the butterfly leaves them out)
-        # after a failed call (the butterfly): the ranks whose header or own pieces we waited for in
-        # vain, and the owners whose aggregates we did
-        self.stalled: frozenset[int] = frozenset()
-        self.stalled_owners: frozenset[int] = frozenset()
         # after a call: (predecessor rank, reason, evidence: its signed piece, see net.evidence)
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
         self._links: Links | None = None
@@ -366,10 +362,9 @@ class SocketCommunicator:
                 if time.monotonic() >= deadline:
                     raise PeerTimeout(f"{what}: nothing within {self.config.deadline:.1f}s (last try: {e})") from None
 
-    def _open(self, deadline: float, waited: tuple[set[int], set[int]] | None = None) -> Links:
+    def _open(self, deadline: float) -> Links:
         """The ring's links (``streams`` to the successor and from the predecessor), or the
-        butterfly's mesh (one to and one from every other rank, :func:`.butterfly.peer_of`).
-        ``waited``: receives the rank we were waiting for if the deadline passes."""
+        butterfly's mesh (one to and one from every other rank, :func:`.butterfly.peer_of`)."""
         if self._links is not None:
             return self._links
         n, me = self.world_size, self.rank
@@ -382,20 +377,15 @@ class SocketCommunicator:
         links = Links([], [])
         try:
             for to, k in outs:
-                ch, waiting = self._channel(me, to, k), to
+                ch = self._channel(me, to, k)
                 links.out.append(self._until(lambda t: self.node.connect(self.peers[to], ch, expect=self.ids[to],
                                                                          timeout=t, name=self._name(to)),
                                              deadline, f"connecting to {self._name(to)}"))
             for frm, k in inns:
-                ch, waiting = self._channel(frm, me, k), frm
+                ch = self._channel(frm, me, k)
                 links.inn.append(self._until(lambda t: self.node.accept(ch, peer=self.ids[frm], timeout=t,
                                                                         name=self._name(frm)),
                                              deadline, f"waiting for {self._name(frm)} on channel {ch!r}"))
-        except PeerTimeout:
-            links.close()
-            if waited is not None and self.config.exchange == "butterfly":
-                waited[0].add(waiting)
-            raise
         except BaseException:
             links.close()
             raise
@@ -404,8 +394,7 @@ class SocketCommunicator:
             links.abort()
         return links
 
-    def _check_meta(self, links: Links, meta: dict[str, Any], deadline: float,
-                    waited: tuple[set[int], set[int]]) -> None:
+    def _check_meta(self, links: Links, meta: dict[str, Any], deadline: float) -> None:
         """Send our parameters to every rank we send to; every rank we receive from must send
         the same, parsed as a :class:`RingMeta` (:class:`FrameError` if they do not parse,
         :class:`ConfigMismatch` if they differ)."""
@@ -415,14 +404,8 @@ class SocketCommunicator:
             send_msg(conn, meta, deadline)
         # every header is read before any is judged: a rank that gave up at once would close its
         # links while others still send theirs, and they would see a closed peer, not the mismatch
-        heard = []
-        for k, conn in enumerate(links.inn if mesh else links.inn[:1]):
-            try:
-                heard.append(recv_model(conn, RingMeta, "all-reduce header", deadline, max_len=1 << 16).model_dump())
-            except PeerTimeout:
-                if mesh:  # the deadline passed with no header from it: whom we waited for in vain
-                    waited[0].add(peer_of(self.rank, self.world_size, k))
-                raise
+        heard = [recv_model(conn, RingMeta, "all-reduce header", deadline, max_len=1 << 16).model_dump()
+                 for conn in (links.inn if mesh else links.inn[:1])]
         for k, theirs in enumerate(heard):
             diff = [key for key in ours if ours[key] != theirs[key]]
             if diff:
@@ -452,17 +435,15 @@ class SocketCommunicator:
             self._stats = CommStats(0, 0, time.monotonic() - t0, numel, 1, cfg.mode)
             self._calls += 1
             return result
-        waited: tuple[set[int], set[int]] = (set(), set())  # (the butterfly fills them when a call fails)
-        self.stalled = self.stalled_owners = frozenset()
         try:
-            links = self._open(deadline, waited)
+            links = self._open(deadline)
             sent0, recv0 = links.traffic()
 
             def before(info: dict[str, Any]) -> None:
                 meta = {"v": 3, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
                         "peers": self._peers_hash, **asdict(cfg), "absent": sorted(self.absent), **info}
                 meta.pop("deadline")
-                self._check_meta(links, meta, deadline, waited)
+                self._check_meta(links, meta, deadline)
 
             findings: list[tuple[int, int, Finding]] = []  # (call, sender rank, its bad piece)
             prv = (self.rank - 1) % self.world_size
@@ -477,8 +458,7 @@ class SocketCommunicator:
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
                                                     deadline=deadline, how=cfg.robust, out=o, inspect=self.inspect,
                                                     findings=by, seal=self._mesh_seal(c, links),
-                                                    workspace=self._workspace, absent=self.absent,
-                                                    stalled=waited)
+                                                    workspace=self._workspace, absent=self.absent)
                     if codecs.gathered(cfg.mode):
                         return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
@@ -505,7 +485,6 @@ class SocketCommunicator:
                     cert=links.inn[k].cert))
         except BaseException:
             self._teardown()  # neighbours see the connections close and fail fast too
-            self.stalled, self.stalled_owners = frozenset(waited[0]), frozenset(waited[1])
             raise
         sent, recv = links.traffic()
         self._stats = CommStats(sent - sent0, recv - recv0, time.monotonic() - t0, numel, self.world_size, cfg.mode)

@@ -164,7 +164,6 @@ class _Comm:
         self.inspect: Any = None  # as the socket ring's: shown the predecessor's own contribution
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
         self.absent: frozenset[int] = frozenset()  # set by the loop: the ranks that sit the round out
-        self.stalled: frozenset[int] = frozenset()  # after a failed call: the ranks it waited for in vain
         self.node_ids = list(ep.node_ids)
 
     @property
@@ -176,10 +175,6 @@ class _Comm:
         f = sim.gate(self.proc, "allreduce", "before")
         tree = sim.poison(self.proc, "wire", self.step, tree)
         deadline = clock.now() + sim.p.ring_deadline
-        self.stalled = frozenset()
-        if sim.mutes(self.proc, self.step):  # in the all-reduce, heartbeating, yet sending nothing
-            clock.sleep(sim.p.ring_deadline)
-            raise PeerTimeout(f"sim ring epoch {self.epoch}: all-reduce deadline ({sim.p.ring_deadline:.0f}s) expired")
         with sim.cond:
             g.inputs[self.rank], g.members[self.rank], g.drops[self.rank] = tree, self.proc, dropped
             g.units[self.rank] = sim.leased.get((self.proc.name, self.step - 1))  # the round that made it
@@ -216,8 +211,6 @@ class _Comm:
             raise Killed()
         if f is not None and f.kind.startswith("partial"):
             sim.kill(self.proc)
-        if g.results is None and self.over_present and g.error and "deadline" in g.error:
-            self.stalled = frozenset(r for r in range(g.world) if r not in g.inputs)  # (the butterfly's owners know)
         if g.results is None or self.rank in g.fail_ranks:
             raise PeerClosed(f"sim ring epoch {self.epoch}: {g.error or 'a peer died before passing it on'}")
         sim.gate(self.proc, "allreduce", "after")

@@ -157,23 +157,13 @@ class World:
             if f.value == "sitout" and where == "own":  # its check must fail: the honest one waits
                 self.held[(proc.name, step)] = tree
                 return corrupt(tree, "nan")
-            if f.when == where and f.value != "mute":
+            if f.when == where:
                 self.injected[f"poison {f.value} ({where})"] += 1
                 self.say(proc.name, f"FAULT poison ({f.value}, {where}) at outer step {step}")
                 if f.value == "sitout":
                     return self.held.pop((proc.name, step), tree)
                 return attack(tree, f.value, self.p.nodes, step) if f.value in ATTACKS else corrupt(tree, f.value)
         return tree
-
-    def mutes(self, proc: Proc, step: int) -> bool:
-        """Whether the node stalls inside outer step ``step``'s all-reduce (every attempt): a
-        member that heartbeats, arrives at every barrier and never sends its pieces (poison
-        value "mute"), counted and logged."""
-        if not any(f.hook == "poison" and f.value == "mute" and f.nth == step for f in proc.faults):
-            return False
-        self.injected["mute (stalls in the all-reduce)"] += 1
-        self.say(proc.name, f"FAULT mute: stalls in the all-reduce of outer step {step}")
-        return True
 
     def framing(self, proc: Proc, step: int) -> bool:
         """Whether the node frames its ring predecessor in outer step ``step``: it poisons the
