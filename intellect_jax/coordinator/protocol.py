@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 # coordinator protocol version; bump on any incompatible change (6: data leases, 7: data plans,
 # 8: the last average's verdict in the state hash and the transfer header)
-PROTOCOL = 9
+PROTOCOL = 10
 
 
 class CoordinatorError(Exception):
