@@ -105,6 +105,39 @@ def test_wrong_run_id_rejected() -> None:
             lst.accept("data/1", timeout=0.5)
 
 
+def test_a_garbled_tls_record_after_the_handshake_is_retried_not_a_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record that fails its MAC while the ACCEPT is read (a peer going away mid-stream, as a
+    coordinator restarting on its port did once in CI) is no refusal of our certificate: the
+    dial is tried again, and the next one goes through. A TLS alert still is a refusal."""
+    from intellect_jax.net import transport
+
+    real, calls = transport.Connection.recv, []
+
+    def flaky(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003
+        if a[0] != MsgType.ACCEPT:  # (the listener's side reads in this process too)
+            return real(self, *a, **kw)
+        calls.append(1)
+        if len(calls) == 1:
+            raise FrameError(f"{self.peer}: TLS error while receiving a frame header ([SSL: "
+                             "DECRYPTION_FAILED_OR_BAD_RECORD_MAC] decryption failed or bad record mac (_ssl.c:2580))")
+        return real(self, *a, **kw)
+
+    with Listener(_cfg()) as lst:
+        monkeypatch.setattr(transport.Connection, "recv", flaky)
+        conn = connect(_cfg("t-b"), lst.address, "data/1", timeout=5)
+        assert len(calls) == 2
+        conn.close()
+        def alert(self, *a, **kw):  # noqa: ANN001, ANN002, ANN003
+            if a[0] != MsgType.ACCEPT:
+                return real(self, *a, **kw)
+            raise FrameError(f"{self.peer}: TLS error while receiving a frame header ([SSL: "
+                             "TLSV13_ALERT_CERTIFICATE_REQUIRED] tlsv13 alert certificate required)")
+
+        monkeypatch.setattr(transport.Connection, "recv", alert)
+        with pytest.raises(AuthError, match="refused the connection"):
+            connect(_cfg("t-b"), lst.address, "data/1", timeout=5)
+
+
 def _dropping_server(cfg: TransportConfig, drops: int,
                      then_die: bool = False) -> tuple[tuple[str, int], list[int], threading.Thread]:
     """A server that completes TLS and hangs up on its first ``drops`` connections (as one killed

@@ -403,6 +403,8 @@ def _open(cfg: TransportConfig, address: Address, channel: str, expect: str | No
             conn.recv(MsgType.ACCEPT, deadline=hs_deadline, max_len=0)
         except FrameError as e:  # it answered, not with ACCEPT: a TLS alert (TLS 1.3 refuses a client
             # certificate after the handshake), or a frame of another run or protocol
+            if "TLS error" in str(e) and "alert" not in str(e).lower():  # a record cut or garbled on the
+                raise _Retry() from e  # way (a peer going away mid-stream, e.g. restarting): no refusal
             raise AuthError(f"{peer} refused the connection on channel {channel!r}: {e}") from None
         except PeerClosed as e:  # dropped without a word: most likely it went away (killed, restarted)
             raise _Retry() from e  # ... or its TLS alert was lost to a reset: an AuthError at the deadline
