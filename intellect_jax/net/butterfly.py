@@ -44,7 +44,6 @@ from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
 
 RING_MODES = ("fp32", "bf16", "int8", "int4")  # codecs whose contributions can be cut into segments
 WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
-LAG = 4  # pieces the slowest link may fall behind the median before it no longer holds the others
 PACE_HOLD = 0.5  # seconds a link waits before the slowest counts as stuck (a peer that does not read)
 
 
@@ -56,11 +55,6 @@ class MeshSeal:
 
     sign: Callable[[int, int, int, int, bytes], bytes]
     verify: Callable[[int, int, int, int, bytes, bytes], bool]
-
-
-def _median(values: list[int], default: int) -> int:
-    """The lower median (``default`` when empty)."""
-    return sorted(values)[(len(values) - 1) // 2] if values else default
 
 
 def peer_of(rank: int, world: int, k: int) -> int:
@@ -205,10 +199,10 @@ class _ButterflyRun(Pipeline):
         """Hold link ``k`` before piece ``j`` of ``phase`` while it is ``WINDOW`` pieces ahead of
         the slowest link (False: the call failed meanwhile). TCP shares our uplink unevenly
         among the links; unpaced, an owner's last rows come from its slowest sender long after
-        the others, and our uplink idles while we wait for them. A link ``LAG`` pieces behind the
-        median, or one that has not moved for ``PACE_HOLD``, holds nobody: a peer that reads
-        slowly or not at all delays no other link for long (each link's progress is its own,
-        which the coordinator's stall rule relies on)."""
+        the others, and our uplink idles while we wait for them. A link that has not moved for
+        ``PACE_HOLD`` holds nobody: a peer that does not read blocks no other link. (One that
+        reads slowly does set the pace, as it would by sending slowly: leaving lagging links out
+        of the pacing measured slower, 1.12-1.20x the ring's time, docs/results.md.)"""
         sent, until = self.sent[phase], time.monotonic() + PACE_HOLD
         with self.cond:
             while j - self._base(phase, j) >= WINDOW:
@@ -224,18 +218,13 @@ class _ButterflyRun(Pipeline):
             return self.error is None
 
     def _base(self, phase: int, j: int) -> int:
-        """The progress a link is paced against: the slowest link's among those at most ``LAG``
-        pieces behind the (lower) median (and not stuck), so a minority of slow readers holds
-        nobody back for long."""
-        active = [n for i, n in enumerate(self.sent[phase]) if i not in self.stuck[phase]]
-        floor = _median(active, j) - LAG
-        return min((n for n in active if n >= floor), default=j)
+        """The progress a link is paced against: the slowest link's, stuck ones left out."""
+        return min((n for i, n in enumerate(self.sent[phase]) if i not in self.stuck[phase]), default=j)
 
     def _sent(self, phase: int, k: int) -> None:
         with self.cond:
             self.sent[phase][k] += 1
-            if self.sent[phase][k] >= _median(self.sent[phase], 0) - LAG:  # caught up: it paces the others again
-                self.stuck[phase].discard(k)
+            self.stuck[phase].discard(k)  # it moved: it paces the others again
             self.cond.notify_all()
 
     def receiver(self, k: int) -> None:
