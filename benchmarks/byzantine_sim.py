@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 import warnings
@@ -33,6 +32,7 @@ import warnings
 import numpy as np
 
 from intellect_jax.testing.sim import Script, Sim, SimParams
+from intellect_jax.testing.sim_checks import evictions
 from intellect_jax.testing.sim_parts import Fault
 
 ATTACKS = ("flip", "push", "ratchet", "late-nan", "x1000", "sitout")
@@ -60,11 +60,7 @@ def run(nodes: int, attackers: list[int], value: str | None, robust: str, exchan
         den = np.linalg.norm(mean) * np.linalg.norm(res)
         cos.append(float(mean @ res / den) if den > 0 and np.isfinite(den) else float("nan"))
     final = [row["val_loss"] for _, _, row in sim.rows if row["outer_step"] == steps and "val_loss" in row]
-    evicted: dict[str, int] = {}
-    for line in report["log"]:
-        m = re.search(r"\[coord\] epoch \d+: members \[.*\] at boundary (\d+)(?: retry)? \((.*)\)$", line)
-        for who in re.findall(r"evicted (\S+):", m.group(2)) if m else ():
-            evicted.setdefault(who, int(m.group(1)))  # type: ignore[union-attr]
+    evicted = evictions(report["log"])
     return {"ok": report["ok"], "problems": report["problems"][:3], "min_cos": min(cos) if cos else None,
             "final": final[0] if final else None, "evicted": evicted, "honest_evicted": sorted(set(evicted) - bad)}
 

@@ -191,6 +191,17 @@ def late_ends(procs: list[Proc], completed_at: float | None, outside: list[Windo
     return out
 
 
+def evictions(log: list[str]) -> dict[str, int]:
+    """node -> the boundary of the first epoch formed without it because it was evicted (from
+    the coordinator's ``epoch N: members [...] at boundary K (evicted X: ...; ...)`` lines)."""
+    out: dict[str, int] = {}
+    for line in log:
+        m = re.search(r"\[coord\] epoch \d+: members \[.*\] at boundary (\d+)(?: retry)? \((.*)\)$", line)
+        for who in re.findall(r"evicted (\S+):", m.group(2)) if m else ():
+            out.setdefault(who, int(m.group(1)))
+    return out
+
+
 def why_late(q: Proc, log: list[str]) -> str:
     """A diagnosis of a late end, where the log shows one (product bugs known to cause it)."""
     mine = [line.split("] ", 1)[1] for line in log if f" [{q.name}] " in line]
