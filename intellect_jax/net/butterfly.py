@@ -36,8 +36,8 @@ from typing import Callable
 import numpy as np
 
 from intellect_jax.net import quant, robust
-from intellect_jax.net.errors import FrameError, PeerTimeout
-from intellect_jax.net.evidence import SAT_OUT, SIG_BYTES
+from intellect_jax.net.errors import FrameError
+from intellect_jax.net.evidence import SAT_OUT
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import RingPlan, make_plan
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
@@ -121,18 +121,6 @@ class _ButterflyRun(Pipeline):
         self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
         self.stuck: list[set[int]] = [set(), set()]  # links left out of the pacing (per step): they did not move
 
-    def _wait(self, ready: Callable[[], bool], what: str) -> bool:
-        """Block until ``ready()`` (False: the call failed meanwhile)."""
-        with self.cond:
-            while not ready():
-                if self.error is not None:
-                    return False
-                left = self.deadline - time.monotonic()
-                if left <= 0:
-                    raise PeerTimeout(f"butterfly: {what} not ready before the deadline")
-                self.cond.wait(min(left, 1.0))
-            return True
-
     def _wire(self, n: int) -> np.ndarray:
         """A pooled buffer for ``n`` values on the wire (give it back with ``ws.release``)."""
         return self.ws.get(quant.encoded_nbytes(n, self.mode, self.block))
@@ -163,7 +151,7 @@ class _ButterflyRun(Pipeline):
             a, b = self.plan.piece(me, j)
             with self.cond:
                 self.rows[j][me] = self.x[a:b]  # our own row as it is: nothing to send
-            if not self._wait(lambda: all(r is not None for r in self.rows[j]), f"the rows of piece {j}"):
+            if not self.wait_for(lambda: all(r is not None for r in self.rows[j]), f"the rows of piece {j}"):
                 return
             rows = self.rows[j]
             wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a), self.absent)
@@ -188,7 +176,7 @@ class _ButterflyRun(Pipeline):
             self.ws.release(wire)
             self._sent(0, k)
         for j in range(P):
-            if not self._wait(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
+            if not self.wait_for(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
                 return
             if not self._pace(1, k, j):
                 return
@@ -235,7 +223,7 @@ class _ButterflyRun(Pipeline):
                 return
             a, b = self.plan.piece(me, j)
             wire = self._recv(conn, b - a)
-            sig = self._signature(conn)
+            sig = self.their_signature(conn)
             row = self._row(b - a)
             try:
                 quant.decode(wire, b - a, self.mode, self.block, out=row)
@@ -265,14 +253,9 @@ class _ButterflyRun(Pipeline):
         conn.recv_payload_into(hdr, wire, deadline=self.deadline)
         return wire
 
-    def _signature(self, conn) -> bytes | None:  # noqa: ANN001
-        """The signature frame that follows a sender's own piece (None: nothing is signed)."""
-        if self.mseal is None:
-            return None
-        hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=SIG_BYTES)
-        buf = bytearray(SIG_BYTES)
-        conn.recv_payload_into(hdr, buf, deadline=self.deadline)
-        return bytes(buf)
+    @property
+    def signed(self) -> bool:
+        return self.mseal is not None
 
     def _found(self, sender: int, why: str, seg: int, j: int, n: int, wire: np.ndarray, sig: bytes | None) -> None:
         """Keep sender's bad piece (its first) as evidence, its signature checked."""

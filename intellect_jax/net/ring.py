@@ -145,21 +145,34 @@ class Pipeline:
             self.slots[m] = item
             self.cond.notify_all()
 
-    def take(self, m: int) -> tuple | None:
-        """Message ``m`` once produced (None: the call failed meanwhile)."""
+    def wait_for(self, ready: Callable[[], bool], what: str) -> bool:
+        """Block until ``ready()`` (checked under ``cond``; False: the call failed meanwhile;
+        :class:`PeerTimeout` at the deadline)."""
         with self.cond:
-            while m not in self.slots:
+            while not ready():
                 if self.error is not None:
-                    return None
+                    return False
                 left = self.deadline - time.monotonic()
                 if left <= 0:
-                    raise PeerTimeout(f"{self.name}: message {m} not ready before the deadline")
+                    raise PeerTimeout(f"{self.name}: {what} not ready before the deadline")
                 self.cond.wait(min(left, 1.0))
+            return True
+
+    def take(self, m: int) -> tuple | None:
+        """Message ``m`` once produced (None: the call failed meanwhile)."""
+        if not self.wait_for(lambda: m in self.slots, f"message {m}"):
+            return None
+        with self.cond:  # (one taker per message: it is still there)
             return self.slots.pop(m)
 
+    @property
+    def signed(self) -> bool:
+        """Whether each sender's own pieces are followed by a signature frame."""
+        return self.seal is not None
+
     def their_signature(self, conn: Connection) -> bytes | None:
-        """The signature frame that follows a predecessor's own piece (None: nothing is signed)."""
-        if self.seal is None:
+        """The signature frame that follows a sender's own piece (None: nothing is signed)."""
+        if not self.signed:
             return None
         hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=SIG_BYTES)
         buf = bytearray(SIG_BYTES)
