@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from intellect_jax.net import quant
+
 DEFAULT_FACTOR = 1.0  # clip / cclip: the bound in units of this round's median (row norm or distance)
 CCLIP_ITERS = 3
 
@@ -184,3 +186,20 @@ def aggregate(rows: Sequence[np.ndarray], mode: str, numel: int, factor: float =
         value, w = trimmed_mean(kept, int(mode[4:])), [1.0] * len(kept)
     it = iter(w)
     return Aggregated(value, tuple(next(it) if ok else 0.0 for ok in good))
+
+
+def aggregate_piece(rows: Sequence[np.ndarray], n: int, mode: str, block: int, how: str,
+                    out: np.ndarray | None = None, absent: frozenset[int] = frozenset()) -> np.ndarray:
+    """The owner's wire bytes for one piece from its decoded ``rows`` (rank order): the
+    aggregate of the rows of the ranks not ``absent`` (sitting the round out), encoded once
+    (zeros when no row is usable), into ``out`` if given."""
+    try:
+        value = aggregate([r for i, r in enumerate(rows) if i not in absent], how, n).value
+    except ValueError:  # no row, or every row non-finite: nothing to apply
+        value = np.zeros(n, np.float32)
+    value = np.ascontiguousarray(value, np.float32)
+    if mode == "fp32":
+        out = np.empty(4 * n, np.uint8) if out is None else out
+        np.copyto(out.view(np.float32), value)
+        return out
+    return quant.encode(value, mode, block, out)
