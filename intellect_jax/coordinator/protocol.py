@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # coordinator protocol version; bump on any incompatible change (6: data leases, 7: data plans,
-# 8: the last average's verdict in the state hash and the transfer header)
-PROTOCOL = 10
+# 8: the last average's verdict in the state hash and the transfer header, 11: audits of the
+# butterfly's owners in the all-reduce header and the barrier report)
+PROTOCOL = 11
 
 
 class CoordinatorError(Exception):

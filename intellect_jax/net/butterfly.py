@@ -36,8 +36,10 @@ from typing import Callable
 import numpy as np
 
 from intellect_jax.net import quant, robust
+from intellect_jax.net.robust import aggregate_piece
+from intellect_jax.net.audit import DIGEST, ENTRY, Auditing, Case, Ledger, audited_by, judge, signed_piece
 from intellect_jax.net.errors import FrameError
-from intellect_jax.net.evidence import SAT_OUT
+from intellect_jax.net.evidence import SAT_OUT, SIG_BYTES
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import RingPlan, make_plan
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
@@ -60,23 +62,6 @@ class MeshSeal:
 def peer_of(rank: int, world: int, k: int) -> int:
     """The rank that mesh link ``k`` of ``rank`` joins."""
     return (rank + 1 + k) % world
-
-
-def aggregate_piece(rows: Sequence[np.ndarray], n: int, mode: str, block: int, how: str,
-                    out: np.ndarray | None = None, absent: frozenset[int] = frozenset()) -> np.ndarray:
-    """The owner's wire bytes for one piece from its decoded ``rows`` (rank order): the
-    aggregate of the rows of the ranks not ``absent`` (sitting the round out), encoded once
-    (zeros when no row is usable), into ``out`` if given."""
-    try:
-        value = robust.aggregate([r for i, r in enumerate(rows) if i not in absent], how, n).value
-    except ValueError:  # no row, or every row non-finite: nothing to apply
-        value = np.zeros(n, np.float32)
-    value = np.ascontiguousarray(value, np.float32)
-    if mode == "fp32":
-        out = np.empty(4 * n, np.uint8) if out is None else out
-        np.copyto(out.view(np.float32), value)
-        return out
-    return quant.encode(value, mode, block, out)
 
 
 def roundtrip(x: np.ndarray, mode: str, block: int) -> np.ndarray:
@@ -108,7 +93,7 @@ class _ButterflyRun(Pipeline):
 
     def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str, block: int,
                  piece_numel: int, how: str, deadline: float, inspect: Inspect | None, seal: MeshSeal | None,
-                 ws: Workspace, absent: frozenset[int]) -> None:
+                 ws: Workspace, absent: frozenset[int], auditing: Auditing | None = None) -> None:
         super().__init__(links, deadline)
         self.ws, self.absent = ws, absent
         self.x, self.out, self.rank, self.world = x, out, rank, world
@@ -120,6 +105,11 @@ class _ButterflyRun(Pipeline):
         self.findings: list[tuple[int, Finding]] = []  # (sender rank, its bad piece), first per sender
         self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
         self.stuck: list[set[int]] = [set(), set()]  # links left out of the pacing (per step): they did not move
+        if auditing is not None and seal is None:
+            raise ValueError("auditing owners needs signed pieces (a seal)")
+        self.ledger = None if auditing is None else Ledger(auditing, rank, x.shape[0], piece_numel, mode, block, how,
+                                                           absent)
+        self.verdict: tuple[int, str, Case] | None = None  # (guilty rank, why, the case) from our audit
 
     def _wire(self, n: int) -> np.ndarray:
         """A pooled buffer for ``n`` values on the wire (give it back with ``ws.release``)."""
@@ -145,8 +135,9 @@ class _ButterflyRun(Pipeline):
 
     # -- threads -----------------------------------------------------------------------
     def encoder(self) -> None:
-        """The owner: aggregate each piece of our segment once every member's row is in."""
-        me, P = self.rank, self.plan.pieces
+        """The owner: aggregate each piece of our segment once every member's row is in (then,
+        when auditing, commit to them all)."""
+        me, P, led = self.rank, self.plan.pieces, self.ledger
         for j in range(P):
             a, b = self.plan.piece(me, j)
             with self.cond:
@@ -157,13 +148,21 @@ class _ButterflyRun(Pipeline):
             wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a), self.absent)
             quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
             with self.cond:
+                if led is not None:
+                    led.own(j, self.x[a:b])
+                    led.aggregated(j, wire)
                 self.agg[j] = wire
                 self.rows[j] = [None] * self.world
                 self.cond.notify_all()
             self._release_rows(rows)
+        if led is not None:
+            led.seal()
+            with self.cond:
+                self.cond.notify_all()
 
     def sender(self, k: int) -> None:
-        """To the owner of segment ``o``: our own pieces of it, signed; then our aggregates."""
+        """To the owner of segment ``o``: our own pieces of it, signed; when auditing, then our
+        commitment, our challenge and our answer to o's; then our aggregates."""
         conn, o, P = self.links.out[k], peer_of(self.rank, self.world, k), self.plan.pieces
         for j in range(P):
             if not self._pace(0, k, j):
@@ -175,6 +174,8 @@ class _ButterflyRun(Pipeline):
                 conn.send(MsgType.DATA, self.mseal.sign(o, o, j, b - a, wire), deadline=self.deadline)
             self.ws.release(wire)
             self._sent(0, k)
+        if self.ledger is not None and not self._audit_sends(conn, o):
+            return
         for j in range(P):
             if not self.wait_for(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
                 return
@@ -182,6 +183,45 @@ class _ButterflyRun(Pipeline):
                 return
             conn.send(MsgType.DATA, self.agg[j], deadline=self.deadline)  # type: ignore[arg-type]
             self._sent(1, k)
+
+    def _audit_sends(self, conn, o: int) -> bool:  # noqa: ANN001
+        """Our commitment (row lists too if ``o`` audits us), our challenge, our piece that
+        ``o`` asked for; then wait until our own audit has every piece (False: failed)."""
+        led = self.ledger
+        assert led is not None
+        if not self.wait_for(lambda: led.commit is not None, "our commitment"):
+            return False
+        head, sig, rows = led.commit  # type: ignore[misc]
+        conn.send(MsgType.DATA, head, deadline=self.deadline)
+        conn.send(MsgType.DATA, sig, deadline=self.deadline)
+        if o == led.auditor:
+            for r in rows:
+                conn.send(MsgType.DATA, r, deadline=self.deadline)
+        if not self.wait_for(lambda: led.challenge is not None, f"the commitment of rank {led.target}"):
+            return False
+        conn.send(MsgType.DATA, np.uint32(led.challenge).tobytes(), deadline=self.deadline)
+        if not self.wait_for(lambda: o in led.asked, f"rank {o}'s challenge") or not self._answer(conn, o):
+            return False
+        return self.wait_for(lambda: len(led.answers) == self.world - 1, "the pieces of our audit")
+
+    def _answer(self, conn, o: int) -> bool:  # noqa: ANN001
+        """Our piece that auditor ``o`` asked for, signed to it (our own row as we used it, if
+        ``o`` audits our segment)."""
+        led = self.ledger
+        assert led is not None
+        seg, j = audited_by(o, self.world, led.ctx.step, led.ctx.call), led.asked[o]
+        a, b = self.plan.piece(seg, j)
+        if seg == self.rank:
+            payload = np.ascontiguousarray(self.x[a:b], np.float32).tobytes()
+            said = signed_piece(led.ctx, self.rank, o, seg, j, b - a, "fp32", 1, payload)
+        else:
+            wire = self._encode(seg, j)
+            payload = wire.tobytes()
+            self.ws.release(wire)
+            said = signed_piece(led.ctx, self.rank, o, seg, j, b - a, self.mode, self.block, payload)
+        conn.send(MsgType.DATA, payload, deadline=self.deadline)
+        conn.send(MsgType.DATA, led.ctx.sign(said), deadline=self.deadline)
+        return True
 
     def _pace(self, phase: int, k: int, j: int) -> bool:
         """Hold link ``k`` before piece ``j`` of ``phase`` while it is ``WINDOW`` pieces ahead of
@@ -216,14 +256,19 @@ class _ButterflyRun(Pipeline):
             self.cond.notify_all()
 
     def receiver(self, k: int) -> None:
-        """From rank ``o``: its own pieces of our segment; then its aggregates of segment ``o``."""
+        """From rank ``o``: its own pieces of our segment; when auditing, then its commitment,
+        its challenge and its answer to ours; then its aggregates of segment ``o``."""
         conn, o, P, me = self.links.inn[k], peer_of(self.rank, self.world, k), self.plan.pieces, self.rank
+        led = self.ledger
         for j in range(P):
             if self.error is not None:
                 return
             a, b = self.plan.piece(me, j)
             wire = self._recv(conn, b - a)
             sig = self.their_signature(conn)
+            if led is not None:
+                with self.cond:
+                    led.received(j, o, wire, sig)  # type: ignore[arg-type]
             row = self._row(b - a)
             try:
                 quant.decode(wire, b - a, self.mode, self.block, out=row)
@@ -238,13 +283,51 @@ class _ButterflyRun(Pipeline):
             with self.cond:
                 self.rows[j][o] = row
                 self.cond.notify_all()
+        if led is not None:
+            self._audit_receives(conn, o)
         for j in range(P):
             if self.error is not None:
                 return
             a, b = self.plan.piece(o, j)
             wire = self._recv(conn, b - a)
+            if led is not None and not led.matches(o, j, wire):
+                raise FrameError(f"rank {o}: its aggregate of piece {j} is not the one it committed to")
             quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
             self.ws.release(wire)
+
+    def _audit_receives(self, conn, o: int) -> None:  # noqa: ANN001
+        """Rank ``o``'s commitment, its challenge (what it audits), its piece for our audit."""
+        led, P = self.ledger, self.plan.pieces
+        assert led is not None
+        head = self._frame(conn, P * DIGEST + DIGEST)
+        sig = self._frame(conn, SIG_BYTES)
+        rows = [self._frame(conn, self.world * ENTRY) for _ in range(P)] if o == led.target else None
+        with self.cond:
+            bad = led.committed(o, head, sig, rows)
+            self.cond.notify_all()
+        if bad:
+            raise FrameError(f"rank {o} sent {bad}")
+        j = int(np.frombuffer(self._frame(conn, 4), np.uint32)[0])
+        if j >= P:
+            raise FrameError(f"rank {o} asks for piece {j} of {P}")
+        with self.cond:
+            led.asked[o] = j
+            self.cond.notify_all()
+        if not self.wait_for(lambda: led.challenge is not None, f"the commitment of rank {led.target}"):
+            return
+        a, b = self.plan.piece(led.target, led.challenge)  # type: ignore[arg-type]
+        n = 4 * (b - a) if o == led.target else quant.encoded_nbytes(b - a, self.mode, self.block)
+        payload, sig = self._frame(conn, n), self._frame(conn, SIG_BYTES)
+        with self.cond:
+            led.answers[o] = (payload, sig)
+            self.cond.notify_all()
+
+    def _frame(self, conn, n: int) -> bytes:  # noqa: ANN001
+        """The next data frame, of exactly ``n`` bytes."""
+        hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=n)
+        buf = bytearray(n)
+        conn.recv_payload_into(hdr, buf, deadline=self.deadline)
+        return bytes(buf)
 
     def _recv(self, conn, n: int) -> np.ndarray:  # noqa: ANN001
         """The next data frame of ``n`` values' payload, in a pooled buffer."""
@@ -268,11 +351,25 @@ class _ButterflyRun(Pipeline):
         with self.cond:
             self.findings.append((sender, Finding(why, seg, j, n, payload, sig)))
 
+    def _judge(self) -> None:
+        """Our audit, once the call is through: the case, and the member it shows at fault."""
+        led = self.ledger
+        assert led is not None
+        a, b = self.plan.piece(led.target, led.challenge)  # type: ignore[arg-type]
+        wire = self._encode(led.target, led.challenge)  # type: ignore[arg-type]
+        case = led.case(wire.tobytes())
+        self.ws.release(wire)
+        guilty, why = judge(case, led.ctx.verify)
+        if guilty is not None:
+            self.verdict = (guilty, why, case)
+
     def run(self) -> np.ndarray:
         self.spawn(self.encoder, self.sender, self.receiver)  # (after a failure nothing goes back to the pool)
         for w in self.agg:  # every sender is done with them
             if w is not None:
                 self.ws.release(w)
+        if self.ledger is not None:
+            self._judge()
         return self.out
 
 
@@ -280,12 +377,15 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
                          piece_numel: int, deadline: float, how: str = "mean", out: np.ndarray | None = None,
                          inspect: Inspect | None = None, findings: list[tuple[int, Finding]] | None = None,
                          seal: MeshSeal | None = None, workspace: Workspace | None = None,
-                         absent: frozenset[int] = frozenset()) -> np.ndarray:
+                         absent: frozenset[int] = frozenset(), auditing: Auditing | None = None,
+                         verdicts: list[tuple[int, str, Case]] | None = None) -> np.ndarray:
     """Robust mean (``how``: a :mod:`.robust` aggregator) of ``x`` (flat float32) over the
     mesh ``links``, bit-identical on every rank. ``inspect(theirs)`` is shown every other
     member's own piece of our segment; the first bad one of each sender goes to ``findings`` as
     (sender rank, :class:`Finding`). ``seal``: sign our pieces, check a bad one's signature.
-    ``absent``: the ranks sitting the round out, whose rows must be zeros and are left out."""
+    ``absent``: the ranks sitting the round out, whose rows must be zeros and are left out.
+    ``auditing`` (needs ``seal``): owners commit to their aggregates and every rank audits one
+    (:mod:`.audit`); a member our audit shows at fault goes to ``verdicts`` as (rank, why, case)."""
     if mode not in RING_MODES:
         raise ValueError(f"the butterfly exchange takes {', '.join(RING_MODES)}, not {mode}")
     robust.check_mode(how)
@@ -298,10 +398,11 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
     if len(links.out) != world - 1 or len(links.inn) != world - 1:
         raise ValueError(f"a butterfly of {world} needs {world - 1} links each way, not {len(links.out)}")
     run = _ButterflyRun(links, x, out, rank, world, mode, block, piece_numel, how, deadline, inspect, seal,
-                        workspace or Workspace(), frozenset(absent))
+                        workspace or Workspace(), frozenset(absent), auditing)
     try:
         return run.run()
     finally:
         if findings is not None:
             findings.extend(run.findings)
-
+        if verdicts is not None and run.verdict is not None:
+            verdicts.append(run.verdict)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import time
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
@@ -18,7 +19,8 @@ from typing import Annotated, Any, Callable, Protocol, Sequence, TypeVar, runtim
 import numpy as np
 from pydantic import Field
 
-from intellect_jax.net import codecs, evidence, quant, robust, tree as treelib
+from intellect_jax.net import audit, codecs, evidence, quant, robust, tree as treelib
+from intellect_jax.net.audit import Auditing, Case
 from intellect_jax.net.butterfly import RING_MODES, MeshSeal, butterfly_all_reduce, peer_of
 from intellect_jax.net.errors import ConfigMismatch, PeerTimeout, RingClosed
 from intellect_jax.net.identity import verify
@@ -52,6 +54,7 @@ class RingConfig:
     seed: int = 0
     exchange: str = "ring"  # "ring" | "butterfly": each segment's owner sees every contribution whole (.butterfly)
     robust: str = "mean"  # the butterfly owners' aggregator (.robust: mean, clip, trim<k>, cclip)
+    audit: bool = True  # butterfly: owners commit to their aggregates and every rank audits one (.audit)
 
     def __post_init__(self) -> None:
         quant.check_mode(self.mode, self.block_size)
@@ -291,6 +294,7 @@ class RingMeta(Wire):
     seed: Int64
     exchange: Annotated[str, Field(max_length=16)]
     robust: Annotated[str, Field(max_length=16)]
+    audit: bool
     absent: Annotated[list[Nat], Field(max_length=1 << 20)]  # the ranks sitting the round out
     sig: Short
     buckets: Annotated[list[Nat], Field(max_length=1 << 16)]
@@ -326,6 +330,9 @@ class SocketCommunicator:
         self.absent: frozenset[int] = frozenset()  # ranks sitting the round out (the butterfly leaves them out)
         # after a call: (predecessor rank, reason, evidence: its signed piece, see net.evidence)
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
+        # after a butterfly call: (rank, why, the audited piece as evidence, net.audit.to_wire; None
+        # when too large to report) when our audit shows a member at fault
+        self.audited: tuple[int, str, dict[str, Any] | None] | None = None
         self._links: Links | None = None
         self._workspace = Workspace()
         self._closed = False
@@ -446,6 +453,7 @@ class SocketCommunicator:
                 self._check_meta(links, meta, deadline)
 
             findings: list[tuple[int, int, Finding]] = []  # (call, sender rank, its bad piece)
+            verdicts: list[tuple[int, str, Case]] = []  # (rank, why, case) from our audits
             prv = (self.rank - 1) % self.world_size
 
             def flat_reduce(flat: np.ndarray, bi: int, o: np.ndarray | None, d: np.ndarray | None) -> np.ndarray:
@@ -458,7 +466,9 @@ class SocketCommunicator:
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
                                                     deadline=deadline, how=cfg.robust, out=o, inspect=self.inspect,
                                                     findings=by, seal=self._mesh_seal(c, links),
-                                                    workspace=self._workspace, absent=self.absent)
+                                                    workspace=self._workspace, absent=self.absent,
+                                                    auditing=self._auditing(c, links) if cfg.audit else None,
+                                                    verdicts=verdicts)
                     if codecs.gathered(cfg.mode):
                         return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
@@ -473,7 +483,7 @@ class SocketCommunicator:
                     findings.extend((c, prv, f) for f in found)
                     findings.extend((c, r, f) for r, f in by)
 
-            self.suspect = None
+            self.suspect, self.audited = None, None
             result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out, dropped=dropped,
                                         encoded=enc is not None)
             if findings:
@@ -483,6 +493,10 @@ class SocketCommunicator:
                     step=self.step, epoch=self.epoch, call=c, segment=f.segment, piece=f.piece, numel=f.numel,
                     mode=cfg.mode, block=cfg.block_size, payload=f.payload, signature=f.signature,
                     cert=links.inn[k].cert))
+            if verdicts:
+                r, why, case = verdicts[0]
+                fits = audit.wire_size(case) <= audit.MAX_CASE_BYTES and self.world_size <= audit.MAX_CASE_RANKS
+                self.audited = (r, why, audit.to_wire(case, self.certificates()) if fits else None)
         except BaseException:
             self._teardown()  # neighbours see the connections close and fail fast too
             raise
@@ -527,6 +541,30 @@ class SocketCommunicator:
             return verify(cert, said(sender, self.rank, seg, j, numel, payload), evidence.der_signature(sig))
 
         return MeshSeal(sign, check)
+
+    def _auditing(self, call: int, links: Links) -> Auditing:
+        """Audits of call ``call`` (:mod:`.audit`): statements signed with our key, a peer's
+        checked with the certificate its connection presented."""
+        certs = self._certs(links)
+
+        def check(rank: int, data: bytes, sig: bytes) -> bool:
+            cert = certs[rank]
+            return cert is not None and verify(cert, data, evidence.der_signature(sig))
+
+        return Auditing(self.node.cfg.run_id, self.step, self.epoch, call, tuple(self.ids),
+                        lambda data: evidence.raw_signature(self.node.cfg.identity.sign(data)), check,
+                        secrets.randbelow)
+
+    def _certs(self, links: Links) -> list[bytes | None]:
+        """Each rank's certificate (DER): ours, and the one each peer's connection presented."""
+        n, me = self.world_size, self.rank
+        return [self.node.cfg.identity.cert_der if r == me else links.inn[(r - me - 1) % n].cert for r in range(n)]
+
+    def certificates(self) -> list[str]:
+        """Each rank's certificate (DER, hex) for evidence: call after a butterfly call."""
+        if self._links is None:
+            raise RingClosed(f"ring epoch {self.epoch} has no links")
+        return [c.hex() if c is not None else "" for c in self._certs(self._links)]
 
     def abort(self) -> None:
         """From another thread: fail the all-reduce in progress now (every socket of the ring is

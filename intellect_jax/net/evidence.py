@@ -38,7 +38,13 @@ MAX_EVIDENCE_BYTES = 1 << 20  # a piece larger than this on the wire cannot be s
 def statement(run_id: str, step: int, epoch: int, call: int, sender: str, receiver: str, segment: int, piece: int,
               numel: int, mode: str, block: int, payload: bytes | memoryview) -> bytes:
     """What a ring sender signs for one of its own pieces."""
-    digest = hashlib.sha256(payload).hexdigest()
+    return piece_statement(run_id, step, epoch, call, sender, receiver, segment, piece, numel, mode, block,
+                           hashlib.sha256(payload).hexdigest())
+
+
+def piece_statement(run_id: str, step: int, epoch: int, call: int, sender: str, receiver: str, segment: int,
+                    piece: int, numel: int, mode: str, block: int, digest: str) -> bytes:
+    """:func:`statement` of a piece known by its SHA-256 (hex)."""
     return (f"intellect_jax piece\nrun {run_id}\nouter step {step}\nepoch {epoch}\ncall {call}\nfrom {sender}\n"
             f"to {receiver}\nsegment {segment}\npiece {piece}\nnumel {numel}\nmode {mode}\nblock {block}\n"
             f"sha256 {digest}").encode()

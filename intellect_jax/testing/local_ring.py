@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from intellect_jax.net import butterfly, codecs, gather, plan, tree as treelib
+from intellect_jax.net import audit, butterfly, codecs, gather, plan, tree as treelib
 from intellect_jax.net.comm import CommStats, RingConfig, bucket_call, check_dropped, leaves_like, unpack_encoded
 from intellect_jax.net.errors import PeerClosed, PeerTimeout
 from intellect_jax.net.evidence import SAT_OUT, SIG_BYTES, unsigned_evidence
@@ -46,13 +46,26 @@ def ring_bytes(numel: int, world: int, rank: int, cfg: RingConfig) -> int:
                        for a, b in (p.piece(c, j) for j in range(p.pieces)))
 
         others = [c for c in range(world) if c != rank]
-        return sum(seg(c) for c in others) + len(others) * (p.pieces * (HEADER_LEN + SIG_BYTES) + seg(rank))
+        total = sum(seg(c) for c in others) + len(others) * (p.pieces * (HEADER_LEN + SIG_BYTES) + seg(rank))
+        return total + (audit_bytes(p, rank, cfg) if cfg.audit else 0)
     total = 0
     for m in range(p.messages):
         s, j = divmod(m, p.pieces)
         a, b = p.piece(p.send_segment(rank, s), j)
         total += HEADER_LEN + encoded_nbytes(b - a, cfg.mode, cfg.block_size)
     return total + p.pieces * (HEADER_LEN + SIG_BYTES)
+
+
+def audit_bytes(p: plan.RingPlan, rank: int, cfg: RingConfig) -> int:
+    """What one rank sends for the butterfly's audits (net.audit), to within a block per peer:
+    its commitment to every other rank and its row lists to its auditor, its challenge to every
+    other rank, and its piece to each other auditor (its own row, float32, to its own auditor;
+    each answer counted at the size of its segment's first piece)."""
+    world, n = p.world, p.piece(rank, 0)[1] - p.piece(rank, 0)[0]
+    head = HEADER_LEN + p.pieces * audit.DIGEST + audit.DIGEST + HEADER_LEN + SIG_BYTES
+    rows = p.pieces * (HEADER_LEN + world * audit.ENTRY)
+    answers = (world - 2) * (HEADER_LEN + encoded_nbytes(n, cfg.mode, cfg.block_size)) + HEADER_LEN + 4 * n
+    return (world - 1) * (head + HEADER_LEN + 4 + HEADER_LEN + SIG_BYTES) + rows + answers
 
 
 def ring_view(tree: Any, world: int, sender: int, cfg: RingConfig) -> np.ndarray:

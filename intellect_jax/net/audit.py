@@ -1,0 +1,323 @@
+"""Audits of the butterfly's segment owners: a wrong aggregate is evidence against its owner.
+
+In the butterfly exchange (:mod:`.butterfly`) the owner of a segment aggregates every member's
+own piece of it and sends the result back to all. Nothing so far stopped a malicious owner from
+sending back anything it liked. Here every call audits every owner, at a cost of about one
+piece per link:
+
+1. **Commitment.** Once an owner has aggregated all ``P`` pieces of its segment it signs one
+   :func:`commitment` (the run, outer step, epoch and call, the plan, the codec, the aggregator,
+   the members sitting out, and two roots): the SHA-256 of each aggregate's wire bytes, and for
+   each piece the *row list*: every member's piece as the owner received it (its SHA-256 and its
+   sender's signature, zeros for the owner's own row, which it never sent). Every member gets
+   the aggregates' digests and the signature; the segment's auditor (:func:`auditor_of`, a
+   different member every call) also gets the row lists.
+2. **Challenge.** Only then does the auditor draw one piece ``j`` at random and ask every member
+   for its own piece ``j`` of the segment, signed to the auditor (the owner sends its own row as
+   it used it: float32). An owner cannot know which piece will be checked while it aggregates.
+3. **Check** (:func:`judge`, the same code on the auditor and the coordinator). The rows must be
+   the committed ones and the aggregate of the committed rows must be the committed aggregate.
+   Every failure names one member with what it signed itself: an owner whose aggregate is not
+   the aggregate of its rows, or whose row list holds a row its sender never signed; a member
+   that signed two different pieces for one place (one to the owner, another to the auditor).
+
+An auditor gathers its own aggregates only after its audit's rows are in, so an owner that
+withholds its row stalls the whole call (every member lacks the auditor's segment), never just
+the auditor's. What an audit cannot see: an owner that corrupts ``f`` of its ``P`` pieces is
+caught with probability ``f / P`` per call, and an owner that sends different aggregates to
+different members (docs/net.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from intellect_jax.net import quant, robust
+from intellect_jax.net.evidence import SIG_BYTES, piece_statement
+from intellect_jax.net.plan import make_plan
+
+DIGEST = 32
+ENTRY = DIGEST + SIG_BYTES  # a row list entry: the row's SHA-256, its sender's signature to the owner
+NO_SIG = bytes(SIG_BYTES)  # the owner's own row: never sent, so never signed
+MAX_PIECES = 1 << 16  # pieces per segment a case may list
+MAX_CASE_RANKS = 64  # members a reported case may hold
+MAX_CASE_BYTES = 12 << 20  # a case larger than this as JSON is logged, not reported (coordinator MAX_MSG)
+
+
+def auditor_of(segment: int, world: int, step: int, call: int) -> int:
+    """The rank that audits segment ``segment`` in this call (never its owner; every rank
+    audits exactly one segment; the pairing turns with the outer step and the call)."""
+    return (segment + 1 + (step + call) % (world - 1)) % world
+
+
+def audited_by(rank: int, world: int, step: int, call: int) -> int:
+    """The segment that ``rank`` audits in this call."""
+    return (rank - 1 - (step + call) % (world - 1)) % world
+
+
+def root(parts: Sequence[bytes]) -> bytes:
+    """The SHA-256 of the parts' concatenation."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+def commitment(run_id: str, step: int, epoch: int, call: int, owner: str, segment: int, world: int, numel: int,
+               piece_numel: int, mode: str, block: int, how: str, absent: Sequence[int], aggregates: bytes,
+               rows: bytes) -> bytes:
+    """What an owner signs for its segment in one call (``aggregates``, ``rows``: the roots)."""
+    return (f"intellect_jax commitment\nrun {run_id}\nouter step {step}\nepoch {epoch}\ncall {call}\nowner {owner}\n"
+            f"segment {segment}\nworld {world}\nnumel {numel}\npiece numel {piece_numel}\nmode {mode}\n"
+            f"block {block}\nhow {how}\nabsent {','.join(map(str, sorted(absent)))}\n"
+            f"aggregates sha256 {aggregates.hex()}\nrows sha256 {rows.hex()}").encode()
+
+
+@dataclass(frozen=True)
+class Case:
+    """One audited piece, everything a third party needs to judge it (ranks index ``ids``).
+
+    ``aggregates``: the owner's digest of each piece's aggregate (``P``); ``row_roots``: the
+    root of each piece's row list; ``rows``: piece ``piece``'s row list (``world`` entries);
+    ``payloads``: each member's piece as the auditor got it (the owner's as float32, the
+    auditor's own as it sent it to the owner); ``audit_sigs``: each sender's signature of its
+    payload to the auditor (None for the auditor's own)."""
+
+    run_id: str
+    step: int
+    epoch: int
+    call: int
+    ids: tuple[str, ...]
+    owner: int
+    auditor: int
+    piece: int
+    numel: int  # the whole vector's
+    piece_numel: int
+    mode: str
+    block: int
+    how: str
+    absent: tuple[int, ...]
+    aggregates: tuple[bytes, ...]
+    row_roots: tuple[bytes, ...]
+    commit_sig: bytes
+    rows: bytes
+    payloads: tuple[bytes, ...]
+    audit_sigs: tuple[bytes | None, ...]
+
+    def bounds(self) -> tuple[int, int]:
+        """The audited piece's element range (ValueError: it does not exist)."""
+        world = len(self.ids)
+        if not 0 <= self.owner < world or not 0 <= self.auditor < world or self.owner == self.auditor:
+            raise ValueError(f"owner {self.owner} and auditor {self.auditor} are not two ranks of {world}")
+        plan = make_plan(self.numel, world, self.block, self.piece_numel)
+        if len(self.aggregates) != plan.pieces or len(self.row_roots) != plan.pieces or not \
+                0 <= self.piece < plan.pieces:
+            raise ValueError(f"piece {self.piece} of {len(self.aggregates)} digests: the plan has {plan.pieces} pieces")
+        return plan.piece(self.owner, self.piece)
+
+    def said(self, sender: int, receiver: int, payload_digest: bytes, own: bool = False) -> bytes:
+        """The statement ``sender`` signs for its piece to ``receiver`` (``own``: an owner's
+        float32 row)."""
+        a, b = self.bounds()
+        return piece_statement(self.run_id, self.step, self.epoch, self.call, self.ids[sender], self.ids[receiver],
+                               self.owner, self.piece, b - a, "fp32" if own else self.mode, 1 if own else self.block,
+                               payload_digest.hex())
+
+    def committed(self) -> bytes:
+        """The owner's commitment statement."""
+        return commitment(self.run_id, self.step, self.epoch, self.call, self.ids[self.owner], self.owner,
+                          len(self.ids), self.numel, self.piece_numel, self.mode, self.block, self.how, self.absent,
+                          root(self.aggregates), root(self.row_roots))
+
+
+Verify = Callable[[int, bytes, bytes], bool]  # (signer rank, statement, 64-byte signature) -> valid
+
+
+def judge(case: Case, verify: Verify) -> tuple[int | None, str]:
+    """(guilty rank, why) when the audited piece shows a member's fault, else (None, why the
+    case shows none: it does not hold together, or the owner was right). ``verify`` checks a
+    signature by a rank of ``case.ids``; every verdict rests on signatures, never on the word of
+    whoever presents the case."""
+    try:
+        a, b = case.bounds()
+        n, world, o = b - a, len(case.ids), case.owner
+        quant.check_mode(case.mode, case.block)
+        robust.check_mode(case.how)
+    except ValueError as e:
+        return None, f"the case is not one ({e})"
+    if len(case.rows) != world * ENTRY or len(case.payloads) != world or len(case.audit_sigs) != world \
+            or any(len(d) != DIGEST for d in (*case.aggregates, *case.row_roots)):
+        return None, "the case's lists do not fit its members"
+    if not verify(o, case.committed(), case.commit_sig):
+        return None, "the commitment does not carry its owner's signature"
+    if hashlib.sha256(case.rows).digest() != case.row_roots[case.piece]:
+        return None, f"the row list is not the one committed for piece {case.piece}"
+    entries = [case.rows[i * ENTRY:(i + 1) * ENTRY] for i in range(world)]
+    for i, e in enumerate(entries):  # the owner may list only what each sender signed to it
+        if i != o and not verify(i, case.said(i, o, e[:DIGEST]), e[DIGEST:]):
+            return o, f"its row list for piece {case.piece} holds a piece {case.ids[i]} never signed"
+    rows: list[np.ndarray] = []
+    for i, (e, payload, sig) in enumerate(zip(entries, case.payloads, case.audit_sigs)):
+        own = i == o
+        want = 4 * n if own else quant.encoded_nbytes(n, case.mode, case.block)
+        digest = hashlib.sha256(payload).digest()
+        if digest != e[:DIGEST]:  # not the committed row: its sender signed two pieces for one place
+            if i == case.auditor or sig is None or not verify(i, case.said(i, case.auditor, digest, own), sig):
+                return None, f"{case.ids[i]}'s piece is not the committed one, and not signed to the auditor"
+            return i, f"signed two different pieces {case.piece} of segment {o} (to {case.ids[o]} and to " \
+                      f"{case.ids[case.auditor]})"
+        if len(payload) != want:
+            return None, f"{case.ids[i]}'s committed piece is {len(payload)} bytes, not {want}"
+        try:
+            rows.append(np.frombuffer(payload, np.float32).copy() if own else
+                        quant.decode(np.frombuffer(payload, np.uint8).copy(), n, case.mode, case.block))
+        except ValueError as e:  # signed by its sender, yet no payload of its codec: the aggregate drops it
+            rows.append(np.full(n, np.nan, np.float32))
+            del e
+    wire = robust.aggregate_piece(rows, n, case.mode, case.block, case.how, absent=frozenset(case.absent))
+    if hashlib.sha256(wire).digest() != case.aggregates[case.piece]:
+        return o, f"its aggregate of piece {case.piece} of segment {o} is not the {case.how} of the rows it was sent"
+    return None, f"the aggregate of piece {case.piece} is right"
+
+
+@dataclass(frozen=True)
+class Auditing:
+    """What one call needs to audit and be audited: the context of its statements, ``sign(data)
+    -> 64-byte signature`` with our key, ``verify(rank, data, signature)`` with the certificate
+    each peer presented, and ``choose(pieces) -> piece`` (random: an owner must not guess it)."""
+
+    run_id: str
+    step: int
+    epoch: int
+    call: int
+    ids: tuple[str, ...]
+    sign: Callable[[bytes], bytes]
+    verify: Verify
+    choose: Callable[[int], int]
+
+
+def signed_piece(ctx: Auditing, sender: int, receiver: int, segment: int, piece: int, numel: int, mode: str,
+                 block: int, payload: bytes) -> bytes:
+    """The statement ``sender`` signs for a piece of its own it sends ``receiver`` in this call."""
+    return piece_statement(ctx.run_id, ctx.step, ctx.epoch, ctx.call, ctx.ids[sender], ctx.ids[receiver], segment,
+                           piece, numel, mode, block, hashlib.sha256(payload).hexdigest())
+
+
+class Ledger:
+    """One call's audit state on one rank (thread-safe only under the caller's lock): as owner
+    what it received and sent, to commit to; as auditor the owner's commitment, the drawn piece
+    and the rows it asked for; for every owner the committed digests its aggregates must match."""
+
+    def __init__(self, ctx: Auditing, rank: int, numel: int, piece_numel: int, mode: str, block: int, how: str,
+                 absent: frozenset[int]) -> None:
+        self.ctx, self.rank, self.world = ctx, rank, len(ctx.ids)
+        self.numel, self.piece_numel, self.mode, self.block, self.how = numel, piece_numel, mode, block, how
+        self.absent = tuple(sorted(absent))
+        self.plan = make_plan(numel, self.world, block, piece_numel)
+        P, W = self.plan.pieces, self.world
+        self.entries = [[b""] * W for _ in range(P)]  # ours as owner: per piece, per sender
+        self.agg_digests: list[bytes | None] = [None] * P
+        self.commit: tuple[bytes, bytes, list[bytes]] | None = None  # (digests, signature, row lists)
+        self.target = audited_by(rank, W, ctx.step, ctx.call)  # the segment we audit
+        self.auditor = auditor_of(rank, W, ctx.step, ctx.call)  # who audits ours
+        self.theirs: dict[int, list[bytes]] = {}  # owner -> its committed aggregate digests
+        self.audited: tuple[list[bytes], bytes, list[bytes]] | None = None  # the target's commitment
+        self.challenge: int | None = None  # the piece we ask for
+        self.asked: dict[int, int] = {}  # auditor -> the piece of its target it asked us for
+        self.answers: dict[int, tuple[bytes, bytes]] = {}  # sender -> (its piece, its signature to us)
+
+    # -- as owner ----------------------------------------------------------------------
+    def received(self, j: int, sender: int, wire: np.ndarray | bytes, signature: bytes) -> None:
+        self.entries[j][sender] = hashlib.sha256(wire).digest() + signature
+
+    def own(self, j: int, row: np.ndarray) -> None:
+        self.entries[j][self.rank] = hashlib.sha256(np.ascontiguousarray(row, np.float32)).digest() + NO_SIG
+
+    def aggregated(self, j: int, wire: np.ndarray) -> None:
+        self.agg_digests[j] = hashlib.sha256(wire).digest()
+
+    def seal(self) -> tuple[bytes, bytes, list[bytes]]:
+        """Our commitment once every piece is aggregated: (digests and the rows' root, signature,
+        row lists)."""
+        rows = [b"".join(e) for e in self.entries]
+        digests: list[bytes] = self.agg_digests  # type: ignore[assignment]
+        rows_root = root([hashlib.sha256(r).digest() for r in rows])
+        said = self._said(self.rank, digests, rows_root)
+        self.commit = (b"".join(digests) + rows_root, self.ctx.sign(said), rows)
+        return self.commit
+
+    def _said(self, owner: int, digests: Sequence[bytes], rows_root: bytes) -> bytes:
+        c = self.ctx
+        return commitment(c.run_id, c.step, c.epoch, c.call, c.ids[owner], owner, self.world, self.numel,
+                          self.piece_numel, self.mode, self.block, self.how, self.absent, root(digests), rows_root)
+
+    # -- as member ---------------------------------------------------------------------
+    def committed(self, owner: int, head: bytes, signature: bytes, rows: list[bytes] | None) -> str | None:
+        """An owner's commitment arrived (``head``: its digests and rows' root; ``rows``: the
+        row lists, only when we audit it); why it is no commitment (None: it is)."""
+        ds = [head[i:i + DIGEST] for i in range(0, len(head) - DIGEST, DIGEST)]
+        rows_root = head[-DIGEST:]
+        if not self.ctx.verify(owner, self._said(owner, ds, rows_root), signature):
+            return "a commitment its signature does not cover"
+        if rows is not None:
+            row_roots = [hashlib.sha256(r).digest() for r in rows]
+            if root(row_roots) != rows_root:
+                return "row lists that are not the ones it committed"
+            self.audited = (ds, signature, rows)
+            self.challenge = self.ctx.choose(self.plan.pieces)
+        self.theirs[owner] = ds
+        return None
+
+    def matches(self, owner: int, j: int, wire: np.ndarray) -> bool:
+        """Whether an owner's aggregate of piece ``j`` is the one it committed to."""
+        return hashlib.sha256(wire).digest() == self.theirs[owner][j]
+
+    def case(self, own_wire: bytes) -> Case:
+        """The audited piece as a :class:`Case` (``own_wire``: our own piece, as we sent it)."""
+        ds, sig, rows = self.audited  # type: ignore[misc]
+        j, o = self.challenge, self.target
+        payloads = tuple(own_wire if i == self.rank else self.answers[i][0] for i in range(self.world))
+        sigs = tuple(None if i == self.rank else self.answers[i][1] for i in range(self.world))
+        return Case(self.ctx.run_id, self.ctx.step, self.ctx.epoch, self.ctx.call, self.ctx.ids, o, self.rank,
+                    j, self.numel, self.piece_numel, self.mode, self.block, self.how, self.absent,  # type: ignore[arg-type]
+                    tuple(ds), tuple(hashlib.sha256(r).digest() for r in rows), sig, rows[j], payloads, sigs)
+
+
+# ---- the case as a barrier report carries it ------------------------------------------------------
+def to_wire(case: Case, certs: Sequence[str]) -> dict:
+    """The case as JSON-ready fields, with each rank's certificate (DER, hex), for the
+    coordinator (which knows the run, the members' order and their authority itself)."""
+    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    return {"step": case.step, "epoch": case.epoch, "call": case.call, "owner": case.owner, "auditor": case.auditor,
+            "piece": case.piece, "numel": case.numel, "piece_numel": case.piece_numel, "mode": case.mode,
+            "block": case.block, "how": case.how, "absent": list(case.absent),
+            "aggregates": [d.hex() for d in case.aggregates], "row_roots": [d.hex() for d in case.row_roots],
+            "commit_sig": case.commit_sig.hex(), "rows": b64(case.rows), "payloads": [b64(p) for p in case.payloads],
+            "audit_sigs": [None if s is None else s.hex() for s in case.audit_sigs], "certs": list(certs)}
+
+
+def from_wire(ev: Any, run_id: str, ids: Sequence[str]) -> Case:
+    """A :class:`Case` from a parsed report field (``ev``: its attributes as :func:`to_wire`
+    writes them; ValueError if they do not decode)."""
+    try:
+        unb64 = lambda s: base64.b64decode(s, validate=True)  # noqa: E731
+        return Case(run_id, ev.step, ev.epoch, ev.call, tuple(ids), ev.owner, ev.auditor, ev.piece, ev.numel,
+                    ev.piece_numel, ev.mode, ev.block, ev.how, tuple(ev.absent),
+                    tuple(bytes.fromhex(d) for d in ev.aggregates), tuple(bytes.fromhex(d) for d in ev.row_roots),
+                    bytes.fromhex(ev.commit_sig), unb64(ev.rows), tuple(unb64(p) for p in ev.payloads),
+                    tuple(None if s is None else bytes.fromhex(s) for s in ev.audit_sigs))
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"the audit does not decode ({e})") from None
+
+
+def wire_size(case: Case) -> int:
+    """About how many bytes :func:`to_wire` takes as JSON (certificates aside)."""
+    return 4 * (len(case.rows) + sum(len(p) for p in case.payloads)) // 3 + \
+        140 * (len(case.aggregates) + len(case.row_roots)) + 200 * len(case.ids) + 1024
