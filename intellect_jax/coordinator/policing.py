@@ -1,9 +1,12 @@
 """Policing at a barrier: which members have to go for what they contributed.
 
-Three rules, counted per member across barriers on its :class:`~.roster.Node`: a member whose own
+Four rules, counted per member across barriers on its :class:`~.roster.Node`: a member whose own
 pseudo-gradient checks failed (it sat out, contributing zeros) at ``sit_out_limit`` barriers in
 a row is broken; a member shown to have sent a bad piece of its own contribution in ``strikes``
-rounds poisons the run; a member that accuses falsely ``strikes`` times is evicted. (A member that
+rounds poisons the run; a member that an audit of a butterfly owner shows at fault by its own
+signatures (a forged aggregate, a row list with a row its sender never signed, two different
+pieces signed for one place: ``net.audit``) is evicted at once, since no honest member ever
+signs such a thing; a member that accuses falsely ``strikes`` times is evicted. (A member that
 stalls the all-reduce is not evicted for it yet: whose fault a failed call is cannot be told from
 the members' reports while failures cascade, docs/security.md.)
 
@@ -33,8 +36,8 @@ import numpy as np
 
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Node
-from intellect_jax.coordinator.schema import Evidence
-from intellect_jax.net import quant
+from intellect_jax.coordinator.schema import Audit, Evidence
+from intellect_jax.net import audit, quant
 from intellect_jax.net.evidence import (SUSPECT_FACTOR, clear_cut, der_signature, reference_rms, seal, statement,
                                         verdict)
 from intellect_jax.net.identity import vouched
@@ -88,6 +91,31 @@ def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser
         return f"an undecodable payload ({e})", ""
     why = verdict(theirs, ref, SUSPECT_FACTOR * LENIENCY, sat_out)
     return (why, "") if why else (None, "the evidence's piece is within bounds")
+
+
+def weigh_audit(ev: Audit, *, run_id: str, step: int, epoch_id: int, accuser: str, ring: tuple[str, ...],
+                ca: bytes | None) -> tuple[str | None, str]:
+    """(guilty member, why) when the audited piece ``ev``, reported by ``accuser``, shows a
+    member of ``ring`` (outer step ``step``'s all-reduce, epoch ``epoch_id``) at fault by its own
+    signatures (``net.audit.judge``), else (None, why it does not). ``ca``: the run authority's
+    certificate, which must have issued every signer's certificate (None: an in-process run,
+    which signs nothing: no case holds)."""
+    if ca is None:
+        return None, "an in-process run signs nothing to audit"
+    if (ev.step, ev.epoch) != (step, epoch_id):
+        return None, f"the audit is of outer step {ev.step} in epoch {ev.epoch}, not {step} in {epoch_id}"
+    if len(ev.certs) != len(ring) or not ev.auditor < len(ring) or ring[ev.auditor] != accuser:
+        return None, f"the audit is not {accuser}'s in the ring of epoch {epoch_id}"
+    try:
+        case = audit.from_wire(ev, run_id, ring)
+    except ValueError as e:
+        return None, str(e)
+
+    def signed(rank: int, data: bytes, sig: bytes) -> bool:
+        return vouched(ca, ev.certs[rank], ring[rank], data, der_signature(sig).hex())
+
+    guilty, why = audit.judge(case, signed)
+    return (ring[guilty], why) if guilty is not None else (None, why)
 
 
 def average_skipped(members: list[Node]) -> bool:
@@ -150,12 +178,15 @@ class Police:
                 ev = r.evidence
                 self._say(f"WARNING {n.node_id} shows {accused}'s own piece {ev.piece} of segment {ev.segment} "
                           f"(call {ev.call}) in outer step {step - 1}'s all-reduce, signed by {accused}: {guilty}")
+        frauds = self._audits(step, reports, epoch_id, ring, by_id, run_id)
         keep: list[Node] = []
         evict: list[tuple[Node, str]] = []
         for n in members:
             n.sit_outs = n.sit_outs + 1 if n.arrival.sits_out else 0  # type: ignore[union-attr]
             n.strikes += int(n.node_id in blamed and (failed or (signed and clear_cut(blamed[n.node_id]))))
-            if n.sit_outs >= self.config.sit_out_limit:
+            if n.node_id in frauds:
+                evict.append((n, f"shown at fault by an audit of outer step {step - 1}: {frauds[n.node_id]}"))
+            elif n.sit_outs >= self.config.sit_out_limit:
                 evict.append((n, f"its own pseudo-gradient checks failed at {n.sit_outs} barriers in a row "
                                  f"({n.arrival.sits_out})"))  # type: ignore[union-attr]
             elif n.strikes >= self.config.strikes:
@@ -168,6 +199,32 @@ class Police:
             else:
                 keep.append(n)
         return keep, evict
+
+    def _audits(self, step: int, reports: list, epoch_id: int, ring: tuple[str, ...] | None,
+                by_id: dict[str, Node], run_id: str) -> dict[str, str]:
+        """Members shown at fault by the audits reported at barrier ``step`` (member -> why): one
+        such case is proof by the member's own signatures, so it is evicted at once. A case that
+        does not hold counts against its reporter."""
+        frauds: dict[str, str] = {}
+        for n, r in reports:
+            ev = r.audit
+            if ev is None or ring is None:
+                continue
+            try:
+                guilty, why = weigh_audit(ev, run_id=run_id, step=step - 1, epoch_id=epoch_id, accuser=n.node_id,
+                                          ring=ring, ca=self.ca)
+            except Exception as e:  # noqa: BLE001 - whatever a peer sent, the barrier goes on
+                guilty, why = None, f"it could not be checked ({type(e).__name__})"
+            owner = ring[ev.owner] if ev.owner < len(ring) else f"rank {ev.owner}"
+            if guilty is None:
+                if self.ca is not None:
+                    self._false(n, owner, "its aggregate", f"its audit does not hold: {why}")
+                continue
+            if guilty in by_id and guilty not in frauds:
+                frauds[guilty] = why
+                self._say(f"WARNING {n.node_id}'s audit of {owner}'s segment (piece {ev.piece}, call {ev.call}) in "
+                          f"outer step {step - 1}'s all-reduce shows {guilty} at fault by its own signature: {why}")
+        return frauds
 
     def _false(self, n: Node, accused: str, why: str, flaw: str) -> None:
         n.false_accusations += 1

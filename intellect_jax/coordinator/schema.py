@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from intellect_jax.coordinator.protocol import Admission, Epoch, ProtocolError, RegisterReply
+from intellect_jax.net.audit import MAX_CASE_BYTES, MAX_CASE_RANKS, MAX_PIECES
 from intellect_jax.net.evidence import MAX_EVIDENCE_BYTES
 
 MAX_NODES = 4096  # members, joiners and node-id lists (a node holds one coordinator connection: see max_handlers)
@@ -105,13 +106,48 @@ class Evidence(Msg):
     opening: Opening | None = None  # of the recorded hash of outer step ``step``
 
 
+Hex32 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]  # a SHA-256
+Raw64 = Annotated[str, Field(pattern=r"^[0-9a-f]{128}$")]  # a signature, r || s
+Mode = Annotated[str, Field(pattern=r"^(fp32|bf16|int8|int4)$")]  # net.butterfly.RING_MODES
+Ranks = Annotated[list[Annotated[int, Field(ge=0, lt=MAX_CASE_RANKS)]], Field(max_length=MAX_CASE_RANKS)]
+
+
+class Audit(Msg):
+    """One audited piece of a butterfly segment (``net.audit.Case`` as ``to_wire`` writes it):
+    the owner's signed commitment, what the auditor got from every member, their certificates."""
+
+    step: Count
+    epoch: Count
+    call: Count
+    owner: Annotated[int, Field(ge=0, lt=MAX_CASE_RANKS)]
+    auditor: Annotated[int, Field(ge=0, lt=MAX_CASE_RANKS)]
+    piece: Annotated[int, Field(ge=0, lt=MAX_PIECES)]
+    numel: Annotated[int, Field(ge=1, le=2**53)]
+    piece_numel: Annotated[int, Field(ge=1, le=1 << 20)]
+    mode: Mode
+    block: Annotated[int, Field(ge=1, le=1 << 16)]
+    how: Annotated[str, Field(pattern=r"^(mean|clip|cclip|trim[0-9]{1,3})$")]
+    absent: Ranks
+    aggregates: Annotated[list[Hex32], Field(min_length=1, max_length=MAX_PIECES)]
+    row_roots: Annotated[list[Hex32], Field(min_length=1, max_length=MAX_PIECES)]
+    commit_sig: Raw64
+    rows: Annotated[str, Field(max_length=-(-MAX_CASE_RANKS * 96 // 3) * 4)]  # base64
+    payloads: Annotated[list[Annotated[str, Field(max_length=-(-MAX_EVIDENCE_BYTES // 3) * 4)]],
+                        Field(min_length=2, max_length=MAX_CASE_RANKS)]
+    audit_sigs: Annotated[list[Raw64 | None], Field(min_length=2, max_length=MAX_CASE_RANKS)]
+    certs: Annotated[list[Annotated[str, Field(pattern=r"^(?:[0-9a-f]{2}){0,4096}$")]],
+                     Field(min_length=2, max_length=MAX_CASE_RANKS)]
+
+
 class Report(Msg):
-    """A node's word on its last all-reduce: did the average fail its checks, and whom (its ring
-    predecessor) it accuses of a bad contribution, with why and the evidence."""
+    """A node's word on its last all-reduce: did the average fail its checks, whom (its ring
+    predecessor) it accuses of a bad contribution, with why and the evidence, and the piece its
+    audit of a butterfly owner found at fault (``audit``)."""
 
     avg_failed: bool = False
     accused: Annotated[list[Text], Field(min_length=2, max_length=2)] | None = None
     evidence: Evidence | None = None
+    audit: Audit | None = None
 
 
 class Sync(Msg):

@@ -37,7 +37,7 @@ from intellect_jax.net import (
 )
 
 CHANNEL = "coordinator"
-MAX_MSG = 2 << 20  # a sync carries at most one piece of evidence (net.evidence.MAX_EVIDENCE_BYTES, base64)
+MAX_MSG = 16 << 20  # a sync carries one piece of evidence and one audited piece (net.audit.MAX_CASE_BYTES)
 log = logging.getLogger("intellect_jax.coordinator")
 
 

@@ -374,7 +374,7 @@ class NodeLoop:
         else:
             pg, dropped = self._with_feedback(s, pg, sits_out)
             made = dropped
-        avg, ep, stats, tries, suspect, present = self._all_reduce(k, h, pg, sits_out, report, ref, dropped)
+        avg, ep, stats, tries, suspect, present, audited = self._all_reduce(k, h, pg, sits_out, report, ref, dropped)
         residual = s.residual if made is None else made
         if residual is not None and not (self.cfg.feedback and (_finite(residual) if finite is None else finite)):
             if self.cfg.feedback:
@@ -390,8 +390,12 @@ class NodeLoop:
         s = s._replace(residual=residual)
         if suspect:
             p.log(f"WARNING {ep.node_ids[suspect[0]]}'s contribution to outer step {k + 1} had {suspect[1]}")
+        if audited:
+            p.log(f"WARNING our audit of outer step {k + 1}'s all-reduce shows {ep.node_ids[audited[0]]} at fault: "
+                  f"{audited[1]}" + ("" if audited[2] else " (the case is too large to report)"))
         report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None,
-                  "evidence": {**suspect[2], "opening": opening if ref is not None else None} if suspect else None}
+                  "evidence": {**suspect[2], "opening": opening if ref is not None else None} if suspect else None,
+                  "audit": audited[2] if audited else None}
         return OuterResult(s, ep, stats, tries, report, pg_norm, avg_norm, sits_out, skip, None if skip else avg)
 
     def _with_feedback(self, s: DilocoState, pg: Any, sits_out: str | None) -> tuple[Any, Any]:
@@ -482,7 +486,8 @@ class NodeLoop:
 
     def _all_reduce(self, k: int, h: str, pg: Any, sits_out: str | None, report: dict | None,
                     ref: float | None,
-                    dropped: Any = None) -> tuple[Any, Epoch, Any, int, tuple[int, str, dict] | None, bool]:
+                    dropped: Any = None) -> tuple[Any, Epoch, Any, int, tuple[int, str, dict] | None, bool,
+                                                  tuple[int, str, dict | None] | None]:
         p, cfg = self.p, self.cfg
         retry_of = None
         for attempt in range(cfg.max_retries + 1):
@@ -498,7 +503,8 @@ class NodeLoop:
             try:
                 with abort_when(p.clock, lambda: p.client.epoch_broken(ep.epoch_id), comm.abort, cfg.watch_interval):
                     avg = comm.all_reduce_mean(pg) if dropped is None else comm.all_reduce_mean(pg, dropped=dropped)
-                return avg, ep, comm.last_stats, attempt + 1, getattr(comm, "suspect", None), comm.over_present
+                return (avg, ep, comm.last_stats, attempt + 1, getattr(comm, "suspect", None), comm.over_present,
+                        getattr(comm, "audited", None))
             except NetError as e:
                 p.log(f"all-reduce of outer step {k + 1} failed in epoch {ep.epoch_id}: {e}; retrying")
                 retry_of = ep.epoch_id

@@ -1,0 +1,223 @@
+"""Audits of the butterfly's segment owners (net.audit): over real sockets, and case by case."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from intellect_jax.coordinator.policing import weigh_audit
+from intellect_jax.coordinator.schema import Audit
+from intellect_jax.net import RingConfig, audit, butterfly, comm as commlib, quant
+from intellect_jax.net.audit import ENTRY, NO_SIG, Case, judge
+from intellect_jax.net.evidence import piece_statement, raw_signature
+from intellect_jax.net.plan import make_plan
+from intellect_jax.net.robust import aggregate_piece
+from intellect_jax.testing.identities import credentials
+from tests.test_butterfly import _butterfly
+from tests.test_net_ring import _inputs, _same_bits
+
+CFG = RingConfig(mode="int8", block_size=64, piece_numel=512, deadline=30, exchange="butterfly", robust="clip")
+
+
+@contextmanager
+def _owner(monkeypatch: pytest.MonkeyPatch, bad: int, pieces: set[int] | None = None) -> Iterator[None]:
+    """Rank ``bad`` sends back its aggregate negated (of ``pieces`` only, if given), as a
+    malicious owner would; every other rank runs the product's code."""
+    local = threading.local()
+    encoder, honest = butterfly._ButterflyRun.encoder, butterfly.aggregate_piece
+
+    def as_rank(self: Any) -> None:
+        local.rank, local.j = self.rank, 0
+        encoder(self)
+
+    def forged(rows: Any, n: int, mode: str, block: int, how: str, out: Any = None, absent: Any = frozenset()) -> Any:
+        wire = honest(rows, n, mode, block, how, out, absent)
+        j, local.j = getattr(local, "j", 0), getattr(local, "j", 0) + 1
+        if getattr(local, "rank", None) == bad and (pieces is None or j in pieces):
+            return quant.encode(-quant.decode(wire, n, mode, block), mode, block, wire)
+        return wire
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "encoder", as_rank)
+    monkeypatch.setattr(butterfly, "aggregate_piece", forged)
+    yield
+
+
+def _weigh(ev: dict[str, Any], ids: list[str], accuser: str, **over: Any) -> tuple[str | None, str]:
+    return weigh_audit(Audit.model_validate({**ev, **over}), run_id="ring-test", step=0, epoch_id=0,
+                       accuser=accuser, ring=tuple(ids), ca=credentials(ids[0]).ca_der)
+
+
+def test_an_honest_run_is_audited_and_shows_nobody() -> None:
+    world, n = 4, 9000
+    xs = _inputs(world, n)
+    comms, outs, errs = _butterfly(world, xs, CFG)
+    assert errs == [None] * world
+    ref = butterfly.simulate(xs, "int8", 64, 512, "clip")
+    assert all(_same_bits(o, ref) for o in outs)
+    assert [c.audited for c in comms] == [None] * world
+
+
+def test_an_owner_that_forges_its_aggregate_is_caught_by_its_auditor_with_evidence(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 negates every aggregate it sends back: every member gets the same (wrong) bytes,
+    so no check on the average can tell; its auditor recomputes the piece it drew from every
+    member's signed piece and holds the owner's signed commitment against it, which the
+    coordinator's check accepts; a case altered in any part does not hold."""
+    world, n, bad = 4, 9000, 1
+    xs = _inputs(world, n, seed=3)
+    with _owner(monkeypatch, bad):
+        comms, outs, errs = _butterfly(world, xs, CFG)
+    assert errs == [None] * world
+    assert all(_same_bits(o, outs[0]) for o in outs)  # consistent: the forgery is in everyone's result
+    p = make_plan(n, world, 64, 512)
+    a, b = p.seg_bounds[bad], p.seg_bounds[bad + 1]
+    ref = butterfly.simulate(xs, "int8", 64, 512, "clip")
+    assert np.corrcoef(outs[0][a:b], ref[a:b])[0, 1] < -0.99
+    ids = [c.ids[c.rank] for c in comms]
+    auditor = audit.auditor_of(bad, world, 0, 0)
+    for r, c in enumerate(comms):
+        if r != auditor:
+            assert c.audited is None, f"rank {r} audits another owner, an honest one"
+    guilty, why, ev = comms[auditor].audited  # type: ignore[misc]
+    assert guilty == bad and "is not the clip of the rows it was sent" in why and ev is not None
+    assert _weigh(ev, ids, ids[auditor]) == (ids[bad], why)
+    assert _weigh(ev, ids, ids[2 if auditor != 2 else 3])[0] is None  # only the auditor named in it
+    assert _weigh(ev, ids, ids[auditor], step=1)[0] is None
+    assert _weigh(ev, ids, ids[auditor], how="mean")[0] is None  # not what the owner signed
+    assert _weigh(ev, ids, ids[auditor], commit_sig="00" * 64)[0] is None
+    other = next(j for j in range(len(ev["aggregates"])) if j != ev["piece"])
+    assert _weigh(ev, ids, ids[auditor], piece=other)[0] is None  # its row list is another's
+    tampered = list(ev["payloads"])
+    tampered[0] = tampered[1]
+    assert _weigh(ev, ids, ids[auditor], payloads=tampered)[0] is None
+
+
+def test_an_owner_forging_one_piece_is_caught_only_when_that_piece_is_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The limit of one audited piece per owner per call: a forgery in piece 0 is seen when the
+    auditor draws piece 0 and not when it draws another."""
+    world, n, bad = 3, 6000, 0
+    xs = _inputs(world, n, seed=5)
+    for drawn, seen in ((0, True), (1, False)):
+        with monkeypatch.context() as m:
+            m.setattr(commlib.secrets, "randbelow", lambda k, d=drawn: d % k)
+            with _owner(m, bad, pieces={0}):
+                comms, _, errs = _butterfly(world, xs, CFG)
+        assert errs == [None] * world
+        verdict = comms[audit.auditor_of(bad, world, 0, 0)].audited
+        assert (verdict is not None and verdict[0] == bad) == seen
+
+
+def test_an_owner_that_withholds_its_row_from_the_audit_fails_the_call_for_everyone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner cannot dodge its audit by not answering: its auditor holds its own aggregates
+    back until every piece of its audit is in, so every member fails (none completes)."""
+    world, bad = 4, 2
+    original = butterfly._ButterflyRun._answer
+
+    def mute(self: Any, conn: Any, o: int) -> bool:
+        if self.rank == bad and o == self.ledger.auditor:
+            return self.wait_for(lambda: False, "never")  # silent until the deadline
+        return original(self, conn, o)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_answer", mute)
+    cfg = dataclasses.replace(CFG, deadline=4)
+    _, _, errs = _butterfly(world, _inputs(world, 5000), cfg)
+    assert all(e is not None for e in errs), errs
+
+
+# ---- cases by hand, with real signatures ------------------------------------------------------------
+IDS = ("a0", "a1", "a2")
+
+
+def _sign(rank: int, data: bytes) -> bytes:
+    return raw_signature(credentials(IDS[rank]).sign(data))
+
+
+def _case(xs: list[np.ndarray], owner: int = 0, auditor: int = 1, piece: int = 1) -> Case:
+    """An honest owner's commitment and the rows its auditor got, signed as the exchange signs."""
+    world, n, pn = len(xs), xs[0].shape[0], 256
+    p = make_plan(n, world, 64, pn)
+    rows, aggs = [], []
+    for j in range(p.pieces):
+        a, b = p.piece(owner, j)
+        wires = [x[a:b].tobytes() if i == owner else quant.encode(x[a:b], "int8", 64).tobytes()
+                 for i, x in enumerate(xs)]
+        entries = []
+        for i, w in enumerate(wires):
+            said = piece_statement("run", 0, 0, 0, IDS[i], IDS[owner], owner, j, b - a, "int8", 64,
+                                   hashlib.sha256(w).hexdigest())
+            entries.append(hashlib.sha256(w).digest() + (NO_SIG if i == owner else _sign(i, said)))
+        rows.append(b"".join(entries))
+        decoded = [np.frombuffer(w, np.float32) if i == owner else quant.decode(np.frombuffer(w, np.uint8), b - a,
+                                                                                  "int8", 64)
+                   for i, w in enumerate(wires)]
+        aggs.append(hashlib.sha256(aggregate_piece(decoded, b - a, "int8", 64, "mean")).digest())
+    a, b = p.piece(owner, piece)
+    payloads = tuple(x[a:b].tobytes() if i == owner else quant.encode(x[a:b], "int8", 64).tobytes()
+                     for i, x in enumerate(xs))
+    row_roots = tuple(hashlib.sha256(r).digest() for r in rows)
+    case = Case("run", 0, 0, 0, IDS, owner, auditor, piece, n, pn, "int8", 64, "mean", (), tuple(aggs), row_roots,
+                b"", rows[piece], payloads, (None,) * world)
+    sigs = tuple(None if i == auditor else _sign(i, case.said(i, auditor, hashlib.sha256(pl).digest(), i == owner))
+                 for i, pl in enumerate(payloads))
+    return dataclasses.replace(case, commit_sig=_sign(owner, case.committed()), audit_sigs=sigs)
+
+
+def _verify(rank: int, data: bytes, sig: bytes) -> bool:
+    from intellect_jax.net.evidence import der_signature
+    from intellect_jax.net.identity import verify
+    return verify(credentials(IDS[rank]).cert_der, data, der_signature(sig))
+
+
+def _resign(case: Case, **over: Any) -> Case:
+    """``case`` changed as its owner would have committed to it (the owner signs again)."""
+    c = dataclasses.replace(case, **over)
+    return dataclasses.replace(c, commit_sig=_sign(c.owner, c.committed()))
+
+
+def test_judge_an_honest_case_and_each_kind_of_fault() -> None:
+    xs = _inputs(3, 1500, seed=7)
+    case = _case(xs)
+    assert judge(case, _verify) == (None, "the aggregate of piece 1 is right")
+    # the owner's aggregate is not the mean of its rows
+    aggs = list(case.aggregates)
+    aggs[1] = hashlib.sha256(b"another").digest()
+    assert judge(_resign(case, aggregates=tuple(aggs)), _verify)[0] == 0
+    # the owner lists a row its sender never signed (a changed digest under the old signature)
+    rows = bytearray(case.rows)
+    rows[2 * ENTRY] ^= 1
+    roots = list(case.row_roots)
+    roots[1] = hashlib.sha256(bytes(rows)).digest()
+    guilty, why = judge(_resign(case, rows=bytes(rows), row_roots=tuple(roots)), _verify)
+    assert guilty == 0 and "a2 never signed" in why
+    # a sender signs another piece to the auditor than it sent the owner
+    other = bytearray(case.payloads[2])
+    other[-1] ^= 1
+    sigs = list(case.audit_sigs)
+    sigs[2] = _sign(2, case.said(2, 1, hashlib.sha256(bytes(other)).digest()))
+    guilty, why = judge(dataclasses.replace(case, payloads=(*case.payloads[:2], bytes(other)),
+                                            audit_sigs=tuple(sigs)), _verify)
+    assert guilty == 2 and "signed two different pieces" in why
+    # ... but an altered piece nobody signed shows nobody, nor does the auditor's own changed row
+    assert judge(dataclasses.replace(case, payloads=(*case.payloads[:2], bytes(other))), _verify)[0] is None
+    mine = bytearray(case.payloads[1])
+    mine[-1] ^= 1
+    assert judge(dataclasses.replace(case, payloads=(case.payloads[0], bytes(mine), case.payloads[2])),
+                 _verify)[0] is None
+    # the owner's own float32 row under its commitment: changed, it is the owner's double statement
+    own = bytearray(case.payloads[0])
+    own[0] ^= 1
+    sigs = list(case.audit_sigs)
+    sigs[0] = _sign(0, case.said(0, 1, hashlib.sha256(bytes(own)).digest(), own=True))
+    assert judge(dataclasses.replace(case, payloads=(bytes(own), *case.payloads[1:]), audit_sigs=tuple(sigs)),
+                 _verify)[0] == 0
+    # nothing holds without the owner's own signature on the commitment
+    assert judge(dataclasses.replace(case, commit_sig=_sign(1, case.committed())), _verify)[0] is None
+    assert judge(dataclasses.replace(case, owner=1, auditor=1), _verify)[0] is None
