@@ -15,10 +15,10 @@ import pytest
 from intellect_jax.coordinator.policing import weigh_audit
 from intellect_jax.coordinator.schema import Audit
 from intellect_jax.net import RingConfig, audit, butterfly, comm as commlib, quant
-from intellect_jax.net.audit import ENTRY, NO_SIG, Case, judge
-from intellect_jax.net.evidence import piece_statement, raw_signature
+from intellect_jax.net.audit import ENTRY, Case, judge
+from intellect_jax.net.errors import AuditFailed
 from intellect_jax.net.plan import make_plan
-from intellect_jax.net.robust import aggregate_piece
+from intellect_jax.testing.audit_cases import sign, signed_case, verifier
 from intellect_jax.testing.identities import credentials
 from tests.test_butterfly import _butterfly
 from tests.test_net_ring import _inputs, _same_bits
@@ -64,27 +64,21 @@ def test_an_honest_run_is_audited_and_shows_nobody() -> None:
     assert [c.audited for c in comms] == [None] * world
 
 
-def test_an_owner_that_forges_its_aggregate_is_caught_by_its_auditor_with_evidence(
+def test_an_owner_that_forges_its_aggregate_fails_the_call_and_is_caught_with_evidence(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 1 negates every aggregate it sends back: every member gets the same (wrong) bytes,
-    so no check on the average can tell; its auditor recomputes the piece it drew from every
-    member's signed piece and holds the owner's signed commitment against it, which the
-    coordinator's check accepts; a case altered in any part does not hold."""
+    """Rank 1 negates every aggregate it sends back, the same bytes to every member, so no check
+    on the average could tell. Its auditor recomputes the piece it drew from every member's
+    signed piece, finds the owner's signed commitment wrong and fails the call before any of its
+    own aggregates leaves: no rank completes, so nobody applies the forgery. The case it keeps
+    convicts the owner by the coordinator's check; altered in any part, it does not hold."""
     world, n, bad = 4, 9000, 1
     xs = _inputs(world, n, seed=3)
     with _owner(monkeypatch, bad):
         comms, outs, errs = _butterfly(world, xs, CFG)
-    assert errs == [None] * world
-    assert all(_same_bits(o, outs[0]) for o in outs)  # consistent: the forgery is in everyone's result
-    p = make_plan(n, world, 64, 512)
-    a, b = p.seg_bounds[bad], p.seg_bounds[bad + 1]
-    ref = butterfly.simulate(xs, "int8", 64, 512, "clip")
-    assert np.corrcoef(outs[0][a:b], ref[a:b])[0, 1] < -0.99
-    ids = [c.ids[c.rank] for c in comms]
     auditor = audit.auditor_of(bad, world, 0, 0)
-    for r, c in enumerate(comms):
-        if r != auditor:
-            assert c.audited is None, f"rank {r} audits another owner, an honest one"
+    assert all(e is not None for e in errs) and isinstance(errs[auditor], AuditFailed), errs
+    assert [r for r, c in enumerate(comms) if c.audited is not None] == [auditor]
+    ids = [c.ids[c.rank] for c in comms]
     guilty, why, ev = comms[auditor].audited  # type: ignore[misc]
     assert guilty == bad and "is not the clip of the rows it was sent" in why and ev is not None
     assert _weigh(ev, ids, ids[auditor]) == (ids[bad], why)
@@ -100,18 +94,24 @@ def test_an_owner_that_forges_its_aggregate_is_caught_by_its_auditor_with_eviden
 
 
 def test_an_owner_forging_one_piece_is_caught_only_when_that_piece_is_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The limit of one audited piece per owner per call: a forgery in piece 0 is seen when the
-    auditor draws piece 0 and not when it draws another."""
+    """The limit of one audited piece per owner per call: a forgery in piece 0 fails the call
+    when the auditor draws piece 0, and goes through, applied by every rank, when it draws
+    another."""
     world, n, bad = 3, 6000, 0
     xs = _inputs(world, n, seed=5)
+    p = make_plan(n, world, 64, 512)
+    a, b = p.piece(bad, 0)
+    ref = butterfly.simulate(xs, "int8", 64, 512, "clip")
     for drawn, seen in ((0, True), (1, False)):
         with monkeypatch.context() as m:
             m.setattr(commlib.secrets, "randbelow", lambda k, d=drawn: d % k)
             with _owner(m, bad, pieces={0}):
-                comms, _, errs = _butterfly(world, xs, CFG)
-        assert errs == [None] * world
+                comms, outs, errs = _butterfly(world, xs, CFG)
         verdict = comms[audit.auditor_of(bad, world, 0, 0)].audited
         assert (verdict is not None and verdict[0] == bad) == seen
+        assert all(e is not None for e in errs) if seen else errs == [None] * world
+        if not seen:
+            assert all(_same_bits(o, outs[0]) for o in outs) and np.allclose(outs[0][a:b], -ref[a:b], atol=1e-3)
 
 
 def test_an_owner_that_withholds_its_row_from_the_audit_fails_the_call_for_everyone(
@@ -134,46 +134,17 @@ def test_an_owner_that_withholds_its_row_from_the_audit_fails_the_call_for_every
 
 # ---- cases by hand, with real signatures ------------------------------------------------------------
 IDS = ("a0", "a1", "a2")
+_verify = verifier(IDS)
 
 
 def _sign(rank: int, data: bytes) -> bytes:
-    return raw_signature(credentials(IDS[rank]).sign(data))
+    return sign(IDS[rank], data)
 
 
-def _case(xs: list[np.ndarray], owner: int = 0, auditor: int = 1, piece: int = 1) -> Case:
-    """An honest owner's commitment and the rows its auditor got, signed as the exchange signs."""
-    world, n, pn = len(xs), xs[0].shape[0], 256
-    p = make_plan(n, world, 64, pn)
-    rows, aggs = [], []
-    for j in range(p.pieces):
-        a, b = p.piece(owner, j)
-        wires = [x[a:b].tobytes() if i == owner else quant.encode(x[a:b], "int8", 64).tobytes()
-                 for i, x in enumerate(xs)]
-        entries = []
-        for i, w in enumerate(wires):
-            said = piece_statement("run", 0, 0, 0, IDS[i], IDS[owner], owner, j, b - a, "int8", 64,
-                                   hashlib.sha256(w).hexdigest())
-            entries.append(hashlib.sha256(w).digest() + (NO_SIG if i == owner else _sign(i, said)))
-        rows.append(b"".join(entries))
-        decoded = [np.frombuffer(w, np.float32) if i == owner else quant.decode(np.frombuffer(w, np.uint8), b - a,
-                                                                                  "int8", 64)
-                   for i, w in enumerate(wires)]
-        aggs.append(hashlib.sha256(aggregate_piece(decoded, b - a, "int8", 64, "mean")).digest())
-    a, b = p.piece(owner, piece)
-    payloads = tuple(x[a:b].tobytes() if i == owner else quant.encode(x[a:b], "int8", 64).tobytes()
-                     for i, x in enumerate(xs))
-    row_roots = tuple(hashlib.sha256(r).digest() for r in rows)
-    case = Case("run", 0, 0, 0, IDS, owner, auditor, piece, n, pn, "int8", 64, "mean", (), tuple(aggs), row_roots,
-                b"", rows[piece], payloads, (None,) * world)
-    sigs = tuple(None if i == auditor else _sign(i, case.said(i, auditor, hashlib.sha256(pl).digest(), i == owner))
-                 for i, pl in enumerate(payloads))
-    return dataclasses.replace(case, commit_sig=_sign(owner, case.committed()), audit_sigs=sigs)
-
-
-def _verify(rank: int, data: bytes, sig: bytes) -> bool:
-    from intellect_jax.net.evidence import der_signature
-    from intellect_jax.net.identity import verify
-    return verify(credentials(IDS[rank]).cert_der, data, der_signature(sig))
+def _case(xs: list[np.ndarray]) -> Case:
+    """Rank 1's audit of piece 1 of honest owner 0 (plain mean)."""
+    return signed_case(xs, IDS, owner=0, auditor=1, piece=1, run_id="run", step=0, epoch=0, call=0, mode="int8",
+                       block=64, piece_numel=256, how="mean")
 
 
 def _resign(case: Case, **over: Any) -> Case:

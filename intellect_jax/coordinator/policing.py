@@ -178,14 +178,14 @@ class Police:
                 ev = r.evidence
                 self._say(f"WARNING {n.node_id} shows {accused}'s own piece {ev.piece} of segment {ev.segment} "
                           f"(call {ev.call}) in outer step {step - 1}'s all-reduce, signed by {accused}: {guilty}")
-        frauds = self._audits(step, reports, epoch_id, ring, by_id, run_id)
+        frauds = self._audits(step, reports, by_id, run_id)
         keep: list[Node] = []
         evict: list[tuple[Node, str]] = []
         for n in members:
             n.sit_outs = n.sit_outs + 1 if n.arrival.sits_out else 0  # type: ignore[union-attr]
             n.strikes += int(n.node_id in blamed and (failed or (signed and clear_cut(blamed[n.node_id]))))
             if n.node_id in frauds:
-                evict.append((n, f"shown at fault by an audit of outer step {step - 1}: {frauds[n.node_id]}"))
+                evict.append((n, f"shown at fault by an audit: {frauds[n.node_id]}"))
             elif n.sit_outs >= self.config.sit_out_limit:
                 evict.append((n, f"its own pseudo-gradient checks failed at {n.sit_outs} barriers in a row "
                                  f"({n.arrival.sits_out})"))  # type: ignore[union-attr]
@@ -200,18 +200,19 @@ class Police:
                 keep.append(n)
         return keep, evict
 
-    def _audits(self, step: int, reports: list, epoch_id: int, ring: tuple[str, ...] | None,
-                by_id: dict[str, Node], run_id: str) -> dict[str, str]:
+    def _audits(self, step: int, reports: list, by_id: dict[str, Node], run_id: str) -> dict[str, str]:
         """Members shown at fault by the audits reported at barrier ``step`` (member -> why): one
-        such case is proof by the member's own signatures, so it is evicted at once. A case that
-        does not hold counts against its reporter."""
+        such case is proof by the member's own signatures, so it is evicted at once. A case is on
+        the all-reduce of barrier ``step - 1``'s epoch, or, with a retry of barrier ``step``, on
+        the epoch that the audit failed. A case that does not hold counts against its reporter."""
         frauds: dict[str, str] = {}
         for n, r in reports:
             ev = r.audit
-            if ev is None or ring is None:
+            if ev is None or ev.step not in self._rings:
                 continue
+            epoch_id, ring, _ = self._rings[ev.step]
             try:
-                guilty, why = weigh_audit(ev, run_id=run_id, step=step - 1, epoch_id=epoch_id, accuser=n.node_id,
+                guilty, why = weigh_audit(ev, run_id=run_id, step=ev.step, epoch_id=epoch_id, accuser=n.node_id,
                                           ring=ring, ca=self.ca)
             except Exception as e:  # noqa: BLE001 - whatever a peer sent, the barrier goes on
                 guilty, why = None, f"it could not be checked ({type(e).__name__})"
@@ -223,7 +224,8 @@ class Police:
             if guilty in by_id and guilty not in frauds:
                 frauds[guilty] = why
                 self._say(f"WARNING {n.node_id}'s audit of {owner}'s segment (piece {ev.piece}, call {ev.call}) in "
-                          f"outer step {step - 1}'s all-reduce shows {guilty} at fault by its own signature: {why}")
+                          f"outer step {ev.step}'s all-reduce (epoch {epoch_id}) shows {guilty} at fault by its own "
+                          f"signature: {why}")
         return frauds
 
     def _false(self, n: Node, accused: str, why: str, flaw: str) -> None:

@@ -374,7 +374,7 @@ class NodeLoop:
         else:
             pg, dropped = self._with_feedback(s, pg, sits_out)
             made = dropped
-        avg, ep, stats, tries, suspect, present, audited = self._all_reduce(k, h, pg, sits_out, report, ref, dropped)
+        avg, ep, stats, tries, suspect, present = self._all_reduce(k, h, pg, sits_out, report, ref, dropped)
         residual = s.residual if made is None else made
         if residual is not None and not (self.cfg.feedback and (_finite(residual) if finite is None else finite)):
             if self.cfg.feedback:
@@ -390,12 +390,8 @@ class NodeLoop:
         s = s._replace(residual=residual)
         if suspect:
             p.log(f"WARNING {ep.node_ids[suspect[0]]}'s contribution to outer step {k + 1} had {suspect[1]}")
-        if audited:
-            p.log(f"WARNING our audit of outer step {k + 1}'s all-reduce shows {ep.node_ids[audited[0]]} at fault: "
-                  f"{audited[1]}" + ("" if audited[2] else " (the case is too large to report)"))
         report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None,
-                  "evidence": {**suspect[2], "opening": opening if ref is not None else None} if suspect else None,
-                  "audit": audited[2] if audited else None}
+                  "evidence": {**suspect[2], "opening": opening if ref is not None else None} if suspect else None}
         return OuterResult(s, ep, stats, tries, report, pg_norm, avg_norm, sits_out, skip, None if skip else avg)
 
     def _with_feedback(self, s: DilocoState, pg: Any, sits_out: str | None) -> tuple[Any, Any]:
@@ -486,12 +482,12 @@ class NodeLoop:
 
     def _all_reduce(self, k: int, h: str, pg: Any, sits_out: str | None, report: dict | None,
                     ref: float | None,
-                    dropped: Any = None) -> tuple[Any, Epoch, Any, int, tuple[int, str, dict] | None, bool,
-                                                  tuple[int, str, dict | None] | None]:
+                    dropped: Any = None) -> tuple[Any, Epoch, Any, int, tuple[int, str, dict] | None, bool]:
         p, cfg = self.p, self.cfg
         retry_of = None
         for attempt in range(cfg.max_retries + 1):
-            ep = p.client.sync(k, h, retry_of=retry_of, sits_out=sits_out, report=report if attempt == 0 else None)
+            ep = p.client.sync(k, h, retry_of=retry_of, sits_out=sits_out, report=report)
+            report = None  # (the report on the last round goes with the first try only)
             try:
                 comm = p.ring(ep)
             except NetError as e:  # e.g. a member's address that is no address: this epoch fails
@@ -503,11 +499,15 @@ class NodeLoop:
             try:
                 with abort_when(p.clock, lambda: p.client.epoch_broken(ep.epoch_id), comm.abort, cfg.watch_interval):
                     avg = comm.all_reduce_mean(pg) if dropped is None else comm.all_reduce_mean(pg, dropped=dropped)
-                return (avg, ep, comm.last_stats, attempt + 1, getattr(comm, "suspect", None), comm.over_present,
-                        getattr(comm, "audited", None))
+                return avg, ep, comm.last_stats, attempt + 1, getattr(comm, "suspect", None), comm.over_present
             except NetError as e:
                 p.log(f"all-reduce of outer step {k + 1} failed in epoch {ep.epoch_id}: {e}; retrying")
                 retry_of = ep.epoch_id
+                audited = getattr(comm, "audited", None)
+                if audited:  # our audit failed the call: the case goes with the retry (net.audit)
+                    p.log(f"WARNING our audit in outer step {k + 1}'s all-reduce shows {ep.node_ids[audited[0]]} "
+                          f"at fault: {audited[1]}" + ("" if audited[2] else " (the case is too large to report)"))
+                    report = {"avg_failed": False, "accused": None, "evidence": None, "audit": audited[2]}
             finally:
                 comm.close()
         p.client.leave()

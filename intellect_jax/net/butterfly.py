@@ -28,6 +28,7 @@ sent in step 1. Links form a full mesh: one connection to and one from every oth
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ import numpy as np
 from intellect_jax.net import quant, robust
 from intellect_jax.net.robust import aggregate_piece
 from intellect_jax.net.audit import DIGEST, ENTRY, Auditing, Case, Ledger, audited_by, judge, signed_piece
-from intellect_jax.net.errors import FrameError
+from intellect_jax.net.errors import AuditFailed, FrameError
 from intellect_jax.net.evidence import SAT_OUT, SIG_BYTES
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import RingPlan, make_plan
@@ -110,6 +111,7 @@ class _ButterflyRun(Pipeline):
         self.ledger = None if auditing is None else Ledger(auditing, rank, x.shape[0], piece_numel, mode, block, how,
                                                            absent)
         self.verdict: tuple[int, str, Case] | None = None  # (guilty rank, why, the case) from our audit
+        self.judging, self.judged = threading.Lock(), False
 
     def _wire(self, n: int) -> np.ndarray:
         """A pooled buffer for ``n`` values on the wire (give it back with ``ws.release``)."""
@@ -202,7 +204,10 @@ class _ButterflyRun(Pipeline):
         conn.send(MsgType.DATA, np.uint32(led.challenge).tobytes(), deadline=self.deadline)
         if not self.wait_for(lambda: o in led.asked, f"rank {o}'s challenge") or not self._answer(conn, o):
             return False
-        return self.wait_for(lambda: len(led.answers) == self.world - 1, "the pieces of our audit")
+        if not self.wait_for(lambda: len(led.answers) == self.world - 1, "the pieces of our audit"):
+            return False
+        self._judge()
+        return True
 
     def _answer(self, conn, o: int) -> bool:  # noqa: ANN001
         """Our piece that auditor ``o`` asked for, signed to it (our own row as we used it, if
@@ -352,24 +357,28 @@ class _ButterflyRun(Pipeline):
             self.findings.append((sender, Finding(why, seg, j, n, payload, sig)))
 
     def _judge(self) -> None:
-        """Our audit, once the call is through: the case, and the member it shows at fault."""
+        """Our audit, before any of our aggregates leaves (once; every sender calls it): the
+        case, and :class:`AuditFailed` if it shows a member at fault, so that no rank completes."""
         led = self.ledger
         assert led is not None
-        a, b = self.plan.piece(led.target, led.challenge)  # type: ignore[arg-type]
-        wire = self._encode(led.target, led.challenge)  # type: ignore[arg-type]
-        case = led.case(wire.tobytes())
-        self.ws.release(wire)
-        guilty, why = judge(case, led.ctx.verify)
-        if guilty is not None:
-            self.verdict = (guilty, why, case)
+        with self.judging:
+            if self.verdict is None and not self.judged:
+                wire = self._encode(led.target, led.challenge)  # type: ignore[arg-type]
+                case = led.case(wire.tobytes())
+                self.ws.release(wire)
+                guilty, why = judge(case, led.ctx.verify)
+                self.judged = True
+                if guilty is not None:
+                    self.verdict = (guilty, why, case)
+        if self.verdict is not None:
+            raise AuditFailed(f"our audit of rank {led.target}'s segment shows rank {self.verdict[0]} at fault: "
+                              f"{self.verdict[1]}")
 
     def run(self) -> np.ndarray:
         self.spawn(self.encoder, self.sender, self.receiver)  # (after a failure nothing goes back to the pool)
         for w in self.agg:  # every sender is done with them
             if w is not None:
                 self.ws.release(w)
-        if self.ledger is not None:
-            self._judge()
         return self.out
 
 

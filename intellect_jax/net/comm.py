@@ -330,8 +330,8 @@ class SocketCommunicator:
         self.absent: frozenset[int] = frozenset()  # ranks sitting the round out (the butterfly leaves them out)
         # after a call: (predecessor rank, reason, evidence: its signed piece, see net.evidence)
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
-        # after a butterfly call: (rank, why, the audited piece as evidence, net.audit.to_wire; None
-        # when too large to report) when our audit shows a member at fault
+        # after a butterfly call that our audit failed (AuditFailed): (rank at fault, why, the audited
+        # piece as evidence, net.audit.to_wire; None when too large to report)
         self.audited: tuple[int, str, dict[str, Any] | None] | None = None
         self._links: Links | None = None
         self._workspace = Workspace()
@@ -493,11 +493,11 @@ class SocketCommunicator:
                     step=self.step, epoch=self.epoch, call=c, segment=f.segment, piece=f.piece, numel=f.numel,
                     mode=cfg.mode, block=cfg.block_size, payload=f.payload, signature=f.signature,
                     cert=links.inn[k].cert))
-            if verdicts:
+        except BaseException:
+            if verdicts:  # our audit failed the call: the case goes with our next sync
                 r, why, case = verdicts[0]
                 fits = audit.wire_size(case) <= audit.MAX_CASE_BYTES and self.world_size <= audit.MAX_CASE_RANKS
                 self.audited = (r, why, audit.to_wire(case, self.certificates()) if fits else None)
-        except BaseException:
             self._teardown()  # neighbours see the connections close and fail fast too
             raise
         sent, recv = links.traffic()

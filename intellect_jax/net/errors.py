@@ -34,3 +34,8 @@ class ConfigMismatch(NetError):
 
 class RingClosed(NetError):
     """The ring was torn down after a failure (or closed); build a new one."""
+
+
+class AuditFailed(NetError):
+    """Our audit of a butterfly owner showed a member at fault: the call fails on every rank,
+    so the forged result is applied by none (the case goes to the coordinator)."""
