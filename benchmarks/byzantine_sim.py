@@ -1,7 +1,7 @@
 """The attack suite of the Byzantine-robust exchange in the seeded in-process harness.
 
     python benchmarks/byzantine_sim.py [--steps 20] [--robust mean,clip,cclip] [--exchange butterfly]
-        [--setups 4:1,8:1,8:2,16:1] [--attacks flip,push,ratchet,late-nan,x1000,sitout] [--seed 0]
+        [--setups 4:1,8:1,8:2,16:1] [--attacks flip,push,ratchet,late-nan,x1000,sitout,owner] [--seed 0]
 
 Each run is the fault simulation's (``intellect_jax.testing.sim``: the real node loop and
 coordinator in virtual time, a toy model, the exchange's exact arithmetic, evidence signed by
@@ -10,7 +10,8 @@ each sender and checked by the coordinator) with the first attackers (``n1``, th
 
 * ``flip``: -N x its honest pseudo-gradient; ``push``: 7x its norm in one fixed direction;
   ``ratchet``: 1.6^step x it; ``late-nan``: NaN in its very last value; ``x1000``: every value
-  x1000; ``sitout``: says it sits the round out (its own check fails) yet sends its honest one.
+  x1000; ``sitout``: says it sits the round out (its own check fails) yet sends its honest one;
+  ``owner``: sends its honest one but, as a segment owner, its aggregate negated (net.audit).
 
 For each (setup, attack, aggregator) it prints one JSON line: the lowest cosine, over the
 exchanges an attacker took part in, between the applied average and the honest contributors'
@@ -35,7 +36,7 @@ from intellect_jax.testing.sim import Script, Sim, SimParams
 from intellect_jax.testing.sim_checks import evictions
 from intellect_jax.testing.sim_parts import Fault
 
-ATTACKS = ("flip", "push", "ratchet", "late-nan", "x1000", "sitout")
+ATTACKS = ("flip", "push", "ratchet", "late-nan", "x1000", "sitout", "owner")
 
 
 def run(nodes: int, attackers: list[int], value: str | None, robust: str, exchange: str, steps: int,

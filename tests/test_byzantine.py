@@ -101,3 +101,17 @@ def test_seeded_fault_schedules_over_the_butterfly_keep_one_history() -> None:
         if not r["ok"]:
             bad.append((seed, r["problems"][:2]))
     assert not bad, bad[:3]
+
+
+@pytest.mark.parametrize("robust", ["clip", "mean"])
+def test_an_owner_forging_its_aggregate_is_evicted_on_its_auditor_s_case(robust: str) -> None:
+    """A member that, as a butterfly owner, sends every member its segment's aggregate negated
+    (the same bytes to all: the average's checks cannot tell) is shown at fault by the audit of
+    its segment, with its own signed commitment against the rows every member signed, and is
+    evicted at the first barrier after (boundary 2); no honest node is."""
+    report, loss, evicted = _run(4, [2], "owner", robust=robust)
+    log = "\n".join(report["log"])
+    assert list(evicted) == ["n2"] and evicted["n2"] <= 2, evicted
+    assert re.search(r"\[coord\] WARNING n\d's audit of n2's segment .* shows n2 at fault by its own signature: its "
+                     rf"aggregate of piece \d+ of segment \d is not the {robust} of the rows it was sent", log)
+    assert "false accusation" not in log

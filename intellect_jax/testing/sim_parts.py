@@ -15,9 +15,10 @@ from intellect_jax.coordinator.protocol import Admission, Epoch
 from intellect_jax.diloco.parts import TransferFailed
 from intellect_jax.diloco.state import DilocoState, state_hash
 from intellect_jax.net.comm import CommStats, bucket_call
-from intellect_jax.net.errors import PeerClosed, PeerTimeout
+from intellect_jax.net.errors import AuditFailed, PeerClosed, PeerTimeout
 from intellect_jax.net import quant
 from intellect_jax.net.evidence import SAT_OUT, evidence, raw_signature, statement, unsigned_evidence
+from intellect_jax.testing.audit_cases import fake_audit
 from intellect_jax.testing.identities import credentials
 from intellect_jax.testing.local import NumpyInner
 from intellect_jax.testing.local_ring import LocalGroup, owner_pieces, ring_view
@@ -163,6 +164,7 @@ class _Comm:
         self.last_stats = CommStats(world_size=ep.world_size, mode=sim.ring_cfg.mode)
         self.inspect: Any = None  # as the socket ring's: shown the predecessor's own contribution
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
+        self.audited: tuple[int, str, dict[str, Any] | None] | None = None  # as SocketCommunicator.audited
         self.absent: frozenset[int] = frozenset()  # set by the loop: the ranks that sit the round out
         self.node_ids = list(ep.node_ids)
 
@@ -182,9 +184,11 @@ class _Comm:
                 ordered = [g.inputs[r] for r in range(g.world)]
                 g.results = LocalGroup(g.world, sim.ring_cfg, epoch=self.epoch).all_reduce_mean_all(
                     ordered, [g.drops.get(r) for r in range(g.world)], self.absent)
-                sim.exchanges.append((self.step, self.epoch, {g.members[r].node_id: _flat(g.inputs[r]) for r in
-                                                              range(g.world)},
-                                      _flat(g.results[0]), {self.node_ids[r] for r in self.absent}))
+                g.forged = {r for r, q in g.members.items() if self.over_present and sim.forging(q, self.step)}
+                if not g.forged:  # (a forged exchange fails: nobody applies it)
+                    sim.exchanges.append((self.step, self.epoch, {g.members[r].node_id: _flat(g.inputs[r]) for r in
+                                                                  range(g.world)},
+                                          _flat(g.results[0]), {self.node_ids[r] for r in self.absent}))
                 if any(sim.framing(q, self.step) for q in g.members.values()):  # a framer's poisoned partial
                     g.results = [corrupt(r, "nan") for r in g.results]  # sums: nobody can see whose they are
                 if f is not None and f.kind.startswith("partial") and g.world > 2:
@@ -211,6 +215,11 @@ class _Comm:
             raise Killed()
         if f is not None and f.kind.startswith("partial"):
             sim.kill(self.proc)
+        if g.forged and g.results is not None:  # the auditor of a forged segment fails the call for all
+            self.audited = fake_audit([g.inputs[r] for r in range(g.world)], self.node_ids, self.rank, g.forged,
+                                      run_id=sim.run_id, step=self.step - 1, epoch=self.epoch, cfg=sim.ring_cfg,
+                                      absent=sorted(self.absent))
+            raise AuditFailed(f"sim ring epoch {self.epoch}: an audit shows {sorted(g.forged)} forging")
         if g.results is None or self.rank in g.fail_ranks:
             raise PeerClosed(f"sim ring epoch {self.epoch}: {g.error or 'a peer died before passing it on'}")
         sim.gate(self.proc, "allreduce", "after")

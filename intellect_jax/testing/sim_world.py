@@ -77,6 +77,7 @@ class Group:
         self.fail_ranks: set[int] = set()
         self.units: dict[int, Any] = {}  # the batch ranges each rank's contribution was trained on (data leases)
         self.sitting_out: tuple[str, ...] = ()  # the epoch's
+        self.forged: set[int] = set()  # owners that forge their aggregates (World.forging)
 
 
 class World:
@@ -149,8 +150,9 @@ class World:
 
         Besides :func:`corrupt`'s values, a malicious member's ("wire"): "flip" sends ``-N`` x its
         honest contribution (N: the run's nodes), "push" ``7`` x its norm in one fixed direction,
-        "ratchet" ``1.6^step`` x it, and "sitout" declares that it sits the round out (its own
-        check is made to fail) yet sends its honest contribution."""
+        "ratchet" ``1.6^step`` x it, "sitout" declares that it sits the round out (its own
+        check is made to fail) yet sends its honest contribution, and "owner" sends it as it is
+        but forges its aggregate as a butterfly owner (:meth:`forging`)."""
         for f in proc.faults:
             if not (f.hook == "poison" and f.nth == step):
                 continue
@@ -162,8 +164,15 @@ class World:
                 self.say(proc.name, f"FAULT poison ({f.value}, {where}) at outer step {step}")
                 if f.value == "sitout":
                     return self.held.pop((proc.name, step), tree)
+                if f.value == "owner":
+                    return tree
                 return attack(tree, f.value, self.p.nodes, step) if f.value in ATTACKS else corrupt(tree, f.value)
         return tree
+
+    def forging(self, proc: Proc, step: int) -> bool:
+        """Whether the node, as a butterfly owner, sends back its segment's aggregate negated in
+        outer step ``step`` (the same bytes to every member: only an audit can tell)."""
+        return any(f.hook == "poison" and f.value == "owner" and f.nth == step for f in proc.faults)
 
     def framing(self, proc: Proc, step: int) -> bool:
         """Whether the node frames its ring predecessor in outer step ``step``: it poisons the
