@@ -1,7 +1,7 @@
 """Benchmark the ring all-reduce against torch.distributed gloo on the same links.
 
     python benchmarks/net_bench.py --nodes 4 --numel 25000000 --mode int8 \
-        [--repeats 5] [--shape-mbit 500] [--streams 1] [--block 64] [--no-gloo] [--butterfly cclip]
+        [--repeats 5] [--shape-mbit 500] [--streams 1] [--block 64] [--no-gloo] [--butterfly cclip] [--unaudited]
 
 Spawns N node processes (each in its own network namespace with tbf-shaped links when
 ``--shape-mbit`` is given; root only). Every node times this layer's all-reduce and,
@@ -12,7 +12,8 @@ CPU seconds per node, bytes sent per node, and the ratio of the line-rate bound
 ``2(N-1)/N * payload / rate`` to the measured time (1.0 = wire speed).
 With ``--butterfly AGG`` every node also times the butterfly exchange (``net.butterfly``, the
 owners aggregating with AGG: mean, clip, trim<k>, cclip) on the same data, alternating with the
-ring, and the report gives its time over the ring's.
+ring, and the report gives its time over the ring's; ``--unaudited`` times it a third way,
+without the audits of its owners (``net.audit``), for the audits' own cost side by side.
 The workers' certificates come from a throwaway run authority made here (the test one).
 """
 
@@ -59,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gloo", action="store_true", help="skip the torch.distributed gloo baseline")
     p.add_argument("--butterfly", metavar="AGG", default=None,
                    help="also time the butterfly exchange, its owners aggregating with AGG (mean, clip, trim<k>, cclip)")
+    p.add_argument("--unaudited", action="store_true",
+                   help="with --butterfly, also time it without the audits of its owners (net.audit), side by side")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before workers are killed")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -96,7 +99,7 @@ def _worker(a: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
         gloo = torch.from_numpy(x.copy())
         dist.all_reduce(gloo)  # warm-up
     out: dict[str, Any] = {"rank": a.rank, "ring": {"times": [], "cpu": []}, "gloo": {"times": [], "cpu": []},
-                           "butterfly": {"times": [], "cpu": []}}
+                           "butterfly": {"times": [], "cpu": []}, "unaudited": {"times": [], "cpu": []}}
     with NetNode(cfg, host, int(port)) as node:
         ring = node.ring(members, a.rank, epoch=0, config=RingConfig(
             mode=a.mode, block_size=a.block, streams=a.streams, piece_numel=a.piece, deadline=a.timeout))
@@ -104,10 +107,14 @@ def _worker(a: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
         fly = None if a.butterfly is None else node.ring(members, a.rank, epoch=2, config=RingConfig(
             mode=a.mode, block_size=a.block, piece_numel=a.piece, deadline=a.timeout, exchange="butterfly",
             robust=a.butterfly))
+        bare = None if a.butterfly is None or not a.unaudited else node.ring(members, a.rank, epoch=3, config=RingConfig(
+            mode=a.mode, block_size=a.block, piece_numel=a.piece, deadline=a.timeout, exchange="butterfly",
+            robust=a.butterfly, audit=False))
         one = np.zeros(1, np.float32)
         ring.all_reduce_mean(x, out=y)  # warm-up (connects, fills buffer pools)
-        if fly is not None:
-            fly.all_reduce_mean(x, out=y)
+        for c in (fly, bare):
+            if c is not None:
+                c.all_reduce_mean(x, out=y)
         for _ in range(a.repeats):
             barrier.all_reduce_mean(one)
             t0, c0 = time.perf_counter(), time.process_time()
@@ -120,6 +127,12 @@ def _worker(a: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
                 fly.all_reduce_mean(x, out=y)
                 out["butterfly"]["times"].append(time.perf_counter() - t0)
                 out["butterfly"]["cpu"].append(time.process_time() - c0)
+            if bare is not None:
+                barrier.all_reduce_mean(one)
+                t0, c0 = time.perf_counter(), time.process_time()
+                bare.all_reduce_mean(x, out=y)
+                out["unaudited"]["times"].append(time.perf_counter() - t0)
+                out["unaudited"]["cpu"].append(time.process_time() - c0)
             if gloo is not None:
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -130,6 +143,9 @@ def _worker(a: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
         if fly is not None:
             out["butterfly"]["bytes_sent"] = fly.last_stats.bytes_sent
             fly.close()
+        if bare is not None:
+            out["unaudited"]["bytes_sent"] = bare.last_stats.bytes_sent
+            bare.close()
         # gloo's ring sends 2(N-1)/N of the fp32 payload per node (torch does not count it)
         out["gloo"]["bytes_sent"] = int(2 * (a.nodes - 1) / a.nodes * 4 * a.numel)
         barrier.all_reduce_mean(one)
@@ -190,7 +206,7 @@ def _passthrough(a: argparse.Namespace) -> list[str]:
     return ["--nodes", str(a.nodes), "--numel", str(a.numel), "--mode", a.mode, "--repeats", str(a.repeats),
             "--streams", str(a.streams), "--block", str(a.block), "--piece", str(a.piece),
             "--integrity", a.integrity, "--timeout", str(a.timeout)] + \
-        ([] if a.butterfly is None else ["--butterfly", a.butterfly])
+        ([] if a.butterfly is None else ["--butterfly", a.butterfly]) + (["--unaudited"] if a.unaudited else [])
 
 
 def _summary(results: list[dict[str, Any]], a: argparse.Namespace, payload: int) -> dict[str, Any]:
@@ -251,6 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         report["butterfly_time_over_ring"] = round(report["butterfly"]["median_s"] / report["ring"]["median_s"], 3)
         report["butterfly_bytes_over_ring"] = round(report["butterfly"]["bytes_sent_per_node"]
                                                     / report["ring"]["bytes_sent_per_node"], 4)
+        if a.unaudited:
+            report["butterfly_unaudited"] = _summary([r["unaudited"] for r in results], a,
+                                                     quant.encoded_nbytes(a.numel, a.mode, a.block))
+            report["audited_time_over_unaudited"] = round(report["butterfly"]["median_s"]
+                                                          / report["butterfly_unaudited"]["median_s"], 3)
+            report["unaudited_time_over_ring"] = round(report["butterfly_unaudited"]["median_s"]
+                                                       / report["ring"]["median_s"], 3)
     if gloo:
         report["gloo_fp32"] = _summary([r["gloo"] for r in results], a, 4 * a.numel)
         report["speedup_vs_gloo"] = round(report["gloo_fp32"]["median_s"] / report["ring"]["median_s"], 3)

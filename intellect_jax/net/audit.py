@@ -228,6 +228,7 @@ class Ledger:
         self.target = audited_by(rank, W, ctx.step, ctx.call)  # the segment we audit
         self.auditor = auditor_of(rank, W, ctx.step, ctx.call)  # who audits ours
         self.theirs: dict[int, list[bytes]] = {}  # owner -> its committed aggregate digests
+        self.received_aggs: dict[int, list[bytes]] = {}  # owner -> digests of its aggregates so far
         self.audited: tuple[list[bytes], bytes, list[bytes]] | None = None  # the target's commitment
         self.challenge: int | None = None  # the piece we ask for
         self.asked: dict[int, int] = {}  # auditor -> the piece of its target it asked us for
@@ -273,11 +274,17 @@ class Ledger:
             self.audited = (ds, signature, rows)
             self.challenge = self.ctx.choose(self.plan.pieces)
         self.theirs[owner] = ds
-        return None
+        return None if self._consistent(owner) else "a commitment to other aggregates than it sent"
 
-    def matches(self, owner: int, j: int, wire: np.ndarray) -> bool:
-        """Whether an owner's aggregate of piece ``j`` is the one it committed to."""
-        return hashlib.sha256(wire).digest() == self.theirs[owner][j]
+    def got(self, owner: int, j: int, wire: np.ndarray) -> bool:
+        """An owner's aggregate of piece ``j`` arrived (its commitment comes before its last);
+        False: it is not the one the owner committed to."""
+        self.received_aggs.setdefault(owner, []).append(hashlib.sha256(wire).digest())
+        return owner not in self.theirs or self._consistent(owner)
+
+    def _consistent(self, owner: int) -> bool:
+        got = self.received_aggs.get(owner, [])
+        return got == self.theirs[owner][:len(got)]
 
     def case(self, own_wire: bytes) -> Case:
         """The audited piece as a :class:`Case` (``own_wire``: our own piece, as we sent it)."""

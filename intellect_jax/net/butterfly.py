@@ -163,8 +163,9 @@ class _ButterflyRun(Pipeline):
                 self.cond.notify_all()
 
     def sender(self, k: int) -> None:
-        """To the owner of segment ``o``: our own pieces of it, signed; when auditing, then our
-        commitment, our challenge and our answer to o's; then our aggregates."""
+        """To the owner of segment ``o``: our own pieces of it, signed; then our aggregates, and
+        when auditing, before the last of them, our commitment, our challenge and our answer to
+        o's (the last piece waits for our own audit: without it nobody completes)."""
         conn, o, P = self.links.out[k], peer_of(self.rank, self.world, k), self.plan.pieces
         for j in range(P):
             if not self._pace(0, k, j):
@@ -176,9 +177,9 @@ class _ButterflyRun(Pipeline):
                 conn.send(MsgType.DATA, self.mseal.sign(o, o, j, b - a, wire), deadline=self.deadline)
             self.ws.release(wire)
             self._sent(0, k)
-        if self.ledger is not None and not self._audit_sends(conn, o):
-            return
         for j in range(P):
+            if j == P - 1 and self.ledger is not None and not self._audit_sends(conn, o):
+                return
             if not self.wait_for(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
                 return
             if not self._pace(1, k, j):
@@ -288,15 +289,15 @@ class _ButterflyRun(Pipeline):
             with self.cond:
                 self.rows[j][o] = row
                 self.cond.notify_all()
-        if led is not None:
-            self._audit_receives(conn, o)
         for j in range(P):
             if self.error is not None:
                 return
+            if j == P - 1 and led is not None:
+                self._audit_receives(conn, o)
             a, b = self.plan.piece(o, j)
             wire = self._recv(conn, b - a)
-            if led is not None and not led.matches(o, j, wire):
-                raise FrameError(f"rank {o}: its aggregate of piece {j} is not the one it committed to")
+            if led is not None and not led.got(o, j, wire):
+                raise FrameError(f"rank {o}: its aggregates are not the ones it committed to")
             quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
             self.ws.release(wire)
 
