@@ -234,7 +234,7 @@ class Ledger:
         self.asked: dict[int, int] = {}  # auditor -> the piece of its target it asked us for
         self.answers: dict[int, tuple[bytes, bytes]] = {}  # sender -> (its piece, its signature to us)
 
-    # -- as owner ----------------------------------------------------------------------
+    # -- as owner (each call touches its own slot: no lock needed; hashing releases the GIL) ----
     def received(self, j: int, sender: int, wire: np.ndarray | bytes, signature: bytes) -> None:
         self.entries[j][sender] = hashlib.sha256(wire).digest() + signature
 

@@ -149,10 +149,10 @@ class _ButterflyRun(Pipeline):
             rows = self.rows[j]
             wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a), self.absent)
             quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
+            if led is not None:
+                led.own(j, self.x[a:b])
+                led.aggregated(j, wire)
             with self.cond:
-                if led is not None:
-                    led.own(j, self.x[a:b])
-                    led.aggregated(j, wire)
                 self.agg[j] = wire
                 self.rows[j] = [None] * self.world
                 self.cond.notify_all()
@@ -273,8 +273,7 @@ class _ButterflyRun(Pipeline):
             wire = self._recv(conn, b - a)
             sig = self.their_signature(conn)
             if led is not None:
-                with self.cond:
-                    led.received(j, o, wire, sig)  # type: ignore[arg-type]
+                led.received(j, o, wire, sig)  # type: ignore[arg-type]
             row = self._row(b - a)
             try:
                 quant.decode(wire, b - a, self.mode, self.block, out=row)
