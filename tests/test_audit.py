@@ -192,3 +192,60 @@ def test_judge_an_honest_case_and_each_kind_of_fault() -> None:
     # nothing holds without the owner's own signature on the commitment
     assert judge(dataclasses.replace(case, commit_sig=_sign(1, case.committed())), _verify)[0] is None
     assert judge(dataclasses.replace(case, owner=1, auditor=1), _verify)[0] is None
+
+
+class _Equivocating:
+    """The owner's link to one victim: every aggregate negated and a commitment to those, signed
+    by the owner (what a malicious owner sends one member while the others get the honest ones)."""
+
+    def __init__(self, conn: Any, run: Any) -> None:
+        self.conn, self.run, self.next_sig = conn, run, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+    def send(self, mtype: Any, payload: Any, **kw: Any) -> Any:
+        run, led = self.run, self.run.ledger
+        if any(payload is a for a in run.agg if a is not None):  # one of our aggregates: forge it
+            j = next(j for j, a in enumerate(run.agg) if a is payload)
+            a, b = run.plan.piece(run.rank, j)
+            payload = quant.encode(-quant.decode(payload, b - a, run.mode, run.block), run.mode, run.block)
+        elif led.commit is not None and isinstance(payload, bytes) and payload == led.commit[0]:
+            ds = [hashlib.sha256(quant.encode(-quant.decode(w, e - s, run.mode, run.block), run.mode,
+                                              run.block)).digest()
+                  for w, (s, e) in zip(run.agg, (run.plan.piece(run.rank, j) for j in range(run.plan.pieces)))]
+            payload = b"".join(ds) + payload[-audit.DIGEST:]
+            self.forged_sig = led.ctx.sign(led._said(run.rank, ds, payload[-audit.DIGEST:]))
+            self.next_sig = True
+        elif self.next_sig:
+            payload, self.next_sig = self.forged_sig, False
+        return self.conn.send(mtype, payload, **kw)
+
+
+def test_an_owner_that_sends_one_member_other_aggregates_is_caught_by_the_echoes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 sends rank 3 negated aggregates under a second commitment it signs (consistent
+    with what rank 3 got, so rank 3 alone sees nothing wrong); every member passes the owner's
+    commitment on to its auditor, which holds both versions under the owner's signature, fails
+    the call (nobody applies either) and keeps the pair as the case that convicts the owner."""
+    world, bad, victim = 4, 1, 3
+    assert audit.auditor_of(bad, world, 0, 0) != victim
+    run_ = butterfly._ButterflyRun.run
+
+    def equivocate(self: Any) -> Any:
+        if self.rank == bad:
+            k = (victim - bad - 1) % world
+            self.links = dataclasses.replace(self.links, out=list(self.links.out))
+            self.links.out[k] = _Equivocating(self.links.out[k], self)
+        return run_(self)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "run", equivocate)
+    comms, _, errs = _butterfly(world, _inputs(world, 9000, seed=9), CFG)
+    auditor = audit.auditor_of(bad, world, 0, 0)
+    assert all(e is not None for e in errs) and isinstance(errs[auditor], AuditFailed), errs
+    guilty, why, ev = comms[auditor].audited  # type: ignore[misc]
+    assert guilty == bad and "signed two different commitments" in why and ev["other"] is not None
+    ids = [c.ids[c.rank] for c in comms]
+    assert _weigh(ev, ids, ids[auditor]) == (ids[bad], why)
+    assert _weigh(ev, ids, ids[auditor], other=[ev["other"][0], "00" * 64])[0] is None  # not the owner's
+    assert _weigh(ev, ids, ids[auditor], other=None)[0] is None  # then the rows are right: nothing shown

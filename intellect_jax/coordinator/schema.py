@@ -137,6 +137,9 @@ class Audit(Msg):
     audit_sigs: Annotated[list[Raw64 | None], Field(min_length=2, max_length=MAX_CASE_RANKS)]
     certs: Annotated[list[Annotated[str, Field(pattern=r"^(?:[0-9a-f]{2}){0,4096}$")]],
                      Field(min_length=2, max_length=MAX_CASE_RANKS)]
+    # another commitment of the owner's for the same call, as a member got it: (head, signature)
+    other: Annotated[list[Annotated[str, Field(pattern=r"^(?:[0-9a-f]{2})+$", max_length=2 * 32 * (MAX_PIECES + 1))]],
+                     Field(min_length=2, max_length=2)] | None = None
 
 
 class Report(Msg):

@@ -5,7 +5,8 @@ own piece of it and sends the result back to all. Nothing so far stopped a malic
 sending back anything it liked. Here every call audits every owner, at a cost of about one
 piece per link:
 
-1. **Commitment.** Once an owner has aggregated all ``P`` pieces of its segment it signs one
+1. **Commitment.** Once an owner has aggregated all ``P`` pieces of its segment (and sent all
+   but the last, which goes after the audit) it signs one
    :func:`commitment` (the run, outer step, epoch and call, the plan, the codec, the aggregator,
    the members sitting out, and two roots): the SHA-256 of each aggregate's wire bytes, and for
    each piece the *row list*: every member's piece as the owner received it (its SHA-256 and its
@@ -20,12 +21,16 @@ piece per link:
    Every failure names one member with what it signed itself: an owner whose aggregate is not
    the aggregate of its rows, or whose row list holds a row its sender never signed; a member
    that signed two different pieces for one place (one to the owner, another to the auditor).
+4. **Echo.** Every member checks the aggregates it gets against the commitment it got, and passes
+   that commitment on to the owner's auditor: an owner that sends some members other aggregates
+   must sign another commitment for them, and the auditor then holds both under its signature.
 
-An auditor gathers its own aggregates only after its audit's rows are in, so an owner that
-withholds its row stalls the whole call (every member lacks the auditor's segment), never just
-the auditor's. What an audit cannot see: an owner that corrupts ``f`` of its ``P`` pieces is
-caught with probability ``f / P`` per call, and an owner that sends different aggregates to
-different members (docs/net.md).
+The auditor judges before the last piece of its own aggregate leaves and fails the call when the
+case shows a fault: no rank completes without that piece, so nobody applies a forgery, and the
+case goes to the coordinator with the retry. An owner that withholds its row stalls the whole
+call the same way, never just its auditor. What an audit cannot see: an owner that forges ``f``
+of its ``P`` pieces is caught with probability ``f / P`` per call (the others are applied), and
+an owner whose auditor is its accomplice (the pairing turns every call).
 """
 
 from __future__ import annotations
@@ -110,7 +115,7 @@ class Case:
     rows: bytes
     payloads: tuple[bytes, ...]
     audit_sigs: tuple[bytes | None, ...]
-
+    other: tuple[bytes, bytes] | None = None  # another commitment (head, signature) a member got
     def bounds(self) -> tuple[int, int]:
         """The audited piece's element range (ValueError: it does not exist)."""
         world = len(self.ids)
@@ -157,6 +162,16 @@ def judge(case: Case, verify: Verify) -> tuple[int | None, str]:
         return None, "the case's lists do not fit its members"
     if not verify(o, case.committed(), case.commit_sig):
         return None, "the commitment does not carry its owner's signature"
+    if case.other is not None:  # two versions of one commitment: both the owner's, or nothing
+        head, sig = case.other
+        ours = b"".join(case.aggregates) + root(case.row_roots)
+        if len(head) != len(ours) or head == ours or not verify(o, commitment(
+                case.run_id, case.step, case.epoch, case.call, case.ids[o], o, world, case.numel, case.piece_numel,
+                case.mode, case.block, case.how, case.absent, root([head[i:i + DIGEST] for i in
+                                                                    range(0, len(head) - DIGEST, DIGEST)]),
+                head[-DIGEST:]), sig):
+            return None, "the other commitment is not another one signed by the owner"
+        return o, f"signed two different commitments to its aggregates of segment {o} in call {case.call}"
     if hashlib.sha256(case.rows).digest() != case.row_roots[case.piece]:
         return None, f"the row list is not the one committed for piece {case.piece}"
     entries = [case.rows[i * ENTRY:(i + 1) * ENTRY] for i in range(world)]
@@ -233,6 +248,8 @@ class Ledger:
         self.challenge: int | None = None  # the piece we ask for
         self.asked: dict[int, int] = {}  # auditor -> the piece of its target it asked us for
         self.answers: dict[int, tuple[bytes, bytes]] = {}  # sender -> (its piece, its signature to us)
+        self.heads: dict[int, tuple[bytes, bytes]] = {}  # owner -> the commitment it sent us (head, signature)
+        self.echoes: dict[int, tuple[bytes, bytes]] = {}  # member -> the commitment it got from our target
 
     # -- as owner (each call touches its own slot: no lock needed; hashing releases the GIL) ----
     def received(self, j: int, sender: int, wire: np.ndarray | bytes, signature: bytes) -> None:
@@ -273,7 +290,7 @@ class Ledger:
                 return "row lists that are not the ones it committed"
             self.audited = (ds, signature, rows)
             self.challenge = self.ctx.choose(self.plan.pieces)
-        self.theirs[owner] = ds
+        self.theirs[owner], self.heads[owner] = ds, (head, signature)
         return None if self._consistent(owner) else "a commitment to other aggregates than it sent"
 
     def got(self, owner: int, j: int, wire: np.ndarray) -> bool:
@@ -286,15 +303,29 @@ class Ledger:
         got = self.received_aggs.get(owner, [])
         return got == self.theirs[owner][:len(got)]
 
-    def case(self, own_wire: bytes) -> Case:
-        """The audited piece as a :class:`Case` (``own_wire``: our own piece, as we sent it)."""
+    def other_version(self) -> tuple[bytes, bytes] | None:
+        """Another commitment of our target, signed by it, that a member got (None: none)."""
+        head, _ = self.heads[self.target]
+        ds = head[:-DIGEST]
+        for other, sig in self.echoes.values():
+            if other != head and len(other) == len(head):
+                said = self._said(self.target, [other[i:i + DIGEST] for i in range(0, len(ds), DIGEST)],
+                                  other[-DIGEST:])
+                if self.ctx.verify(self.target, said, sig):
+                    return other, sig
+        return None
+
+    def case(self, own_wire: bytes, other: tuple[bytes, bytes] | None = None) -> Case:
+        """The audited piece as a :class:`Case` (``own_wire``: our own piece, as we sent it;
+        ``other``: another commitment of the owner's, as a member got it)."""
         ds, sig, rows = self.audited  # type: ignore[misc]
         j, o = self.challenge, self.target
         payloads = tuple(own_wire if i == self.rank else self.answers[i][0] for i in range(self.world))
         sigs = tuple(None if i == self.rank else self.answers[i][1] for i in range(self.world))
         return Case(self.ctx.run_id, self.ctx.step, self.ctx.epoch, self.ctx.call, self.ctx.ids, o, self.rank,
                     j, self.numel, self.piece_numel, self.mode, self.block, self.how, self.absent,  # type: ignore[arg-type]
-                    tuple(ds), tuple(hashlib.sha256(r).digest() for r in rows), sig, rows[j], payloads, sigs)
+                    tuple(ds), tuple(hashlib.sha256(r).digest() for r in rows), sig, rows[j], payloads, sigs,
+                    other)
 
 
 # ---- the case as a barrier report carries it ------------------------------------------------------
@@ -307,7 +338,8 @@ def to_wire(case: Case, certs: Sequence[str]) -> dict:
             "block": case.block, "how": case.how, "absent": list(case.absent),
             "aggregates": [d.hex() for d in case.aggregates], "row_roots": [d.hex() for d in case.row_roots],
             "commit_sig": case.commit_sig.hex(), "rows": b64(case.rows), "payloads": [b64(p) for p in case.payloads],
-            "audit_sigs": [None if s is None else s.hex() for s in case.audit_sigs], "certs": list(certs)}
+            "audit_sigs": [None if s is None else s.hex() for s in case.audit_sigs], "certs": list(certs),
+            "other": None if case.other is None else [case.other[0].hex(), case.other[1].hex()]}
 
 
 def from_wire(ev: Any, run_id: str, ids: Sequence[str]) -> Case:
@@ -319,7 +351,8 @@ def from_wire(ev: Any, run_id: str, ids: Sequence[str]) -> Case:
                     ev.piece_numel, ev.mode, ev.block, ev.how, tuple(ev.absent),
                     tuple(bytes.fromhex(d) for d in ev.aggregates), tuple(bytes.fromhex(d) for d in ev.row_roots),
                     bytes.fromhex(ev.commit_sig), unb64(ev.rows), tuple(unb64(p) for p in ev.payloads),
-                    tuple(None if s is None else bytes.fromhex(s) for s in ev.audit_sigs))
+                    tuple(None if s is None else bytes.fromhex(s) for s in ev.audit_sigs),
+                    None if ev.other is None else (bytes.fromhex(ev.other[0]), bytes.fromhex(ev.other[1])))
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"the audit does not decode ({e})") from None
 

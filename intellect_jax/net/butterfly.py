@@ -20,9 +20,14 @@ rank ``c`` owns segment ``c``:
 3. **Gather.** The owner sends those bytes to every other rank, which decodes exactly them: the
    result is bit-identical on every rank that the owners were honest to.
 
+With ``auditing`` (:mod:`.audit`) each owner then commits to its aggregates under its signature
+before the last piece of them goes out, and every rank audits one owner's segment (one piece
+drawn at random, recomputed from every member's signed piece of it); a fault fails the call
+everywhere, with the case that names the culprit.
+
 Each rank sends ``(N - 1)/N`` of its contribution and ``N - 1`` copies of its segment's
 aggregate: ``2 (N - 1)/N`` of the vector, as the ring does, plus one signature frame per piece
-sent in step 1. Links form a full mesh: one connection to and one from every other rank
+sent in step 1 and, when auditing, about one piece per link. Links form a full mesh: one connection to and one from every other rank
 (:class:`~.ring.Links` whose ``out[k]`` and ``inn[k]`` join rank ``(rank + 1 + k) mod N``).
 """
 
@@ -189,7 +194,8 @@ class _ButterflyRun(Pipeline):
 
     def _audit_sends(self, conn, o: int) -> bool:  # noqa: ANN001
         """Our commitment (row lists too if ``o`` audits us), our challenge, our piece that
-        ``o`` asked for; then wait until our own audit has every piece (False: failed)."""
+        ``o`` asked for and the commitment we got from the owner ``o`` audits; then wait until
+        our own audit has every piece and every such commitment, and judge (False: failed)."""
         led = self.ledger
         assert led is not None
         if not self.wait_for(lambda: led.commit is not None, "our commitment"):
@@ -205,7 +211,14 @@ class _ButterflyRun(Pipeline):
         conn.send(MsgType.DATA, np.uint32(led.challenge).tobytes(), deadline=self.deadline)
         if not self.wait_for(lambda: o in led.asked, f"rank {o}'s challenge") or not self._answer(conn, o):
             return False
-        if not self.wait_for(lambda: len(led.answers) == self.world - 1, "the pieces of our audit"):
+        t = audited_by(o, self.world, led.ctx.step, led.ctx.call)
+        if t != self.rank:  # the commitment we got from o's target, so that o sees any other version
+            if not self.wait_for(lambda: t in led.heads, f"the commitment of rank {t}"):
+                return False
+            for frame in led.heads[t]:
+                conn.send(MsgType.DATA, frame, deadline=self.deadline)
+        if not self.wait_for(lambda: len(led.answers) == self.world - 1 and len(led.echoes) == self.world - 2,
+                             "the pieces of our audit"):
             return False
         self._judge()
         return True
@@ -301,7 +314,8 @@ class _ButterflyRun(Pipeline):
             self.ws.release(wire)
 
     def _audit_receives(self, conn, o: int) -> None:  # noqa: ANN001
-        """Rank ``o``'s commitment, its challenge (what it audits), its piece for our audit."""
+        """Rank ``o``'s commitment, its challenge (what it audits), its piece for our audit and
+        (unless ``o`` is the owner we audit) the commitment it got from that owner."""
         led, P = self.ledger, self.plan.pieces
         assert led is not None
         head = self._frame(conn, P * DIGEST + DIGEST)
@@ -323,8 +337,11 @@ class _ButterflyRun(Pipeline):
         a, b = self.plan.piece(led.target, led.challenge)  # type: ignore[arg-type]
         n = 4 * (b - a) if o == led.target else quant.encoded_nbytes(b - a, self.mode, self.block)
         payload, sig = self._frame(conn, n), self._frame(conn, SIG_BYTES)
+        echo = None if o == led.target else (self._frame(conn, P * DIGEST + DIGEST), self._frame(conn, SIG_BYTES))
         with self.cond:
             led.answers[o] = (payload, sig)
+            if echo is not None:
+                led.echoes[o] = echo
             self.cond.notify_all()
 
     def _frame(self, conn, n: int) -> bytes:  # noqa: ANN001
@@ -364,7 +381,7 @@ class _ButterflyRun(Pipeline):
         with self.judging:
             if self.verdict is None and not self.judged:
                 wire = self._encode(led.target, led.challenge)  # type: ignore[arg-type]
-                case = led.case(wire.tobytes())
+                case = led.case(wire.tobytes(), led.other_version())
                 self.ws.release(wire)
                 guilty, why = judge(case, led.ctx.verify)
                 self.judged = True
