@@ -184,7 +184,12 @@ class _Comm:
                 ordered = [g.inputs[r] for r in range(g.world)]
                 g.results = LocalGroup(g.world, sim.ring_cfg, epoch=self.epoch).all_reduce_mean_all(
                     ordered, [g.drops.get(r) for r in range(g.world)], self.absent)
-                g.forged = {r for r, q in g.members.items() if self.over_present and sim.forging(q, self.step)}
+                forging = {r for r, q in g.members.items() if self.over_present and sim.forging(q, self.step)}
+                if forging:  # each auditor's verdict; a forged segment that is empty forges nothing
+                    g.verdicts = {r: fake_audit(ordered, self.node_ids, r, forging, run_id=sim.run_id,
+                                                step=self.step - 1, epoch=self.epoch, cfg=sim.ring_cfg,
+                                                absent=sorted(self.absent)) for r in range(g.world)}
+                    g.forged = forging if any(g.verdicts.values()) else set()
                 if not g.forged:  # (a forged exchange fails: nobody applies it)
                     sim.exchanges.append((self.step, self.epoch, {g.members[r].node_id: _flat(g.inputs[r]) for r in
                                                                   range(g.world)},
@@ -216,9 +221,7 @@ class _Comm:
         if f is not None and f.kind.startswith("partial"):
             sim.kill(self.proc)
         if g.forged and g.results is not None:  # the auditor of a forged segment fails the call for all
-            self.audited = fake_audit([g.inputs[r] for r in range(g.world)], self.node_ids, self.rank, g.forged,
-                                      run_id=sim.run_id, step=self.step - 1, epoch=self.epoch, cfg=sim.ring_cfg,
-                                      absent=sorted(self.absent))
+            self.audited = g.verdicts.get(self.rank)
             raise AuditFailed(f"sim ring epoch {self.epoch}: an audit shows {sorted(g.forged)} forging")
         if g.results is None or self.rank in g.fail_ranks:
             raise PeerClosed(f"sim ring epoch {self.epoch}: {g.error or 'a peer died before passing it on'}")

@@ -77,7 +77,8 @@ class Group:
         self.fail_ranks: set[int] = set()
         self.units: dict[int, Any] = {}  # the batch ranges each rank's contribution was trained on (data leases)
         self.sitting_out: tuple[str, ...] = ()  # the epoch's
-        self.forged: set[int] = set()  # owners that forge their aggregates (World.forging)
+        self.forged: set[int] = set()  # owners that forge their aggregates (World.forging) and are caught
+        self.verdicts: dict[int, Any] = {}  # rank -> what its audit found (testing.audit_cases.fake_audit)
 
 
 class World:
