@@ -53,6 +53,7 @@ from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
 RING_MODES = ("fp32", "bf16", "int8", "int4")  # codecs whose contributions can be cut into segments
 WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
 PACE_HOLD = 0.5  # seconds a link waits before the slowest counts as stuck (a peer that does not read)
+TAIL = 4  # bytes of an auditor's last aggregate piece held back until its audit passed (no rank completes without)
 
 
 @dataclass(frozen=True)
@@ -183,13 +184,17 @@ class _ButterflyRun(Pipeline):
             self.ws.release(wire)
             self._sent(0, k)
         for j in range(P):
-            if j == P - 1 and self.ledger is not None and not self._audit_sends(conn, o):
-                return
             if not self.wait_for(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
                 return
             if not self._pace(1, k, j):
                 return
-            conn.send(MsgType.DATA, self.agg[j], deadline=self.deadline)  # type: ignore[arg-type]
+            wire: np.ndarray = self.agg[j]  # type: ignore[assignment]
+            if j == P - 1 and self.ledger is not None:  # all but its tail; the tail once our audit passed
+                conn.send(MsgType.DATA, wire[:-TAIL], deadline=self.deadline)
+                if not self._audit_sends(conn, o):
+                    return
+                wire = wire[-TAIL:]
+            conn.send(MsgType.DATA, wire, deadline=self.deadline)
             self._sent(1, k)
 
     def _audit_sends(self, conn, o: int) -> bool:  # noqa: ANN001
@@ -304,10 +309,14 @@ class _ButterflyRun(Pipeline):
         for j in range(P):
             if self.error is not None:
                 return
-            if j == P - 1 and led is not None:
-                self._audit_receives(conn, o)
             a, b = self.plan.piece(o, j)
-            wire = self._recv(conn, b - a)
+            wire = self._wire(b - a)
+            if j == P - 1 and led is not None:  # the last piece's tail comes after the audit frames
+                self._into(conn, wire[:-TAIL])
+                self._audit_receives(conn, o)
+                self._into(conn, wire[-TAIL:])
+            else:
+                self._into(conn, wire)
             if led is not None and not led.got(o, j, wire):
                 raise FrameError(f"rank {o}: its aggregates are not the ones it committed to")
             quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
@@ -353,10 +362,13 @@ class _ButterflyRun(Pipeline):
 
     def _recv(self, conn, n: int) -> np.ndarray:  # noqa: ANN001
         """The next data frame of ``n`` values' payload, in a pooled buffer."""
-        wire = self._wire(n)
-        hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=wire.nbytes)
-        conn.recv_payload_into(hdr, wire, deadline=self.deadline)
-        return wire
+        return self._into(conn, self._wire(n))
+
+    def _into(self, conn, buf: np.ndarray) -> np.ndarray:  # noqa: ANN001
+        """The next data frame, of exactly ``buf``'s size, into ``buf``."""
+        hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=buf.nbytes)
+        conn.recv_payload_into(hdr, buf, deadline=self.deadline)
+        return buf
 
     @property
     def signed(self) -> bool:

@@ -66,7 +66,8 @@ def audit_bytes(p: plan.RingPlan, rank: int, cfg: RingConfig) -> int:
     rows = p.pieces * (HEADER_LEN + world * audit.ENTRY)
     answers = (world - 2) * (HEADER_LEN + encoded_nbytes(n, cfg.mode, cfg.block_size)) + HEADER_LEN + 4 * n
     echoes = (world - 2) * head  # the target's commitment, to every auditor but the target's own
-    return (world - 1) * (head + HEADER_LEN + 4 + HEADER_LEN + SIG_BYTES) + rows + answers + echoes
+    tails = (world - 1) * HEADER_LEN  # the last aggregate piece in two frames
+    return (world - 1) * (head + HEADER_LEN + 4 + HEADER_LEN + SIG_BYTES) + rows + answers + echoes + tails
 
 
 def ring_view(tree: Any, world: int, sender: int, cfg: RingConfig) -> np.ndarray:
