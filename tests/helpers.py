@@ -11,12 +11,14 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from intellect_jax.coordinator.client import CoordinatorClient
@@ -420,3 +422,105 @@ def expire(auth: Any, name: str) -> None:
             .not_valid_before(now - dt.timedelta(days=10)).not_valid_after(now - dt.timedelta(days=1))
             .sign(auth._key, hashes.SHA256()))  # noqa: SLF001 - a test forges what the product refuses to make
     (auth.dir / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def socket_run(n: int, run_id: str, ring: Any, *, outer_steps: int = 20, dim: int = 64, client_hook: Any = None,
+               during: Any = None) -> dict:
+    """A socket coordinator and ``n`` nodes in threads, every part real but the model (numpy
+    trainers): authenticated transport, coordinator, the exchange of ``ring`` (a RingConfig),
+    state transfer, a model of ``dim`` + 8 values. ``client_hook(i, client)`` may wrap node i's client before it registers;
+    ``during(coord, nets)`` may return a context manager held while the nodes run. Returns the
+    wall time, outcomes, evictions, the final state hashes, the listeners' refusals and the
+    coordinator's event log."""
+    from intellect_jax.coordinator.server import Coordinator
+    from intellect_jax.diloco.loop import NodeLoop
+    from intellect_jax.diloco.parts import LoopConfig, NodeParts
+    from intellect_jax.diloco.state import state_hash
+    from intellect_jax.diloco.store import MemoryStore
+    from intellect_jax.diloco.transfer import NetTransport
+    from intellect_jax.net.comm import NetNode
+    from intellect_jax.testing.local import NumpyInner
+
+    loop = LoopConfig(inner_steps=5, outer_steps=outer_steps, outer_lr=1.0, outer_momentum=0.0, watch_interval=0.2)
+    conf = CoordinatorConfig(heartbeat_timeout=3.0, min_nodes=n, join_window=0.0, keepalive_interval=0.3,
+                             tick_interval=0.05, outer_steps=loop.outer_steps)
+    rs = np.random.default_rng(7)
+    targets = [rs.standard_normal(dim).astype(np.float32) for _ in range(n)]
+    init = {"w": rs.standard_normal(dim).astype(np.float32), "u": np.zeros((2, 4), np.float32)}
+    goal = np.mean(targets, axis=0)
+    cfgs = [transport_config(f"n{i}", run_id, io_timeout=10.0) for i in range(n)]
+    events: list[str] = []
+    with Coordinator(transport_config("coordinator", run_id, io_timeout=10.0), config=conf) as coord:
+        coord.service._on_event = events.append  # noqa: SLF001 - the test reads the coordinator's log
+        nets = [NetNode(cfg) for cfg in cfgs]
+        outcomes: list = [None] * n
+        loops: list = [None] * n
+
+        def node(i: int) -> None:
+            client = CoordinatorClient(coord.address, cfgs[i], f"n{i}", "%s:%d" % nets[i].address, fingerprint="fp",
+                                       heartbeat_interval=0.2, outer_steps=loop.outer_steps)
+            if client_hook is not None:
+                client_hook(i, client)
+            ring_of = lambda ep: nets[i].ring(ep.members, ep.rank, epoch=ep.epoch_id, step=ep.outer_step,  # noqa: E731
+                                              config=ring)
+            parts = NodeParts(f"n{i}", NumpyInner(targets[i], init, goal, step_time=0.04), client, ring_of,
+                              NetTransport(nets[i], f"n{i}", watch_interval=0.2), MemoryStore(), log=lambda line: None)
+            loops[i] = NodeLoop(loop, parts)
+            try:
+                outcomes[i] = loops[i].run()
+            except Exception as e:  # noqa: BLE001 - reported by the test
+                outcomes[i] = f"{type(e).__name__}: {e}"
+            finally:
+                client.close()
+
+        ctx = during(coord, nets) if during is not None else None
+        if ctx is not None:
+            ctx.__enter__()
+        try:
+            threads = [threading.Thread(target=node, args=(i,)) for i in range(n)]
+            t0 = time.monotonic()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            wall = time.monotonic() - t0
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        status = coord.status()
+        refused = dict(coord._listener.refused) if coord._listener else {}  # noqa: SLF001
+        node_refused = dict(nets[0].listener.refused)
+        for net in nets:
+            net.close()
+    return {"wall_s": wall, "outcomes": outcomes, "evictions": [e for e in status["evictions"] if not e["graceful"]],
+            "hashes": {state_hash(lp.state) for lp in loops if lp.state is not None},
+            "node_hashes": [None if lp is None or lp.state is None else state_hash(lp.state) for lp in loops],
+            "refused": refused,
+            "node_refused": node_refused, "events": events}
+
+
+@contextmanager
+def forging_owner(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any], bool],
+                  pieces: set[int] | None = None) -> Iterator[None]:
+    """Butterfly owners for which ``bad(run)`` holds (``run``: the exchange's ``_ButterflyRun``)
+    send back their aggregate negated (of ``pieces`` only, if given), the same bytes to every
+    member, as a malicious owner would; every other rank runs the product's code."""
+    from intellect_jax.net import butterfly, quant
+
+    local = threading.local()
+    encoder, honest = butterfly._ButterflyRun.encoder, butterfly.aggregate_piece
+
+    def as_owner(self: Any) -> None:
+        local.bad, local.j = bad(self), 0
+        encoder(self)
+
+    def forged(rows: Any, n: int, mode: str, block: int, how: str, out: Any = None, absent: Any = frozenset()) -> Any:
+        wire = honest(rows, n, mode, block, how, out, absent)
+        j, local.j = getattr(local, "j", 0), getattr(local, "j", 0) + 1
+        if getattr(local, "bad", False) and (pieces is None or j in pieces):
+            return quant.encode(-quant.decode(wire, n, mode, block), mode, block, wire)
+        return wire
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "encoder", as_owner)
+    monkeypatch.setattr(butterfly, "aggregate_piece", forged)
+    yield

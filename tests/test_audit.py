@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -20,33 +17,16 @@ from intellect_jax.net.errors import AuditFailed
 from intellect_jax.net.plan import make_plan
 from intellect_jax.testing.audit_cases import sign, signed_case, verifier
 from intellect_jax.testing.identities import credentials
+from tests.helpers import forging_owner
 from tests.test_butterfly import _butterfly
 from tests.test_net_ring import _inputs, _same_bits
 
 CFG = RingConfig(mode="int8", block_size=64, piece_numel=512, deadline=30, exchange="butterfly", robust="clip")
 
 
-@contextmanager
-def _owner(monkeypatch: pytest.MonkeyPatch, bad: int, pieces: set[int] | None = None) -> Iterator[None]:
-    """Rank ``bad`` sends back its aggregate negated (of ``pieces`` only, if given), as a
-    malicious owner would; every other rank runs the product's code."""
-    local = threading.local()
-    encoder, honest = butterfly._ButterflyRun.encoder, butterfly.aggregate_piece
-
-    def as_rank(self: Any) -> None:
-        local.rank, local.j = self.rank, 0
-        encoder(self)
-
-    def forged(rows: Any, n: int, mode: str, block: int, how: str, out: Any = None, absent: Any = frozenset()) -> Any:
-        wire = honest(rows, n, mode, block, how, out, absent)
-        j, local.j = getattr(local, "j", 0), getattr(local, "j", 0) + 1
-        if getattr(local, "rank", None) == bad and (pieces is None or j in pieces):
-            return quant.encode(-quant.decode(wire, n, mode, block), mode, block, wire)
-        return wire
-
-    monkeypatch.setattr(butterfly._ButterflyRun, "encoder", as_rank)
-    monkeypatch.setattr(butterfly, "aggregate_piece", forged)
-    yield
+def _owner(monkeypatch: pytest.MonkeyPatch, bad: int, pieces: set[int] | None = None) -> Any:
+    """Rank ``bad`` forges its aggregates (helpers.forging_owner)."""
+    return forging_owner(monkeypatch, lambda run: run.rank == bad, pieces)
 
 
 def _weigh(ev: dict[str, Any], ids: list[str], accuser: str, **over: Any) -> tuple[str | None, str]:

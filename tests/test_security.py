@@ -30,7 +30,7 @@ from intellect_jax.net.comm import NetNode, RingConfig
 from intellect_jax.net.identity import KEYS_ENV, Authority
 from intellect_jax.testing.identities import credentials, keys_dir, transport_config
 
-from helpers import TINY_ARGS, expire, free_port
+from helpers import TINY_ARGS, expire, free_port, socket_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,71 +133,31 @@ def run_nodes(n: int, attack: bool) -> dict:
     """A coordinator and ``n`` nodes (numpy trainers, real sockets: authenticated transport,
     coordinator, int8 ring, state transport), optionally under attack on the coordinator's and
     node0's ports. Returns timings, evictions, hashes, and what the listeners turned away."""
-    loop = LoopConfig(inner_steps=5, outer_steps=20, outer_lr=1.0, outer_momentum=0.0, watch_interval=0.2)
-    conf = CoordinatorConfig(heartbeat_timeout=3.0, min_nodes=n, join_window=0.0, keepalive_interval=0.3,
-                             tick_interval=0.05, outer_steps=loop.outer_steps)
-    rs = np.random.default_rng(7)
-    targets = [rs.standard_normal(64).astype(np.float32) for _ in range(n)]
-    init = {"w": rs.standard_normal(64).astype(np.float32), "u": np.zeros((2, 4), np.float32)}
-    goal = np.mean(targets, axis=0)
-    cfgs = [transport_config(f"n{i}", "sec", io_timeout=10.0) for i in range(n)]
-    with Coordinator(transport_config("coordinator", "sec", io_timeout=10.0), config=conf) as coord:
-        nets = [NetNode(cfg) for cfg in cfgs]
-        reg_s: list[float] = [0.0] * n
-        outcomes: list = [None] * n
-        loops: list = [None] * n
+    reg_s: list[float] = [0.0] * n
 
-        def node(i: int) -> None:
-            client = CoordinatorClient(coord.address, cfgs[i], f"n{i}", "%s:%d" % nets[i].address, fingerprint="fp",
-                                       heartbeat_interval=0.2, outer_steps=loop.outer_steps)
-            register = client.register
+    def timed(i: int, client: CoordinatorClient) -> None:
+        register = client.register
 
-            def timed(*a, **kw):
-                t0 = time.monotonic()
-                try:
-                    return register(*a, **kw)
-                finally:
-                    reg_s[i] = max(reg_s[i], time.monotonic() - t0)
-
-            client.register = timed  # type: ignore[method-assign]
-            ring = lambda ep: nets[i].ring(ep.members, ep.rank, epoch=ep.epoch_id,  # noqa: E731
-                                           config=RingConfig(deadline=30.0, piece_numel=1 << 12))
-            parts = NodeParts(f"n{i}", NumpyInner(targets[i], init, goal, step_time=0.04), client, ring,
-                              NetTransport(nets[i], f"n{i}", watch_interval=0.2), MemoryStore(), log=lambda line: None)
-            loops[i] = NodeLoop(loop, parts)
-            try:
-                outcomes[i] = loops[i].run()
-            except Exception as e:  # noqa: BLE001 - reported by the test
-                outcomes[i] = f"{type(e).__name__}: {e}"
-            finally:
-                client.close()
-
-        ports = [coord.address[1], nets[0].address[1]]
-        ctx = Attack(ports) if attack else None
-        t0 = time.monotonic()
-        if ctx:
-            ctx.__enter__()
-        try:
-            threads = [threading.Thread(target=node, args=(i,)) for i in range(n)]
+        def timed_register(*a, **kw):
             t0 = time.monotonic()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
-            wall = time.monotonic() - t0
-        finally:
-            if ctx:
-                ctx.__exit__()
-        status = coord.status()
-        refused = dict(coord._listener.refused) if coord._listener else {}  # noqa: SLF001
-        node_refused = dict(nets[0].listener.refused)
-        for net in nets:
-            net.close()
-    return {"wall_s": wall, "register_s": reg_s, "outcomes": outcomes,
-            "evictions": [e for e in status["evictions"] if not e["graceful"]],
-            "hashes": {state_hash(lp.state) for lp in loops if lp.state is not None}, "refused": refused,
-            "node_refused": node_refused,
-            "attack": (ctx.opened, ctx.flooded, ctx.one_byte) if ctx else None,
+            try:
+                return register(*a, **kw)
+            finally:
+                reg_s[i] = max(reg_s[i], time.monotonic() - t0)
+
+        client.register = timed_register  # type: ignore[method-assign]
+
+    attacks: list[Attack] = []
+
+    def under_attack(coord: Coordinator, nets: list[NetNode]) -> Attack | None:
+        if attack:
+            attacks.append(Attack([coord.address[1], nets[0].address[1]]))
+            return attacks[0]
+        return None
+
+    r = socket_run(n, "sec", RingConfig(deadline=30.0, piece_numel=1 << 12), client_hook=timed, during=under_attack)
+    ctx = attacks[0] if attacks else None
+    return {**r, "register_s": reg_s, "attack": (ctx.opened, ctx.flooded, ctx.one_byte) if ctx else None,
             "attack_at_start": ctx.at_start if ctx else None}
 
 
