@@ -612,3 +612,24 @@ def test_malformed_votes_and_journals_are_one_line_errors(tmp_path: Any) -> None
                         str(tmp_path / "keys")], capture_output=True, text=True, cwd=ROOT, timeout=60)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and "outer step 1: malformed votes" in err[0], r.stderr
+
+
+def test_a_member_proven_a_forger_is_banned_and_the_ban_outlives_a_restart(tmp_path) -> None:
+    """A ban (an audit's case evicted the member on its own signatures) is in the journal: the
+    member is refused at registration, also by a coordinator restarted from that journal; a
+    journal whose ban list is malformed is refused in one line."""
+    from intellect_jax.coordinator.admission import check_registration
+    from intellect_jax.coordinator.journal import Journal, JournalError
+
+    rec = RunRecord(run_id="r", banned={"mallory": "its aggregate of piece 0 of segment 1 is not the mean of ..."})
+    journal = Journal(tmp_path / "j.json")
+    journal.save(rec)
+    again = journal.load("r")
+    assert again.banned == rec.banned
+    with pytest.raises(RegistrationRefused, match="mallory is banned from this run: its aggregate") as e:
+        check_registration("mallory", "127.0.0.1:1", PROTOCOL, FP, None, {}, again)
+    assert e.value.reason == "banned"
+    check_registration("alice", "127.0.0.1:1", PROTOCOL, FP, None, {}, again)  # anyone else registers
+    bad = again.to_json() | {"banned": ["mallory"]}
+    with pytest.raises(JournalError, match="banned is not a map"):
+        RunRecord.from_json(bad)

@@ -29,6 +29,8 @@ def check_registration(node_id: str, addr: str, protocol: int, fingerprint: str,
                                   "protocol")
     if not node_id or len(node_id) > 128 or not addr or len(addr) > 256 or any(c.isspace() for c in addr):
         raise RegistrationRefused(f"invalid node id {node_id!r} or ring address {addr!r}", "invalid")
+    if node_id in rec.banned:
+        raise RegistrationRefused(f"node {node_id} is banned from this run: {rec.banned[node_id]}", "banned")
     if node_id in nodes:
         raise RegistrationRefused(f"node id {node_id!r} is already registered and alive "
                                   f"(ring address {nodes[node_id].addr})", "duplicate")

@@ -49,6 +49,7 @@ class RunRecord:
     certs: dict[str, str] = field(default_factory=dict)
     leases: Ledger | None = None  # the run's data leases (coordinator/leases.py), once a node asked for one
     data: str | None = None  # the run's data plan (protocol.DataPlan.mode), its first barrier's members'
+    banned: dict[str, str] = field(default_factory=dict)  # node -> the fraud its own signatures showed
     rev: int = field(default=0, repr=False, compare=False)  # bumped by sign(): the journal saves then
 
     def record(self, step: int, state_hash: str, keep: int) -> None:
@@ -107,6 +108,7 @@ class RunRecord:
         (cheap to compare)."""
         d = {k: getattr(self, k) for k in ("run_id", "fingerprint", "outer_steps", "hwm_step", "hwm_hash",
                                            "completed", "next_epoch", "data")}
+        d["banned"] = dict(self.banned)
         d["hashes"] = {str(k): h for k, h in self.hashes.items()}
         d["rollbacks"] = [dict(r) for r in self.rollbacks]
         if votes and self.leases is not None:
@@ -125,6 +127,9 @@ class RunRecord:
         d["votes"] = {int(k): v for k, v in d.get("votes", {}).items()}
         if not isinstance(d.get("certs", {}), dict):
             raise JournalError("certs is not an object")
+        banned = d.get("banned", {})
+        if not isinstance(banned, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in banned.items()):
+            raise JournalError(f"banned is not a map of node ids to reasons: {str(banned)[:80]}")
         if not isinstance(d.get("data"), str | None):
             raise JournalError(f"data is not a data plan: {str(d.get('data'))[:80]}")
         if d.get("leases") is not None:

@@ -404,6 +404,7 @@ class Membership:
                 if self.record.completed:
                     led.finish()
         members, evict = self.police.judge(step, members, self.record.run_id, self.record.hashes.get(step - 1))
+        self.record.banned.update(self.police.frauds)  # proven by its own signatures: it may not come back
         for n, why in evict:
             self._remove(n, now, why)
         if members:

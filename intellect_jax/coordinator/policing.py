@@ -135,6 +135,7 @@ class Police:
     def __init__(self, config: CoordinatorConfig, say: Callable[[str], None], ca: bytes | None = None) -> None:
         self.config, self._say = config, say
         self.ca = ca  # the run authority's certificate (DER): evidence must be signed (None: in process)
+        self.frauds: dict[str, str] = {}  # the last barrier's members shown at fault by an audit (banned)
         # barrier step -> (epoch id, ring order, members sitting that all-reduce out)
         self._rings: dict[int, tuple[int, tuple[str, ...], tuple[str, ...]]] = {}
 
@@ -179,6 +180,7 @@ class Police:
                 self._say(f"WARNING {n.node_id} shows {accused}'s own piece {ev.piece} of segment {ev.segment} "
                           f"(call {ev.call}) in outer step {step - 1}'s all-reduce, signed by {accused}: {guilty}")
         frauds = self._audits(step, reports, by_id, run_id)
+        self.frauds = frauds
         keep: list[Node] = []
         evict: list[tuple[Node, str]] = []
         for n in members:

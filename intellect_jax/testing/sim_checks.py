@@ -95,11 +95,15 @@ def leases(rows: list[tuple[str, int, dict[str, Any]]], rec: RunRecord, groups: 
 
 def ends(procs: list[Proc]) -> list[str]:
     """Processes still alive that never finished, or ended of an exception (a transient
-    coordinator fault above all: the client must wait those out)."""
+    coordinator fault above all: the client must wait those out) other than a proven forger's
+    refusal to come back."""
     out = []
     for q in procs:
         if not q.dead and q.outcome is None and q.error is None:
             out.append(f"{q.name} never finished")
+        elif q.error and getattr(q.exc, "reason", None) == "banned" and any(
+                f.hook == "poison" and f.value == "owner" for f in q.faults):
+            continue  # a forger, proven by its own signatures, may not come back: refused, as it should be
         elif q.error and isinstance(q.exc, TRANSIENT_ENDS):
             out.append(f"{q.name} ended because of a transient coordinator fault: {q.error}")
         elif q.error:
