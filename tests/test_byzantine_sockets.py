@@ -1,0 +1,60 @@
+"""Malicious members against the butterfly exchange in real runs over sockets: a socket
+coordinator and four nodes in threads, every part real but the model (numpy trainers), the
+attacker's own code patched to attack (the fault injector lives here, not in the product)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from intellect_jax.diloco.parts import Outcome
+from intellect_jax.net import RingConfig
+from intellect_jax.net.comm import SocketCommunicator
+from tests.helpers import forging_owner, socket_run
+
+RING = RingConfig(mode="int8", piece_numel=256, deadline=30.0, exchange="butterfly", robust="clip")
+STEPS = 8
+
+
+def _check(r: dict[str, Any], bad: str, why: str) -> None:
+    """``bad`` alone evicted, for ``why``, by boundary 2; the others finished with one state."""
+    evicted = {e["node_id"]: e for e in r["evictions"]}
+    assert list(evicted) == [bad], r["evictions"]
+    assert why in evicted[bad]["reason"] and evicted[bad]["outer_step"] <= 2, evicted[bad]
+    honest = [o for i, o in enumerate(r["outcomes"]) if f"n{i}" != bad]
+    assert honest == [Outcome.FINISHED] * 3, r["outcomes"]
+    assert len({h for i, h in enumerate(r["node_hashes"]) if f"n{i}" != bad}) == 1, r["node_hashes"]
+    assert "false accusation" not in "\n".join(r["events"])
+
+
+def test_a_forging_owner_in_a_real_run_is_evicted_before_its_forgery_is_applied(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """n1, as owner, sends back its segment's aggregate negated from the first all-reduce on:
+    that call fails on its auditor's check everywhere, the retry's barrier evicts n1 on the case,
+    and the three others finish the run together."""
+    with forging_owner(monkeypatch, lambda run: run.ledger is not None and run.ledger.ctx.ids[run.rank] == "n1"):
+        r = socket_run(4, "byz-owner", RING, outer_steps=STEPS, dim=4096)
+    _check(r, "n1", "shown at fault by an audit")
+    assert r["outcomes"][1].startswith("RegistrationRefused") and "banned from this run" in r["outcomes"][1]
+    log = "\n".join(r["events"])
+    assert "shows n1 at fault by its own signature: its aggregate of piece" in log, log[-2000:]
+    assert "outer step 0's all-reduce" in log  # the first all-reduce: nothing forged was applied
+
+
+def test_a_late_nan_in_a_real_run_is_evicted_on_its_signed_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """n2 puts a NaN in the very last value of every contribution (no ring successor would see
+    it): the owner of that segment shows n2's signed piece, and the coordinator evicts it after
+    two rounds of evidence."""
+    honest = SocketCommunicator.all_reduce_mean
+
+    def late_nan(self: SocketCommunicator, tree: Any, **kw: Any) -> Any:
+        if self.ids[self.rank] == "n2":
+            tree = {k: np.array(v, np.float32, copy=True) for k, v in tree.items()}
+            tree["w"][-1] = np.nan
+        return honest(self, tree, **kw)
+
+    monkeypatch.setattr(SocketCommunicator, "all_reduce_mean", late_nan)
+    r = socket_run(4, "byz-nan", RING, outer_steps=STEPS, dim=4096)
+    _check(r, "n2", "poisoned contributions")
