@@ -14,6 +14,7 @@ from intellect_jax.coordinator.schema import Audit
 from intellect_jax.net import RingConfig, audit, butterfly, comm as commlib, quant
 from intellect_jax.net.audit import ENTRY, Case, judge
 from intellect_jax.net.errors import AuditFailed
+from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import make_plan
 from intellect_jax.testing.audit_cases import sign, signed_case, verifier
 from intellect_jax.testing.identities import credentials
@@ -29,9 +30,12 @@ def _owner(monkeypatch: pytest.MonkeyPatch, bad: int, pieces: set[int] | None = 
     return forging_owner(monkeypatch, lambda run: run.rank == bad, pieces)
 
 
-def _weigh(ev: dict[str, Any], ids: list[str], accuser: str, **over: Any) -> tuple[str | None, str]:
+def _weigh(ev: dict[str, Any], ids: list[str], accuser: str, certs: dict[str, str] | None = None,
+           **over: Any) -> tuple[str | None, str, bool]:
+    """The coordinator's check, against the certificates the members presented to it."""
+    known = {i: credentials(i).cert_der.hex() for i in ids} if certs is None else certs
     return weigh_audit(Audit.model_validate({**ev, **over}), run_id="ring-test", step=0, epoch_id=0,
-                       accuser=accuser, ring=tuple(ids), ca=credentials(ids[0]).ca_der)
+                       accuser=accuser, ring=tuple(ids), ca=credentials(ids[0]).ca_der, certs=known)
 
 
 def test_an_honest_run_is_audited_and_shows_nobody() -> None:
@@ -61,9 +65,9 @@ def test_an_owner_that_forges_its_aggregate_fails_the_call_and_is_caught_with_ev
     ids = [c.ids[c.rank] for c in comms]
     guilty, why, ev = comms[auditor].audited  # type: ignore[misc]
     assert guilty == bad and "is not the clip of the rows it was sent" in why and ev is not None
-    assert _weigh(ev, ids, ids[auditor]) == (ids[bad], why)
-    assert _weigh(ev, ids, ids[2 if auditor != 2 else 3])[0] is None  # only the auditor named in it
-    assert _weigh(ev, ids, ids[auditor], step=1)[0] is None
+    assert _weigh(ev, ids, ids[auditor]) == (ids[bad], why, False)
+    assert _weigh(ev, ids, ids[2 if auditor != 2 else 3])[::2] == (None, True)  # only the auditor named in it
+    assert _weigh(ev, ids, ids[auditor], step=1)[::2] == (None, True)
     assert _weigh(ev, ids, ids[auditor], how="mean")[0] is None  # not what the owner signed
     assert _weigh(ev, ids, ids[auditor], commit_sig="00" * 64)[0] is None
     other = next(j for j in range(len(ev["aggregates"])) if j != ev["piece"])
@@ -71,6 +75,11 @@ def test_an_owner_that_forges_its_aggregate_fails_the_call_and_is_caught_with_ev
     tampered = list(ev["payloads"])
     tampered[0] = tampered[1]
     assert _weigh(ev, ids, ids[auditor], payloads=tampered)[0] is None
+    # the coordinator checks each signer against the certificate it knows, never one the case brings:
+    # another identity's certificate for a sender voids the case (nobody convicted, nor the reporter)
+    swapped = {i: credentials(ids[(k + 1) % world] if k == 0 else i).cert_der.hex() for k, i in enumerate(ids)}
+    assert _weigh(ev, ids, ids[auditor], swapped) == (None, _weigh(ev, ids, ids[auditor], swapped)[1], False)
+    assert "does not verify" in _weigh(ev, ids, ids[auditor], swapped)[1]
 
 
 def test_an_owner_forging_one_piece_is_caught_only_when_that_piece_is_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,24 +145,24 @@ def _resign(case: Case, **over: Any) -> Case:
 def test_judge_an_honest_case_and_each_kind_of_fault() -> None:
     xs = _inputs(3, 1500, seed=7)
     case = _case(xs)
-    assert judge(case, _verify) == (None, "the aggregate of piece 1 is right")
+    assert judge(case, _verify) == (None, "the aggregate of piece 1 is right", True)
     # the owner's aggregate is not the mean of its rows
     aggs = list(case.aggregates)
     aggs[1] = hashlib.sha256(b"another").digest()
     assert judge(_resign(case, aggregates=tuple(aggs)), _verify)[0] == 0
-    # the owner lists a row its sender never signed (a changed digest under the old signature)
+    # a row in the list whose signature does not verify: the owner's forgery or a sender's trick, not told apart
     rows = bytearray(case.rows)
     rows[2 * ENTRY] ^= 1
     roots = list(case.row_roots)
     roots[1] = hashlib.sha256(bytes(rows)).digest()
-    guilty, why = judge(_resign(case, rows=bytes(rows), row_roots=tuple(roots)), _verify)
-    assert guilty == 0 and "a2 never signed" in why
+    guilty, why, right = judge(_resign(case, rows=bytes(rows), row_roots=tuple(roots)), _verify)
+    assert guilty is None and not right and "a2 whose signature does not verify" in why  # owner or sender?
     # a sender signs another piece to the auditor than it sent the owner
     other = bytearray(case.payloads[2])
     other[-1] ^= 1
     sigs = list(case.audit_sigs)
     sigs[2] = _sign(2, case.said(2, 1, hashlib.sha256(bytes(other)).digest()))
-    guilty, why = judge(dataclasses.replace(case, payloads=(*case.payloads[:2], bytes(other)),
+    guilty, why, _ = judge(dataclasses.replace(case, payloads=(*case.payloads[:2], bytes(other)),
                                             audit_sigs=tuple(sigs)), _verify)
     assert guilty == 2 and "signed two different pieces" in why
     # ... but an altered piece nobody signed shows nobody, nor does the auditor's own changed row
@@ -186,10 +195,15 @@ class _Equivocating:
 
     def send(self, mtype: Any, payload: Any, **kw: Any) -> Any:
         run, led = self.run, self.run.ledger
-        if any(payload is a for a in run.agg if a is not None):  # one of our aggregates: forge it
-            j = next(j for j, a in enumerate(run.agg) if a is payload)
+        whole = payload if isinstance(payload, np.ndarray) and payload.base is None else getattr(payload, "base", None)
+        j = next((j for j, a in enumerate(run.agg) if a is not None and a is whole), None)
+        if j is not None:  # one of our aggregates (or the last one's head or tail): forge it
             a, b = run.plan.piece(run.rank, j)
-            payload = quant.encode(-quant.decode(payload, b - a, run.mode, run.block), run.mode, run.block)
+            forged = quant.encode(-quant.decode(whole, b - a, run.mode, run.block), run.mode, run.block)
+            if payload is not whole:  # a slice of it: the same slice of the forgery
+                start = (payload.__array_interface__["data"][0] - whole.__array_interface__["data"][0])
+                forged = forged[start:start + payload.nbytes]
+            payload = forged
         elif led.commit is not None and isinstance(payload, bytes) and payload == led.commit[0]:
             ds = [hashlib.sha256(quant.encode(-quant.decode(w, e - s, run.mode, run.block), run.mode,
                                               run.block)).digest()
@@ -226,6 +240,51 @@ def test_an_owner_that_sends_one_member_other_aggregates_is_caught_by_the_echoes
     guilty, why, ev = comms[auditor].audited  # type: ignore[misc]
     assert guilty == bad and "signed two different commitments" in why and ev["other"] is not None
     ids = [c.ids[c.rank] for c in comms]
-    assert _weigh(ev, ids, ids[auditor]) == (ids[bad], why)
+    assert _weigh(ev, ids, ids[auditor]) == (ids[bad], why, False)
     assert _weigh(ev, ids, ids[auditor], other=[ev["other"][0], "00" * 64])[0] is None  # not the owner's
-    assert _weigh(ev, ids, ids[auditor], other=None)[0] is None  # then the rows are right: nothing shown
+    assert _weigh(ev, ids, ids[auditor], other=None)[::2] == (None, True)  # the rows are right: a false case
+
+
+def test_a_sender_with_a_bad_signature_fails_the_call_at_the_owner_and_frames_nobody(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2 signs its pieces with garbage: each owner checks every row's signature as it
+    arrives (it commits to them) and fails the call naming rank 2, so no row list ever holds an
+    unsigned row and no audit case against an honest owner can arise."""
+    world, bad = 4, 2
+    seal_of = commlib.SocketCommunicator._mesh_seal
+
+    def garbage(self: Any, call: int, links: Any) -> Any:
+        seal = seal_of(self, call, links)
+        if self.rank == bad:
+            return dataclasses.replace(seal, sign=lambda *a: bytes(64))
+        return seal
+
+    monkeypatch.setattr(commlib.SocketCommunicator, "_mesh_seal", garbage)
+    comms, _, errs = _butterfly(world, _inputs(world, 5000), CFG)
+    assert all(e is not None for e in errs), errs
+    assert any("rank 2: the signature of its own piece" in str(e) for e in errs), errs
+    assert [c.audited for c in comms] == [None] * world
+
+
+def test_an_owner_answering_its_audit_with_an_unsigned_piece_fails_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner that forges and then answers its auditor with another piece under a garbage
+    signature, to leave the case inconclusive, gets the call failed at its auditor (an answer
+    is checked as it arrives; an inconclusive audit would fail it too): nobody applies the
+    forgery."""
+    world, bad = 4, 1
+    original = butterfly._ButterflyRun._answer
+
+    def garbled(self: Any, conn: Any, o: int) -> bool:
+        if self.rank != bad or o != self.ledger.auditor:
+            return original(self, conn, o)
+        a, b = self.plan.piece(self.rank, self.ledger.asked[o])
+        conn.send(MsgType.DATA, np.zeros(b - a, np.float32).tobytes(), deadline=self.deadline)
+        conn.send(MsgType.DATA, bytes(64), deadline=self.deadline)
+        return True
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_answer", garbled)
+    with _owner(monkeypatch, bad):
+        comms, _, errs = _butterfly(world, _inputs(world, 9000, seed=4), CFG)
+    auditor = audit.auditor_of(bad, world, 0, 0)
+    assert all(e is not None for e in errs), errs
+    assert "the signature of its answer to our audit does not verify" in str(errs[auditor]), errs

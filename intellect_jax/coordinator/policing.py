@@ -94,28 +94,32 @@ def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser
 
 
 def weigh_audit(ev: Audit, *, run_id: str, step: int, epoch_id: int, accuser: str, ring: tuple[str, ...],
-                ca: bytes | None) -> tuple[str | None, str]:
-    """(guilty member, why) when the audited piece ``ev``, reported by ``accuser``, shows a
-    member of ``ring`` (outer step ``step``'s all-reduce, epoch ``epoch_id``) at fault by its own
-    signatures (``net.audit.judge``), else (None, why it does not). ``ca``: the run authority's
-    certificate, which must have issued every signer's certificate (None: an in-process run,
-    which signs nothing: no case holds)."""
+                ca: bytes | None, certs: dict[str, str]) -> tuple[str | None, str, bool]:
+    """(guilty member, why, False) when the audited piece ``ev``, reported by ``accuser``, shows
+    a member of ``ring`` (outer step ``step``'s all-reduce, epoch ``epoch_id``) at fault by its
+    own signatures (``net.audit.judge``); else (None, why not, whether that is the reporter's
+    fault: a case that is not the reporter's to make, or whose owner was right). Every
+    signature is checked against the certificate its signer presented to this coordinator
+    (``certs``: node -> DER, hex), which the run authority ``ca`` issued to it, never against
+    one the reporter brings; a case whose signatures do not verify shows nothing either way. An
+    in-process run (``ca`` None) signs nothing: no case holds."""
     if ca is None:
-        return None, "an in-process run signs nothing to audit"
+        return None, "an in-process run signs nothing to audit", False
     if (ev.step, ev.epoch) != (step, epoch_id):
-        return None, f"the audit is of outer step {ev.step} in epoch {ev.epoch}, not {step} in {epoch_id}"
-    if len(ev.certs) != len(ring) or not ev.auditor < len(ring) or ring[ev.auditor] != accuser:
-        return None, f"the audit is not {accuser}'s in the ring of epoch {epoch_id}"
+        return None, f"the audit is of outer step {ev.step} in epoch {ev.epoch}, not {step} in {epoch_id}", True
+    if len(ev.payloads) != len(ring) or not ev.auditor < len(ring) or ring[ev.auditor] != accuser:
+        return None, f"the audit is not {accuser}'s in the ring of epoch {epoch_id}", True
     try:
         case = audit.from_wire(ev, run_id, ring)
     except ValueError as e:
-        return None, str(e)
+        return None, str(e), True
 
     def signed(rank: int, data: bytes, sig: bytes) -> bool:
-        return vouched(ca, ev.certs[rank], ring[rank], data, der_signature(sig).hex())
+        cert = certs.get(ring[rank])
+        return cert is not None and vouched(ca, cert, ring[rank], data, der_signature(sig).hex())
 
-    guilty, why = audit.judge(case, signed)
-    return (ring[guilty], why) if guilty is not None else (None, why)
+    guilty, why, right = audit.judge(case, signed)
+    return (ring[guilty], why, False) if guilty is not None else (None, why, right)
 
 
 def average_skipped(members: list[Node]) -> bool:
@@ -136,6 +140,7 @@ class Police:
         self.config, self._say = config, say
         self.ca = ca  # the run authority's certificate (DER): evidence must be signed (None: in process)
         self.frauds: dict[str, str] = {}  # the last barrier's members shown at fault by an audit (banned)
+        self.certs: dict[str, str] = {}  # node -> the certificate (DER, hex) it presents to this coordinator
         # barrier step -> (epoch id, ring order, members sitting that all-reduce out)
         self._rings: dict[int, tuple[int, tuple[str, ...], tuple[str, ...]]] = {}
 
@@ -214,14 +219,16 @@ class Police:
                 continue
             epoch_id, ring, _ = self._rings[ev.step]
             try:
-                guilty, why = weigh_audit(ev, run_id=run_id, step=ev.step, epoch_id=epoch_id, accuser=n.node_id,
-                                          ring=ring, ca=self.ca)
+                guilty, why, false = weigh_audit(ev, run_id=run_id, step=ev.step, epoch_id=epoch_id,
+                                                 accuser=n.node_id, ring=ring, ca=self.ca, certs=self.certs)
             except Exception as e:  # noqa: BLE001 - whatever a peer sent, the barrier goes on
-                guilty, why = None, f"it could not be checked ({type(e).__name__})"
+                guilty, why, false = None, f"it could not be checked ({type(e).__name__})", False
             owner = ring[ev.owner] if ev.owner < len(ring) else f"rank {ev.owner}"
             if guilty is None:
-                if self.ca is not None:
+                if false:
                     self._false(n, owner, "its aggregate", f"its audit does not hold: {why}")
+                elif self.ca is not None:
+                    self._say(f"WARNING {n.node_id}'s audit of {owner}'s segment shows nothing either way: {why}")
                 continue
             if guilty in by_id and guilty not in frauds:
                 frauds[guilty] = why

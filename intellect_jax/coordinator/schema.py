@@ -114,7 +114,7 @@ Ranks = Annotated[list[Annotated[int, Field(ge=0, lt=MAX_CASE_RANKS)]], Field(ma
 
 class Audit(Msg):
     """One audited piece of a butterfly segment (``net.audit.Case`` as ``to_wire`` writes it):
-    the owner's signed commitment, what the auditor got from every member, their certificates."""
+    the owner's signed commitment and what the auditor got from every member."""
 
     step: Count
     epoch: Count
@@ -135,8 +135,6 @@ class Audit(Msg):
     payloads: Annotated[list[Annotated[str, Field(max_length=-(-MAX_EVIDENCE_BYTES // 3) * 4)]],
                         Field(min_length=2, max_length=MAX_CASE_RANKS)]
     audit_sigs: Annotated[list[Raw64 | None], Field(min_length=2, max_length=MAX_CASE_RANKS)]
-    certs: Annotated[list[Annotated[str, Field(pattern=r"^(?:[0-9a-f]{2}){0,4096}$")]],
-                     Field(min_length=2, max_length=MAX_CASE_RANKS)]
     # another commitment of the owner's for the same call, as a member got it: (head, signature)
     other: Annotated[list[Annotated[str, Field(pattern=r"^(?:[0-9a-f]{2})+$", max_length=2 * 32 * (MAX_PIECES + 1))]],
                      Field(min_length=2, max_length=2)] | None = None

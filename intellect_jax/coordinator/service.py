@@ -177,6 +177,9 @@ class CoordinatorService:
             msg = parse_request(req)
             _check_identity(msg, session, identity)
             vote = _check_vote(msg, cert, self.membership.record.run_id)
+            if cert is not None and identity is not None:  # the certificate an audit's signatures must match
+                with self._cond:
+                    self.membership.police.certs[identity] = cert.hex()
             return self._answer(msg, session, keepalive, deadline, vote)
         except CoordinatorError as e:
             return error_reply(e)

@@ -40,12 +40,12 @@ import binascii
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from intellect_jax.net import quant, robust
-from intellect_jax.net.evidence import SIG_BYTES, piece_statement
+from intellect_jax.net.evidence import MAX_EVIDENCE_BYTES, SIG_BYTES, piece_statement
 from intellect_jax.net.plan import make_plan
 
 DIGEST = 32
@@ -145,23 +145,33 @@ class Case:
 Verify = Callable[[int, bytes, bytes], bool]  # (signer rank, statement, 64-byte signature) -> valid
 
 
-def judge(case: Case, verify: Verify) -> tuple[int | None, str]:
-    """(guilty rank, why) when the audited piece shows a member's fault, else (None, why the
-    case shows none: it does not hold together, or the owner was right). ``verify`` checks a
-    signature by a rank of ``case.ids``; every verdict rests on signatures, never on the word of
-    whoever presents the case."""
+class Judgement(NamedTuple):
+    """What a case shows: the ``guilty`` rank and why, or nobody: then ``right`` says whether the
+    owner's aggregate checked out (False: the case does not hold together, or a signature it
+    needs does not verify, so it shows nothing either way)."""
+
+    guilty: int | None
+    why: str
+    right: bool = False
+
+
+def judge(case: Case, verify: Verify) -> Judgement:
+    """Judge the audited piece. ``verify`` checks a signature by a rank of ``case.ids``; every
+    verdict rests on the culprit's own signatures, never on the word of whoever presents the
+    case (a row whose sender's signature does not verify could be the owner's forgery or a
+    sender's trick, e.g. another certificate of its identity: it shows nothing)."""
     try:
         a, b = case.bounds()
         n, world, o = b - a, len(case.ids), case.owner
         quant.check_mode(case.mode, case.block)
         robust.check_mode(case.how)
     except ValueError as e:
-        return None, f"the case is not one ({e})"
+        return Judgement(None, f"the case is not one ({e})")
     if len(case.rows) != world * ENTRY or len(case.payloads) != world or len(case.audit_sigs) != world \
             or any(len(d) != DIGEST for d in (*case.aggregates, *case.row_roots)):
-        return None, "the case's lists do not fit its members"
+        return Judgement(None, "the case's lists do not fit its members")
     if not verify(o, case.committed(), case.commit_sig):
-        return None, "the commitment does not carry its owner's signature"
+        return Judgement(None, "the commitment does not carry its owner's signature")
     if case.other is not None:  # two versions of one commitment: both the owner's, or nothing
         head, sig = case.other
         ours = b"".join(case.aggregates) + root(case.row_roots)
@@ -170,14 +180,15 @@ def judge(case: Case, verify: Verify) -> tuple[int | None, str]:
                 case.mode, case.block, case.how, case.absent, root([head[i:i + DIGEST] for i in
                                                                     range(0, len(head) - DIGEST, DIGEST)]),
                 head[-DIGEST:]), sig):
-            return None, "the other commitment is not another one signed by the owner"
-        return o, f"signed two different commitments to its aggregates of segment {o} in call {case.call}"
+            return Judgement(None, "the other commitment is not another one signed by the owner")
+        return Judgement(o, f"signed two different commitments to its aggregates of segment {o} in call {case.call}")
     if hashlib.sha256(case.rows).digest() != case.row_roots[case.piece]:
-        return None, f"the row list is not the one committed for piece {case.piece}"
+        return Judgement(None, f"the row list is not the one committed for piece {case.piece}")
     entries = [case.rows[i * ENTRY:(i + 1) * ENTRY] for i in range(world)]
-    for i, e in enumerate(entries):  # the owner may list only what each sender signed to it
+    for i, e in enumerate(entries):  # the owner lists what each sender signed to it (it checked each)
         if i != o and not verify(i, case.said(i, o, e[:DIGEST]), e[DIGEST:]):
-            return o, f"its row list for piece {case.piece} holds a piece {case.ids[i]} never signed"
+            return Judgement(None, f"the row list for piece {case.piece} holds a piece of {case.ids[i]} whose "
+                                   "signature does not verify")
     rows: list[np.ndarray] = []
     for i, (e, payload, sig) in enumerate(zip(entries, case.payloads, case.audit_sigs)):
         own = i == o
@@ -185,11 +196,12 @@ def judge(case: Case, verify: Verify) -> tuple[int | None, str]:
         digest = hashlib.sha256(payload).digest()
         if digest != e[:DIGEST]:  # not the committed row: its sender signed two pieces for one place
             if i == case.auditor or sig is None or not verify(i, case.said(i, case.auditor, digest, own), sig):
-                return None, f"{case.ids[i]}'s piece is not the committed one, and not signed to the auditor"
-            return i, f"signed two different pieces {case.piece} of segment {o} (to {case.ids[o]} and to " \
-                      f"{case.ids[case.auditor]})"
+                return Judgement(None, f"{case.ids[i]}'s piece is not the committed one, and not signed to the "
+                                       "auditor")
+            return Judgement(i, f"signed two different pieces {case.piece} of segment {o} (to {case.ids[o]} and to "
+                                f"{case.ids[case.auditor]})")
         if len(payload) != want:
-            return None, f"{case.ids[i]}'s committed piece is {len(payload)} bytes, not {want}"
+            return Judgement(None, f"{case.ids[i]}'s committed piece is {len(payload)} bytes, not {want}")
         try:
             rows.append(np.frombuffer(payload, np.float32).copy() if own else
                         quant.decode(np.frombuffer(payload, np.uint8).copy(), n, case.mode, case.block))
@@ -198,8 +210,9 @@ def judge(case: Case, verify: Verify) -> tuple[int | None, str]:
             del e
     wire = robust.aggregate_piece(rows, n, case.mode, case.block, case.how, absent=frozenset(case.absent))
     if hashlib.sha256(wire).digest() != case.aggregates[case.piece]:
-        return o, f"its aggregate of piece {case.piece} of segment {o} is not the {case.how} of the rows it was sent"
-    return None, f"the aggregate of piece {case.piece} is right"
+        return Judgement(o, f"its aggregate of piece {case.piece} of segment {o} is not the {case.how} of the rows it "
+                            "was sent")
+    return Judgement(None, f"the aggregate of piece {case.piece} is right", right=True)
 
 
 @dataclass(frozen=True)
@@ -329,16 +342,16 @@ class Ledger:
 
 
 # ---- the case as a barrier report carries it ------------------------------------------------------
-def to_wire(case: Case, certs: Sequence[str]) -> dict:
-    """The case as JSON-ready fields, with each rank's certificate (DER, hex), for the
-    coordinator (which knows the run, the members' order and their authority itself)."""
+def to_wire(case: Case) -> dict:
+    """The case as JSON-ready fields for the coordinator (which knows the run, the members'
+    order and their certificates itself)."""
     b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
     return {"step": case.step, "epoch": case.epoch, "call": case.call, "owner": case.owner, "auditor": case.auditor,
             "piece": case.piece, "numel": case.numel, "piece_numel": case.piece_numel, "mode": case.mode,
             "block": case.block, "how": case.how, "absent": list(case.absent),
             "aggregates": [d.hex() for d in case.aggregates], "row_roots": [d.hex() for d in case.row_roots],
             "commit_sig": case.commit_sig.hex(), "rows": b64(case.rows), "payloads": [b64(p) for p in case.payloads],
-            "audit_sigs": [None if s is None else s.hex() for s in case.audit_sigs], "certs": list(certs),
+            "audit_sigs": [None if s is None else s.hex() for s in case.audit_sigs],
             "other": None if case.other is None else [case.other[0].hex(), case.other[1].hex()]}
 
 
@@ -357,7 +370,10 @@ def from_wire(ev: Any, run_id: str, ids: Sequence[str]) -> Case:
         raise ValueError(f"the audit does not decode ({e})") from None
 
 
-def wire_size(case: Case) -> int:
-    """About how many bytes :func:`to_wire` takes as JSON (certificates aside)."""
-    return 4 * (len(case.rows) + sum(len(p) for p in case.payloads)) // 3 + \
+def reportable(case: Case) -> bool:
+    """Whether a coordinator takes the case: at most ``MAX_CASE_RANKS`` members, each piece at
+    most ``MAX_EVIDENCE_BYTES`` and the whole at most ``MAX_CASE_BYTES`` as JSON."""
+    size = 4 * (len(case.rows) + sum(len(p) for p in case.payloads)) // 3 + \
         140 * (len(case.aggregates) + len(case.row_roots)) + 200 * len(case.ids) + 1024
+    return len(case.ids) <= MAX_CASE_RANKS and size <= MAX_CASE_BYTES and \
+        all(len(p) <= MAX_EVIDENCE_BYTES for p in case.payloads)

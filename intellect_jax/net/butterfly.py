@@ -117,7 +117,7 @@ class _ButterflyRun(Pipeline):
         self.ledger = None if auditing is None else Ledger(auditing, rank, x.shape[0], piece_numel, mode, block, how,
                                                            absent)
         self.verdict: tuple[int, str, Case] | None = None  # (guilty rank, why, the case) from our audit
-        self.judging, self.judged = threading.Lock(), False
+        self.judging, self.judged = threading.Lock(), None  # (judged: our audit's Judgement)
 
     def _wire(self, n: int) -> np.ndarray:
         """A pooled buffer for ``n`` values on the wire (give it back with ``ws.release``)."""
@@ -290,7 +290,9 @@ class _ButterflyRun(Pipeline):
             a, b = self.plan.piece(me, j)
             wire = self._recv(conn, b - a)
             sig = self.their_signature(conn)
-            if led is not None:
+            if led is not None:  # it goes into our row list: it must be the sender's signature
+                if not self.mseal.verify(o, me, j, b - a, wire.tobytes(), sig):  # type: ignore[union-attr, arg-type]
+                    raise FrameError(f"rank {o}: the signature of its own piece {j} of segment {me} does not verify")
                 led.received(j, o, wire, sig)  # type: ignore[arg-type]
             row = self._row(b - a)
             try:
@@ -346,6 +348,11 @@ class _ButterflyRun(Pipeline):
         a, b = self.plan.piece(led.target, led.challenge)  # type: ignore[arg-type]
         n = 4 * (b - a) if o == led.target else quant.encoded_nbytes(b - a, self.mode, self.block)
         payload, sig = self._frame(conn, n), self._frame(conn, SIG_BYTES)
+        own = o == led.target
+        said = signed_piece(led.ctx, o, self.rank, led.target, led.challenge, b - a,  # type: ignore[arg-type]
+                            "fp32" if own else self.mode, 1 if own else self.block, payload)
+        if not led.ctx.verify(o, said, sig):
+            raise FrameError(f"rank {o}: the signature of its answer to our audit does not verify")
         echo = None if o == led.target else (self._frame(conn, P * DIGEST + DIGEST), self._frame(conn, SIG_BYTES))
         with self.cond:
             led.answers[o] = (payload, sig)
@@ -391,17 +398,18 @@ class _ButterflyRun(Pipeline):
         led = self.ledger
         assert led is not None
         with self.judging:
-            if self.verdict is None and not self.judged:
+            if self.judged is None:
                 wire = self._encode(led.target, led.challenge)  # type: ignore[arg-type]
                 case = led.case(wire.tobytes(), led.other_version())
                 self.ws.release(wire)
-                guilty, why = judge(case, led.ctx.verify)
-                self.judged = True
-                if guilty is not None:
-                    self.verdict = (guilty, why, case)
+                self.judged = judge(case, led.ctx.verify)
+                if self.judged.guilty is not None:
+                    self.verdict = (self.judged.guilty, self.judged.why, case)
         if self.verdict is not None:
             raise AuditFailed(f"our audit of rank {led.target}'s segment shows rank {self.verdict[0]} at fault: "
                               f"{self.verdict[1]}")
+        if not self.judged.right:  # it shows nothing either way: what cannot be checked is not applied
+            raise AuditFailed(f"our audit of rank {led.target}'s segment is inconclusive: {self.judged.why}")
 
     def run(self) -> np.ndarray:
         self.spawn(self.encoder, self.sender, self.receiver)  # (after a failure nothing goes back to the pool)

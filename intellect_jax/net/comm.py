@@ -72,6 +72,10 @@ class RingConfig:
         if self.stochastic_rounding and self.mode != "int8":
             raise ValueError(f"stochastic rounding is for int8, not {self.mode}")
         piece = max(1, self.piece_numel // self.block_size) * self.block_size  # pieces are whole blocks
+        if self.exchange == "butterfly" and self.audit and 4 * piece > evidence.MAX_EVIDENCE_BYTES:
+            raise ValueError(f"an audited butterfly piece of up to {piece} values is {4 * piece} bytes as an owner's "
+                             f"float32 row, above {evidence.MAX_EVIDENCE_BYTES}, the most a case can show of one "
+                             "member; lower piece_numel")
         if self.block_size > 1 << 16 or quant.encoded_nbytes(piece, self.mode, self.block_size) > \
                 evidence.MAX_EVIDENCE_BYTES:
             raise ValueError(f"a ring piece of up to {piece} values in {self.mode} (blocks of {self.block_size}) is "
@@ -442,6 +446,7 @@ class SocketCommunicator:
             self._stats = CommStats(0, 0, time.monotonic() - t0, numel, 1, cfg.mode)
             self._calls += 1
             return result
+        verdicts: list[tuple[int, str, Case]] = []  # (rank, why, case) from our audits
         try:
             links = self._open(deadline)
             sent0, recv0 = links.traffic()
@@ -453,7 +458,6 @@ class SocketCommunicator:
                 self._check_meta(links, meta, deadline)
 
             findings: list[tuple[int, int, Finding]] = []  # (call, sender rank, its bad piece)
-            verdicts: list[tuple[int, str, Case]] = []  # (rank, why, case) from our audits
             prv = (self.rank - 1) % self.world_size
 
             def flat_reduce(flat: np.ndarray, bi: int, o: np.ndarray | None, d: np.ndarray | None) -> np.ndarray:
@@ -496,8 +500,7 @@ class SocketCommunicator:
         except BaseException:
             if verdicts:  # our audit failed the call: the case goes with our next sync
                 r, why, case = verdicts[0]
-                fits = audit.wire_size(case) <= audit.MAX_CASE_BYTES and self.world_size <= audit.MAX_CASE_RANKS
-                self.audited = (r, why, audit.to_wire(case, self.certificates()) if fits else None)
+                self.audited = (r, why, audit.to_wire(case) if audit.reportable(case) else None)
             self._teardown()  # neighbours see the connections close and fail fast too
             raise
         sent, recv = links.traffic()

@@ -98,7 +98,7 @@ def fake_audit(trees: Sequence[Any], ids: Sequence[str], rank: int, forged: set[
         case = signed_case([f[bi] for f in flats], ids, owner=target, auditor=rank, piece=(step + rank) % p.pieces,
                            run_id=run_id, step=step, epoch=epoch, call=call, mode=cfg.mode, block=cfg.block_size,
                            piece_numel=cfg.piece_numel, how=cfg.robust, absent=absent, forge=lambda j, v: -v)
-        guilty, why = judge(case, verifier(ids))
+        guilty, why, _ = judge(case, verifier(ids))
         if guilty is not None:
-            return guilty, why, to_wire(case, [credentials(i).cert_der.hex() for i in ids])
+            return guilty, why, to_wire(case)
     return None

@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from intellect_jax.testing.identities import credentials
 from intellect_jax.coordinator.clock import REAL, Clock
 from intellect_jax.coordinator.journal import Journal
 from intellect_jax.coordinator.protocol import CoordinatorConfig
@@ -74,7 +75,8 @@ class LocalWire:
         svc = self._service()
         if self.identity is None and isinstance(msg.get("node"), str):
             self.identity = msg["node"]
-        reply = _as_sent(svc.handle(_as_sent(msg), identity=self.identity))
+        cert = credentials(self.identity).cert_der if self.host.ca is not None and self.identity else None
+        reply = _as_sent(svc.handle(_as_sent(msg), identity=self.identity, cert=cert))  # (a register: no vote)
         return (_LocalSession(svc, (reply["node_id"], reply["session"])) if reply.get("ok") else None), reply
 
     def beat(self, handle: _LocalSession, msg: dict[str, Any], patience: float) -> dict[str, Any]:
