@@ -288,3 +288,30 @@ def test_an_owner_answering_its_audit_with_an_unsigned_piece_fails_the_call(monk
     auditor = audit.auditor_of(bad, world, 0, 0)
     assert all(e is not None for e in errs), errs
     assert "the signature of its answer to our audit does not verify" in str(errs[auditor]), errs
+
+
+def test_an_owner_s_own_row_is_inspected_by_its_auditor_and_is_evidence_against_it() -> None:
+    """An owner's own row never travels in the scatter, so no other member saw it: its auditor
+    now checks the piece it draws like every other row, and a NaN there is evidence against the
+    owner, as float32 under the owner's signature to the auditor, which the coordinator's check
+    upholds."""
+    from intellect_jax.coordinator.policing import weigh
+    from intellect_jax.coordinator.schema import Evidence
+
+    world, n, bad = 4, 9000, 1
+    xs = _inputs(world, n, seed=6)
+    p = make_plan(n, world, 64, 512)
+    for j in range(p.pieces):  # a NaN in every piece of its own segment: whatever piece is drawn
+        a, _ = p.piece(bad, j)
+        xs[bad][a] = np.nan
+    comms, outs, errs = _butterfly(world, xs, CFG)
+    assert errs == [None] * world  # every aggregator drops a row that is not finite
+    auditor = audit.auditor_of(bad, world, 0, 0)
+    suspect = comms[auditor].suspect
+    assert suspect is not None and suspect[0] == bad and suspect[1] == "non-finite values", suspect
+    ev = Evidence.model_validate(suspect[2])
+    assert (ev.mode, ev.block) == ("fp32", 1)
+    ids = [c.ids[c.rank] for c in comms]
+    guilty, _ = weigh(ev, run_id="ring-test", step=0, epoch_id=0, accuser=ids[auditor], accused=ids[bad],
+                      ca=credentials(ids[0]).ca_der, recorded=None)
+    assert guilty == "non-finite values"

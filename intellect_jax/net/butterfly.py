@@ -353,6 +353,15 @@ class _ButterflyRun(Pipeline):
                             "fp32" if own else self.mode, 1 if own else self.block, payload)
         if not led.ctx.verify(o, said, sig):
             raise FrameError(f"rank {o}: the signature of its answer to our audit does not verify")
+        if own:  # the owner's own row, which nobody else ever sees: checked like every other row
+            row = np.frombuffer(payload, np.float32)
+            why = (SAT_OUT if row.any() else None) if o in self.absent else \
+                self.inspect(row) if self.inspect is not None else None
+            if why:
+                with self.cond:
+                    if not any(r == o for r, _ in self.findings):
+                        self.findings.append((o, Finding(why, led.target, led.challenge, b - a, payload, sig,  # type: ignore[arg-type]
+                                                         "fp32", 1)))
         echo = None if o == led.target else (self._frame(conn, P * DIGEST + DIGEST), self._frame(conn, SIG_BYTES))
         with self.cond:
             led.answers[o] = (payload, sig)
