@@ -116,23 +116,14 @@ def _worker(a: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
             if c is not None:
                 c.all_reduce_mean(x, out=y)
         for _ in range(a.repeats):
-            barrier.all_reduce_mean(one)
-            t0, c0 = time.perf_counter(), time.process_time()
-            ring.all_reduce_mean(x, out=y)
-            out["ring"]["times"].append(time.perf_counter() - t0)
-            out["ring"]["cpu"].append(time.process_time() - c0)
-            if fly is not None:
+            for name, c in (("ring", ring), ("butterfly", fly), ("unaudited", bare)):  # one after another
+                if c is None:
+                    continue
                 barrier.all_reduce_mean(one)
                 t0, c0 = time.perf_counter(), time.process_time()
-                fly.all_reduce_mean(x, out=y)
-                out["butterfly"]["times"].append(time.perf_counter() - t0)
-                out["butterfly"]["cpu"].append(time.process_time() - c0)
-            if bare is not None:
-                barrier.all_reduce_mean(one)
-                t0, c0 = time.perf_counter(), time.process_time()
-                bare.all_reduce_mean(x, out=y)
-                out["unaudited"]["times"].append(time.perf_counter() - t0)
-                out["unaudited"]["cpu"].append(time.process_time() - c0)
+                c.all_reduce_mean(x, out=y)
+                out[name]["times"].append(time.perf_counter() - t0)
+                out[name]["cpu"].append(time.process_time() - c0)
             if gloo is not None:
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.process_time()
