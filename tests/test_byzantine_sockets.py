@@ -20,9 +20,9 @@ STEPS = 8
 
 def _check(r: dict[str, Any], bad: str, why: str) -> None:
     """``bad`` alone evicted, for ``why``, by boundary 2; the others finished with one state."""
-    evicted = {e["node_id"]: e for e in r["evictions"]}
-    assert list(evicted) == [bad], r["evictions"]
-    assert why in evicted[bad]["reason"] and evicted[bad]["outer_step"] <= 2, evicted[bad]
+    assert {e["node_id"] for e in r["evictions"]} == {bad}, r["evictions"]
+    first = r["evictions"][0]  # (one not banned comes back as a joiner, and goes again)
+    assert why in first["reason"] and first["outer_step"] <= 2, first
     honest = [o for i, o in enumerate(r["outcomes"]) if f"n{i}" != bad]
     assert honest == [Outcome.FINISHED] * 3, r["outcomes"]
     assert len({h for i, h in enumerate(r["node_hashes"]) if f"n{i}" != bad}) == 1, r["node_hashes"]
