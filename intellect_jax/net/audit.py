@@ -265,8 +265,18 @@ class Ledger:
         self.echoes: dict[int, tuple[bytes, bytes]] = {}  # member -> the commitment it got from our target
 
     # -- as owner (each call touches its own slot: no lock needed; hashing releases the GIL) ----
-    def received(self, j: int, sender: int, wire: np.ndarray | bytes, signature: bytes) -> None:
-        self.entries[j][sender] = hashlib.sha256(wire).digest() + signature
+    def received(self, j: int, sender: int, wire: np.ndarray | bytes, signature: bytes) -> bool:
+        """``sender``'s own piece ``j`` of our segment arrived: False if ``signature`` is not its
+        signature of it (we commit to what each sender signed), else it goes into our row list."""
+        digest = hashlib.sha256(wire).digest()  # (one pass: the signed statement and the row list)
+        c = self.ctx
+        a, b = self.plan.piece(self.rank, j)
+        said = piece_statement(c.run_id, c.step, c.epoch, c.call, c.ids[sender], c.ids[self.rank], self.rank, j, b - a,
+                               self.mode, self.block, digest.hex())
+        if not c.verify(sender, said, signature):
+            return False
+        self.entries[j][sender] = digest + signature
+        return True
 
     def own(self, j: int, row: np.ndarray) -> None:
         self.entries[j][self.rank] = hashlib.sha256(np.ascontiguousarray(row, np.float32)).digest() + NO_SIG

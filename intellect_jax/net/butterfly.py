@@ -290,10 +290,8 @@ class _ButterflyRun(Pipeline):
             a, b = self.plan.piece(me, j)
             wire = self._recv(conn, b - a)
             sig = self.their_signature(conn)
-            if led is not None:  # it goes into our row list: it must be the sender's signature
-                if not self.mseal.verify(o, me, j, b - a, wire.tobytes(), sig):  # type: ignore[union-attr, arg-type]
-                    raise FrameError(f"rank {o}: the signature of its own piece {j} of segment {me} does not verify")
-                led.received(j, o, wire, sig)  # type: ignore[arg-type]
+            if led is not None and not led.received(j, o, wire, sig):  # type: ignore[arg-type]
+                raise FrameError(f"rank {o}: the signature of its own piece {j} of segment {me} does not verify")
             row = self._row(b - a)
             try:
                 quant.decode(wire, b - a, self.mode, self.block, out=row)
