@@ -315,3 +315,28 @@ def test_an_owner_s_own_row_is_inspected_by_its_auditor_and_is_evidence_against_
     guilty, _ = weigh(ev, run_id="ring-test", step=0, epoch_id=0, accuser=ids[auditor], accused=ids[bad],
                       ca=credentials(ids[0]).ca_der, recorded=None)
     assert guilty == "non-finite values"
+
+
+def test_a_forger_that_left_before_the_barrier_is_banned_all_the_same() -> None:
+    """A forger that drops out as soon as its forgery is caught is not at the barrier that
+    judges the case: the case convicts it all the same (it goes on the ban list), and nobody
+    present is touched."""
+    from intellect_jax.coordinator.policing import Police
+    from intellect_jax.coordinator.protocol import CoordinatorConfig
+    from intellect_jax.coordinator.roster import Arrival, Node, Role
+    from intellect_jax.coordinator.schema import Report
+
+    ids = ("a0", "a1", "a2")
+    case = signed_case(_inputs(3, 1500, seed=8), ids, owner=0, auditor=1, piece=1, run_id="run", step=0, epoch=1,
+                       call=0, mode="int8", block=64, piece_numel=256, how="mean", forge=lambda j, v: -v)
+    said: list[str] = []
+    police = Police(CoordinatorConfig(), said.append, ca=credentials("a0").ca_der)
+    police.certs = {i: credentials(i).cert_der.hex() for i in ids}
+    police.formed(0, 1, ids)  # barrier 0 formed epoch 1; its all-reduce failed on a1's audit
+    report = Report(audit=Audit.model_validate(audit.to_wire(case)))
+    members = [Node(i, f"127.0.0.1:{k + 1}", 1, "s", Role.MEMBER, (k, 0), 0.0,
+                    arrival=Arrival(0, 0.0, "h", True, report=report if i == "a1" else None))
+               for k, i in enumerate(ids[1:])]  # the retry of barrier 0, without a0
+    keep, evict = police.judge(0, members, "run")
+    assert police.frauds == {"a0": judge(case, verifier(ids)).why} and not evict and keep == members
+    assert any("shows a0 at fault by its own signature" in line for line in said), said

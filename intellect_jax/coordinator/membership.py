@@ -405,6 +405,10 @@ class Membership:
                     led.finish()
         members, evict = self.police.judge(step, members, self.record.run_id, self.record.hashes.get(step - 1))
         self.record.banned.update(self.police.frauds)  # proven by its own signatures: it may not come back
+        gone = {n.node_id for n, _ in evict}
+        for node_id, why in self.police.frauds.items():  # one that left the ring: a joiner by now, say
+            if node_id not in gone and node_id in self._nodes and self._nodes[node_id] not in members:
+                self._remove(self._nodes[node_id], now, f"banned: {why}")
         for n, why in evict:
             self._remove(n, now, why)
         if members:

@@ -230,7 +230,7 @@ class Police:
                 elif self.ca is not None:
                     self._say(f"WARNING {n.node_id}'s audit of {owner}'s segment shows nothing either way: {why}")
                 continue
-            if guilty in by_id and guilty not in frauds:
+            if guilty not in frauds:  # (also one that left meanwhile: it is banned all the same)
                 frauds[guilty] = why
                 self._say(f"WARNING {n.node_id}'s audit of {owner}'s segment (piece {ev.piece}, call {ev.call}) in "
                           f"outer step {ev.step}'s all-reduce (epoch {epoch_id}) shows {guilty} at fault by its own "
