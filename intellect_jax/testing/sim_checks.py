@@ -98,16 +98,30 @@ def ends(procs: list[Proc]) -> list[str]:
     coordinator fault above all: the client must wait those out) other than a proven forger's
     refusal to come back."""
     out = []
+    forgers = _forgers(procs)
     for q in procs:
         if not q.dead and q.outcome is None and q.error is None:
             out.append(f"{q.name} never finished")
-        elif q.error and getattr(q.exc, "reason", None) == "banned" and any(
-                f.hook == "poison" and f.value == "owner" for f in q.faults):
-            continue  # a forger, proven by its own signatures, may not come back: refused, as it should be
+        elif q.error and getattr(q.exc, "reason", None) == "banned" and q.node_id in forgers:
+            continue  # a forger (any incarnation), proven by its own signatures, may not come back
         elif q.error and isinstance(q.exc, TRANSIENT_ENDS):
             out.append(f"{q.name} ended because of a transient coordinator fault: {q.error}")
         elif q.error:
             out.append(f"{q.name}: unhandled {q.error}")
+    return out
+
+
+def _forgers(procs: list[Proc]) -> set[str]:
+    return {q.node_id for q in procs for f in q.faults if f.hook == "poison" and f.value == "owner"}
+
+
+def banned(coord_events: list[tuple[float, str]], procs: list[Proc]) -> list[str]:
+    """Evictions or bans on an audit of a node none of whose processes forged an aggregate."""
+    forgers, out = _forgers(procs), []
+    for t, line in coord_events:
+        m = re.match(r"evicted (\S+): (shown at fault by an audit|banned)", line)
+        if m and m.group(1) not in forgers:
+            out.append(f"{m.group(1)} evicted at {t:.1f}s on an audit, but it never forged an aggregate")
     return out
 
 

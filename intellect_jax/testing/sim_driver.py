@@ -27,7 +27,7 @@ from intellect_jax.diloco.state import DilocoState, state_hash
 from intellect_jax.testing import sim_checks
 from intellect_jax.testing.local_coordinator import LocalCoordinator
 from intellect_jax.testing.sim_parts import SimInner, _Comm, _Disk, _Gated, _StallWire, _Transport
-from intellect_jax.testing.sim_plan import (Fault, Script, SimParams, draw_faults, draw_frames, draw_schedule,
+from intellect_jax.testing.sim_plan import (Fault, Script, SimParams, draw_faults, draw_forgers, draw_frames, draw_schedule,
                                            unit_steps)
 from intellect_jax.testing.sim_world import Killed, Proc, World
 
@@ -42,6 +42,7 @@ class Sim(World):
         super().__init__(seed, params)
         self.script, self.verbose = script, verbose
         self.frame_rng = np.random.default_rng([seed, 21])  # its own stream: a seed's other draws stay put
+        self.forge_rng = np.random.default_rng([seed, 22])  # likewise
         p = self.p
         self.coord_cfg = CoordinatorConfig(heartbeat_timeout=p.heartbeat_timeout, boundary_timeout=60.0,
                                            join_window=p.join_window, min_nodes=p.nodes, keepalive_interval=0.2,
@@ -102,7 +103,7 @@ class Sim(World):
         if faults is None:
             faults = (list(self.script.faults.get(f"{node_id}#{number}", [])) if self.script
                       else draw_faults(self.rng, self.p, joining=start_from != "fresh" or self.clock.now() > 0)
-                      + draw_frames(self.frame_rng, self.p))
+                      + draw_frames(self.frame_rng, self.p) + draw_forgers(self.forge_rng, self.p))
         proc = Proc(node_id, number, faults, disk, start_from, started_at=self.clock.now())
         self.procs.append(proc)
         self.by_addr[proc.addr] = proc
@@ -416,6 +417,7 @@ class Sim(World):
             problems += sim_checks.ends(self.procs)
             problems += self.stall_evictions()
             problems += sim_checks.framed(self.coord_events, self.procs)
+            problems += sim_checks.banned(self.coord_events, self.procs)
             problems += self.late_ends()
         if problems and not final:
             self.say("driver", "INVARIANT " + "; ".join(problems))

@@ -184,7 +184,8 @@ class _Comm:
                 ordered = [g.inputs[r] for r in range(g.world)]
                 g.results = LocalGroup(g.world, sim.ring_cfg, epoch=self.epoch).all_reduce_mean_all(
                     ordered, [g.drops.get(r) for r in range(g.world)], self.absent)
-                forging = {r for r, q in g.members.items() if self.over_present and sim.forging(q, self.step)}
+                forging = {r for r, q in g.members.items()  # (a ring of one has nobody to audit it)
+                           if self.over_present and g.world > 1 and sim.forging(q, self.step)}
                 if forging:  # each auditor's verdict; a forged segment that is empty forges nothing
                     g.verdicts = {r: fake_audit(ordered, self.node_ids, r, forging, run_id=sim.run_id,
                                                 step=self.step - 1, epoch=self.epoch, cfg=sim.ring_cfg,

@@ -56,6 +56,7 @@ class SimParams:
     frame_prob: float = 0.15  # chance that an incarnation accuses its ring predecessor falsely (1-2 rounds)
     exchange: str = "ring"  # "butterfly": each segment's owner sees every piece (net/butterfly.py); signed evidence
     robust: str = "mean"  # the butterfly owners' aggregator (net/robust.py)
+    forge_prob: float = 0.1  # butterfly: chance that an incarnation forges its aggregates as owner (net/audit.py)
 
 
 
@@ -117,6 +118,15 @@ def draw_frames(rng: np.random.Generator, p: SimParams) -> list[Fault]:
         return []
     steps = rng.choice(np.arange(1, p.outer_steps + 1), size=int(rng.integers(1, 3)), replace=False)
     return [Fault("frame", int(s), "frame") for s in sorted(steps)]
+
+
+def draw_forgers(rng: np.random.Generator, p: SimParams) -> list[Fault]:
+    """A butterfly owner that forges its aggregates from some outer step on (its own stream, so
+    the other draws of a seed stay as they were); its auditor's case gets it banned."""
+    if p.exchange != "butterfly" or rng.random() >= p.forge_prob:
+        return []
+    first = int(rng.integers(1, p.outer_steps + 1))
+    return [Fault("poison", s, "poison", "wire", value="owner") for s in range(first, p.outer_steps + 1)]
 
 
 def draw_schedule(rng: np.random.Generator, p: SimParams) -> list[tuple[float, str, str]]:
