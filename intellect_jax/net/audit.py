@@ -205,9 +205,8 @@ def judge(case: Case, verify: Verify) -> Judgement:
         try:
             rows.append(np.frombuffer(payload, np.float32).copy() if own else
                         quant.decode(np.frombuffer(payload, np.uint8).copy(), n, case.mode, case.block))
-        except ValueError as e:  # signed by its sender, yet no payload of its codec: the aggregate drops it
+        except ValueError:  # signed by its sender, yet no payload of its codec: the aggregate drops it
             rows.append(np.full(n, np.nan, np.float32))
-            del e
     wire = robust.aggregate_piece(rows, n, case.mode, case.block, case.how, absent=frozenset(case.absent))
     if hashlib.sha256(wire).digest() != case.aggregates[case.piece]:
         return Judgement(o, f"its aggregate of piece {case.piece} of segment {o} is not the {case.how} of the rows it "
