@@ -585,3 +585,23 @@ def test_sigkilled_client_evicted_at_once_survivors_get_new_epoch(coordinator) -
         victim.kill()
         victim.wait(10)
         a.close(), b.close()
+
+
+def test_a_session_replaced_by_a_newer_registration_is_stale_not_evicted() -> None:
+    """A client re-registers (its connection broke) while one of its requests still carries the
+    session it replaced: that request is told its session is stale, so the client re-issues it
+    with the current one; before, it was told the node was evicted (the old session's
+    "connection lost"), which is fatal, although the node was alive (a flake of
+    test_coordinator_stopped_and_restarted_mid_barrier under load)."""
+    r = Run(min_nodes=2)
+    r.reg("a")
+    r.reg("j")
+    old = r.s["j"]
+    r.m.disconnect("j", old, r.now)  # its session connection closed...
+    r.reg("j")  # ... and it registered again
+    with pytest.raises(StaleSession, match="replaced by its newer registration"):
+        r.m.request_admission("j", old, r.now)
+    r.m.request_admission("j", r.s["j"], r.now)  # the current session works
+    r.m.disconnect("j", r.s["j"], r.now)
+    with pytest.raises(Evicted, match="connection lost"):  # a node that is gone is still told so
+        r.m.request_admission("j", old, r.now)

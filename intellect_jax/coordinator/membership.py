@@ -23,7 +23,7 @@ from intellect_jax.coordinator.journal import RunRecord
 from intellect_jax.coordinator.leases import LeaseError, Ledger, Ranges
 from intellect_jax.coordinator.policing import Police, average_skipped
 from intellect_jax.coordinator.protocol import (PROTOCOL, Admission, CoordinatorConfig, DataPlan, Epoch, Evicted,
-                                                ProtocolError, RegisterReply, Resume, RunCompleted)
+                                                ProtocolError, RegisterReply, Resume, RunCompleted, StaleSession)
 from intellect_jax.coordinator.roster import (Arrival, Barrier, Node, Role, Sessions, describe, forming, ordered, view,
                                               waiting)
 from intellect_jax.coordinator.schema import Report
@@ -337,6 +337,9 @@ class Membership:
         if node is not None and node.session == session:
             return node
         self._sessions.check(node_id, session)  # another coordinator's session, or another node's
+        if node is not None:  # one of ours, since replaced by a newer registration of the same identity
+            raise StaleSession(f"node {node_id}: that session was replaced by its newer registration; use that one",
+                               "stale_session")
         why = next((e["reason"] for e in reversed(self._evictions) if e["node_id"] == node_id), "unknown session")
         raise Evicted(f"node {node_id} was evicted ({why}); re-register as a joiner")
 
