@@ -231,10 +231,11 @@ class Auditing:
 
 
 def signed_piece(ctx: Auditing, sender: int, receiver: int, segment: int, piece: int, numel: int, mode: str,
-                 block: int, payload: bytes) -> bytes:
-    """The statement ``sender`` signs for a piece of its own it sends ``receiver`` in this call."""
+                 block: int, digest: bytes) -> bytes:
+    """The statement ``sender`` signs for a piece of its own (SHA-256 ``digest``) it sends
+    ``receiver`` in this call."""
     return piece_statement(ctx.run_id, ctx.step, ctx.epoch, ctx.call, ctx.ids[sender], ctx.ids[receiver], segment,
-                           piece, numel, mode, block, hashlib.sha256(payload).hexdigest())
+                           piece, numel, mode, block, digest.hex())
 
 
 class Ledger:
@@ -268,11 +269,9 @@ class Ledger:
         """``sender``'s own piece ``j`` of our segment arrived: False if ``signature`` is not its
         signature of it (we commit to what each sender signed), else it goes into our row list."""
         digest = hashlib.sha256(wire).digest()  # (one pass: the signed statement and the row list)
-        c = self.ctx
         a, b = self.plan.piece(self.rank, j)
-        said = piece_statement(c.run_id, c.step, c.epoch, c.call, c.ids[sender], c.ids[self.rank], self.rank, j, b - a,
-                               self.mode, self.block, digest.hex())
-        if not c.verify(sender, said, signature):
+        said = signed_piece(self.ctx, sender, self.rank, self.rank, j, b - a, self.mode, self.block, digest)
+        if not self.ctx.verify(sender, said, signature):
             return False
         self.entries[j][sender] = digest + signature
         return True

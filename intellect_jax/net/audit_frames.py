@@ -8,6 +8,8 @@ plan, links, codec and condition variable.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from intellect_jax.net import quant
@@ -59,14 +61,15 @@ class AuditFrames:
         assert led is not None
         seg, j = audited_by(o, self.world, led.ctx.step, led.ctx.call), led.asked[o]
         a, b = self.plan.piece(seg, j)
-        if seg == self.rank:
+        own = seg == self.rank
+        if own:
             payload = np.ascontiguousarray(self.x[a:b], np.float32).tobytes()
-            said = signed_piece(led.ctx, self.rank, o, seg, j, b - a, "fp32", 1, payload)
         else:
             wire = self._encode(seg, j)
             payload = wire.tobytes()
             self.ws.release(wire)
-            said = signed_piece(led.ctx, self.rank, o, seg, j, b - a, self.mode, self.block, payload)
+        said = signed_piece(led.ctx, self.rank, o, seg, j, b - a, "fp32" if own else self.mode,
+                            1 if own else self.block, hashlib.sha256(payload).digest())
         conn.send(MsgType.DATA, payload, deadline=self.deadline)
         conn.send(MsgType.DATA, led.ctx.sign(said), deadline=self.deadline)
         return True
@@ -97,7 +100,7 @@ class AuditFrames:
         payload, sig = self._frame(conn, n), self._frame(conn, SIG_BYTES)
         own = o == led.target
         said = signed_piece(led.ctx, o, self.rank, led.target, led.challenge, b - a,  # type: ignore[arg-type]
-                            "fp32" if own else self.mode, 1 if own else self.block, payload)
+                            "fp32" if own else self.mode, 1 if own else self.block, hashlib.sha256(payload).digest())
         if not led.ctx.verify(o, said, sig):
             raise FrameError(f"rank {o}: the signature of its answer to our audit does not verify")
         if own:  # the owner's own row, which nobody else ever sees: checked like every other row
@@ -107,7 +110,8 @@ class AuditFrames:
             if why:
                 with self.cond:
                     if not any(r == o for r, _ in self.findings):
-                        self.findings.append((o, Finding(why, led.target, led.challenge, b - a, payload, sig,  # type: ignore[arg-type]
+                        self.findings.append((o, Finding(why, led.target, led.challenge,  # type: ignore[arg-type]
+                                                         b - a, payload, sig,
                                                          "fp32", 1)))
         echo = None if o == led.target else (self._frame(conn, P * DIGEST + DIGEST), self._frame(conn, SIG_BYTES))
         with self.cond:

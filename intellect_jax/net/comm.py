@@ -530,7 +530,7 @@ class SocketCommunicator:
     def _mesh_seal(self, call: int, links: Links) -> MeshSeal:
         """Signatures of call ``call`` in the butterfly: ours over our own pieces, to each
         segment's owner; a sender's checked with the certificate its connection presented."""
-        cfg, run_id, ids, n = self.config, self.node.cfg.run_id, self.ids, self.world_size
+        cfg, run_id, ids, certs = self.config, self.node.cfg.run_id, self.ids, self._certs(links)
 
         def said(sender: int, owner: int, seg: int, j: int, numel: int, payload: Any) -> bytes:
             return evidence.statement(run_id, self.step, self.epoch, call, ids[sender], ids[owner], seg, j, numel,
@@ -540,8 +540,8 @@ class SocketCommunicator:
             return evidence.raw_signature(self.node.cfg.identity.sign(said(self.rank, owner, seg, j, numel, payload)))
 
         def check(sender: int, seg: int, j: int, numel: int, payload: bytes, sig: bytes) -> bool:
-            cert = links.inn[(sender - self.rank - 1) % n].cert
-            return verify(cert, said(sender, self.rank, seg, j, numel, payload), evidence.der_signature(sig))
+            return verify(certs[sender], said(sender, self.rank, seg, j, numel, payload),  # type: ignore[arg-type]
+                          evidence.der_signature(sig))
 
         return MeshSeal(sign, check)
 
@@ -562,12 +562,6 @@ class SocketCommunicator:
         """Each rank's certificate (DER): ours, and the one each peer's connection presented."""
         n, me = self.world_size, self.rank
         return [self.node.cfg.identity.cert_der if r == me else links.inn[(r - me - 1) % n].cert for r in range(n)]
-
-    def certificates(self) -> list[str]:
-        """Each rank's certificate (DER, hex) for evidence: call after a butterfly call."""
-        if self._links is None:
-            raise RingClosed(f"ring epoch {self.epoch} has no links")
-        return [c.hex() if c is not None else "" for c in self._certs(self._links)]
 
     def abort(self) -> None:
         """From another thread: fail the all-reduce in progress now (every socket of the ring is
