@@ -4,9 +4,9 @@ Four rules, counted per member across barriers on its :class:`~.roster.Node`: a 
 pseudo-gradient checks failed (it sat out, contributing zeros) at ``sit_out_limit`` barriers in
 a row is broken; a member shown to have sent a bad piece of its own contribution in ``strikes``
 rounds poisons the run; a member that an audit of a butterfly owner shows at fault by its own
-signatures (a forged aggregate, a row list with a row its sender never signed, two different
-pieces signed for one place: ``net.audit``) is evicted at once, since no honest member ever
-signs such a thing; a member that accuses falsely ``strikes`` times is evicted. (A member that
+signatures (a forged aggregate, two commitments for one call, two different pieces signed for
+one place: ``net.audit``) is evicted at once and banned, since no honest member ever signs
+such a thing; a member that accuses falsely ``strikes`` times is evicted. (A member that
 stalls the all-reduce is not evicted for it yet: whose fault a failed call is cannot be told from
 the members' reports while failures cascade, docs/security.md.)
 
@@ -184,8 +184,7 @@ class Police:
                 ev = r.evidence
                 self._say(f"WARNING {n.node_id} shows {accused}'s own piece {ev.piece} of segment {ev.segment} "
                           f"(call {ev.call}) in outer step {step - 1}'s all-reduce, signed by {accused}: {guilty}")
-        frauds = self._audits(step, reports, by_id, run_id)
-        self.frauds = frauds
+        self.frauds = frauds = self._audits(step, reports, by_id, run_id)
         keep: list[Node] = []
         evict: list[tuple[Node, str]] = []
         for n in members:
@@ -211,7 +210,8 @@ class Police:
         """Members shown at fault by the audits reported at barrier ``step`` (member -> why): one
         such case is proof by the member's own signatures, so it is evicted at once. A case is on
         the all-reduce of barrier ``step - 1``'s epoch, or, with a retry of barrier ``step``, on
-        the epoch that the audit failed. A case that does not hold counts against its reporter."""
+        the epoch that the audit failed. A case that is not its reporter's to make, or whose owner
+        was right, counts against its reporter; one whose signatures do not verify is only logged."""
         frauds: dict[str, str] = {}
         for n, r in reports:
             ev = r.audit

@@ -18,9 +18,10 @@ piece per link:
    it used it: float32). An owner cannot know which piece will be checked while it aggregates.
 3. **Check** (:func:`judge`, the same code on the auditor and the coordinator). The rows must be
    the committed ones and the aggregate of the committed rows must be the committed aggregate.
-   Every failure names one member with what it signed itself: an owner whose aggregate is not
-   the aggregate of its rows, or whose row list holds a row its sender never signed; a member
-   that signed two different pieces for one place (one to the owner, another to the auditor).
+   A failure names one member with what it signed itself: an owner whose aggregate is not the
+   aggregate of its rows; a member that signed two different pieces for one place (one to the
+   owner, another to the auditor). A row or answer whose signature does not verify names nobody
+   (an owner's forgery and a sender's trick cannot be told apart): the case shows nothing.
 4. **Echo.** Every member checks the aggregates it gets against the commitment it got, and passes
    that commitment on to the owner's auditor: an owner that sends some members other aggregates
    must sign another commitment for them, and the auditor then holds both under its signature.
