@@ -27,8 +27,9 @@ everywhere, with the case that names the culprit.
 
 Each rank sends ``(N - 1)/N`` of its contribution and ``N - 1`` copies of its segment's
 aggregate: ``2 (N - 1)/N`` of the vector, as the ring does, plus one signature frame per piece
-sent in step 1 and, when auditing, about one piece per link. Links form a full mesh: one connection to and one from every other rank
-(:class:`~.ring.Links` whose ``out[k]`` and ``inn[k]`` join rank ``(rank + 1 + k) mod N``).
+sent in step 1 and, when auditing, about one piece per link. Links form a full mesh: one
+connection to and one from every other rank (:class:`~.ring.Links` whose ``out[k]`` and
+``inn[k]`` join rank ``(rank + 1 + k) mod N``).
 """
 
 from __future__ import annotations
@@ -231,8 +232,8 @@ class _ButterflyRun(AuditFrames, Pipeline):
             self.cond.notify_all()
 
     def receiver(self, k: int) -> None:
-        """From rank ``o``: its own pieces of our segment; when auditing, then its commitment,
-        its challenge and its answer to ours; then its aggregates of segment ``o``."""
+        """From rank ``o``: its own pieces of our segment; then its aggregates of segment ``o``,
+        and when auditing, before the last piece's tail, its audit frames (:mod:`.audit_frames`)."""
         conn, o, P, me = self.links.inn[k], peer_of(self.rank, self.world, k), self.plan.pieces, self.rank
         led = self.ledger
         for j in range(P):
