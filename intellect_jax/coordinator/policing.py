@@ -1,14 +1,23 @@
 """Policing at a barrier: which members have to go for what they contributed.
 
-Four rules, counted per member across barriers on its :class:`~.roster.Node`: a member whose own
+Five rules, counted per member across barriers on its :class:`~.roster.Node`: a member whose own
 pseudo-gradient checks failed (it sat out, contributing zeros) at ``sit_out_limit`` barriers in
 a row is broken; a member shown to have sent a bad piece of its own contribution in ``strikes``
 rounds poisons the run; a member that an audit of a butterfly owner shows at fault by its own
 signatures (a forged aggregate, two commitments for one call, two different pieces signed for
 one place: ``net.audit``) is evicted at once and banned, since no honest member ever signs
-such a thing; a member that accuses falsely ``strikes`` times is evicted. (A member that
-stalls the all-reduce is not evicted for it yet: whose fault a failed call is cannot be told from
-the members' reports while failures cascade, docs/security.md.)
+such a thing; a member that accuses falsely ``strikes`` times is evicted; a member that withholds
+its own pieces (:meth:`Police._stalls`) is evicted once most of the others have said so after
+``stall_calls`` failed calls in a row.
+
+Absence cannot be signed, so the evidence of a stall is a quorum of witnesses. After a failed
+butterfly call every member reports whose own pieces never all reached it as a segment owner
+(``Report.missing``); in that exchange a failure on one link cuts nobody's pieces short on the
+others (``net.butterfly``, ``net.mesh``), so an honest member's pieces reach every honest owner
+whatever else failed, and only a member that withheld them, or could not deliver them before the
+deadline, is named by most others. A minority of liars cannot reach that quorum against an
+honest member, and when half the ring or more would be named (a partition, not a staller)
+nobody is.
 
 An accuser must show the accused's own piece (:func:`weigh`, ``net.evidence``). In a run with
 identities that piece carries the accused's signature over a statement naming the accuser as its
@@ -185,13 +194,18 @@ class Police:
                 self._say(f"WARNING {n.node_id} shows {accused}'s own piece {ev.piece} of segment {ev.segment} "
                           f"(call {ev.call}) in outer step {step - 1}'s all-reduce, signed by {accused}: {guilty}")
         self.frauds = frauds = self._audits(step, reports, by_id, run_id)
+        stalled = self._stalls(step, reports)
         keep: list[Node] = []
         evict: list[tuple[Node, str]] = []
         for n in members:
             n.sit_outs = n.sit_outs + 1 if n.arrival.sits_out else 0  # type: ignore[union-attr]
             n.strikes += int(n.node_id in blamed and (failed or (signed and clear_cut(blamed[n.node_id]))))
+            n.stalls = n.stalls + 1 if n.node_id in stalled else 0
             if n.node_id in frauds:
                 evict.append((n, f"shown at fault by an audit: {frauds[n.node_id]}"))
+            elif n.stalls >= self.config.stall_calls:
+                evict.append((n, f"stalled the all-reduce: in {n.stalls} failed calls in a row most of the others "
+                                 f"said its own pieces never reached them ({stalled[n.node_id]})"))
             elif n.sit_outs >= self.config.sit_out_limit:
                 evict.append((n, f"its own pseudo-gradient checks failed at {n.sit_outs} barriers in a row "
                                  f"({n.arrival.sits_out})"))  # type: ignore[union-attr]
@@ -236,6 +250,30 @@ class Police:
                           f"outer step {ev.step}'s all-reduce (epoch {epoch_id}) shows {guilty} at fault by its own "
                           f"signature: {why}")
         return frauds
+
+    def _stalls(self, step: int, reports: list) -> dict[str, str]:
+        """Members named, at this retry of barrier ``step``, by most of the other members of the
+        epoch whose call failed as having withheld their own pieces (member -> who named it).
+        Only reports on that epoch count, one per reporter and member; nobody is named when half
+        the ring or more would be."""
+        epoch_id, ring, _ = self._rings.get(step, (None, (), ()))
+        names: dict[str, set[str]] = {}
+        for n, r in reports:
+            m = r.missing
+            if m is None or m.step != step or m.epoch != epoch_id or n.node_id not in ring:
+                continue
+            for x in set(m.nodes) & set(ring) - {n.node_id}:
+                names.setdefault(x, set()).add(n.node_id)
+        named = {x: by for x, by in names.items() if 2 * len(by) > len(ring) - 1}
+        if 2 * len(named) >= len(ring) > 0 and named:
+            self._say(f"WARNING outer step {step}'s all-reduce (epoch {epoch_id}): most members say the pieces of "
+                      f"{', '.join(sorted(named))} never reached them, half the ring or more: a partition, nobody "
+                      "is evicted for it")
+            return {}
+        for x, by in sorted(named.items()):
+            self._say(f"WARNING outer step {step}'s all-reduce (epoch {epoch_id}) failed: {len(by)} of the "
+                      f"{len(ring) - 1} others ({', '.join(sorted(by))}) say {x}'s own pieces never reached them")
+        return {x: f"{len(by)} of {len(ring) - 1} in the last" for x, by in named.items()}
 
     def _false(self, n: Node, accused: str, why: str, flaw: str) -> None:
         n.false_accusations += 1

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 # coordinator protocol version; bump on any incompatible change (6: data leases, 7: data plans,
 # 8: the last average's verdict in the state hash and the transfer header, 11: audits of the
-# butterfly's owners in the all-reduce header and the barrier report)
-PROTOCOL = 11
+# butterfly's owners in the all-reduce header and the barrier report, 12: whose pieces a failed
+# butterfly call lacked, in the retry's report)
+PROTOCOL = 12
 
 
 class CoordinatorError(Exception):
@@ -82,6 +83,7 @@ class CoordinatorConfig:
     outer_steps: int | None = None  # the run's length in outer steps (None: the first registrant's)
     sit_out_limit: int = 3  # a node whose own checks fail at this many barriers in a row is evicted
     strikes: int = 2  # a node shown to have sent bad pieces in this many rounds is evicted (policing.py)
+    stall_calls: int = 2  # a node most others name as withholding its pieces in this many failed calls in a row
     allow_rollback_to: int | None = None  # operator: the run may restart from this outer step or later
     # with no live node holding the run's newest state for this long, roll back by itself to the
     # newest state registered nodes hold from their checkpoints (None: wait for an operator)
@@ -96,8 +98,8 @@ class CoordinatorConfig:
             raise ValueError(f"auto_rollback_after must be positive (or None: never): {self}")
         if self.join_window < 0 or self.min_nodes < 1:
             raise ValueError(f"join_window must be >= 0 and min_nodes >= 1: {self}")
-        if min(self.max_handlers, self.handlers_per_identity) < 1:
-            raise ValueError(f"max_handlers and handlers_per_identity must be >= 1: {self}")
+        if min(self.max_handlers, self.handlers_per_identity, self.stall_calls) < 1:
+            raise ValueError(f"max_handlers, handlers_per_identity and stall_calls must be >= 1: {self}")
 
 
 Peer = tuple[str, str]  # (node_id, "host:port")

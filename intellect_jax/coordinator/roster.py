@@ -53,6 +53,7 @@ class Node:
     sit_outs: int = 0  # barriers in a row at which it sat out
     strikes: int = 0  # rounds in which it was shown to have sent a bad piece (policing.py)
     false_accusations: int = 0  # accusations without valid evidence (policing.py)
+    stalls: int = 0  # failed calls in a row in which most others named it as withholding its pieces (policing.py)
     data: DataPlan | None = None  # how it reads its data (None: it did not say)
 
 

@@ -140,15 +140,27 @@ class Audit(Msg):
                      Field(min_length=2, max_length=2)] | None = None
 
 
+class Missing(Msg):
+    """The members whose own pieces of a failed butterfly call never all reached the reporter
+    (``net.butterfly``: it names them whatever else failed), in outer step ``step``'s epoch
+    ``epoch``."""
+
+    step: Count
+    epoch: Count
+    nodes: NodeIds
+
+
 class Report(Msg):
     """A node's word on its last all-reduce: did the average fail its checks, whom (its ring
     predecessor) it accuses of a bad contribution, with why and the evidence, and the piece its
-    audit of a butterfly owner found at fault (``audit``)."""
+    audit of a butterfly owner found at fault (``audit``); after a failed butterfly call, whose own
+    pieces never reached it (``missing``)."""
 
     avg_failed: bool = False
     accused: Annotated[list[Text], Field(min_length=2, max_length=2)] | None = None
     evidence: Evidence | None = None
     audit: Audit | None = None
+    missing: Missing | None = None
 
 
 class Sync(Msg):

@@ -503,15 +503,27 @@ class NodeLoop:
             except NetError as e:
                 p.log(f"all-reduce of outer step {k + 1} failed in epoch {ep.epoch_id}: {e}; retrying")
                 retry_of = ep.epoch_id
-                audited = getattr(comm, "audited", None)
-                if audited:  # our audit failed the call: the case goes with the retry (net.audit)
-                    p.log(f"WARNING our audit in outer step {k + 1}'s all-reduce shows {ep.node_ids[audited[0]]} "
-                          f"at fault: {audited[1]}" + ("" if audited[2] else " (the case is too large to report)"))
-                    report = {"avg_failed": False, "accused": None, "evidence": None, "audit": audited[2]}
+                report = self._failed(k, ep, comm)
             finally:
                 comm.close()
         p.client.leave()
         raise Evicted(f"outer step {k + 1}: all-reduce failed {cfg.max_retries + 1} times; left to join again")
+
+    def _failed(self, k: int, ep: Epoch, comm: Any) -> dict | None:
+        """Our report on a failed call, for the retry's sync: the case, if our audit failed it
+        (:mod:`~intellect_jax.net.audit`), and whose own pieces never reached us (the butterfly)."""
+        audited, missing = getattr(comm, "audited", None), getattr(comm, "missing", ())
+        if audited:
+            self.p.log(f"WARNING our audit in outer step {k + 1}'s all-reduce shows {ep.node_ids[audited[0]]} at "
+                       f"fault: {audited[1]}" + ("" if audited[2] else " (the case is too large to report)"))
+        if missing:
+            self.p.log(f"outer step {k + 1}'s all-reduce: the own pieces of "
+                       f"{', '.join(ep.node_ids[r] for r in missing)} never reached us")
+        if not audited and not missing:
+            return None
+        return {"avg_failed": False, "accused": None, "evidence": None, "audit": audited[2] if audited else None,
+                "missing": {"step": k, "epoch": ep.epoch_id, "nodes": [ep.node_ids[r] for r in missing]}
+                if missing else None}
 
     def _serve(self, ep: Epoch, s: DilocoState) -> None:
         if not ep.serve:

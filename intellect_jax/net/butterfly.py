@@ -25,6 +25,12 @@ before the last piece of them goes out, and every rank audits one owner's segmen
 drawn at random, recomputed from every member's signed piece of it); a fault fails the call
 everywhere, with the case that names the culprit.
 
+A failure on one link does not cut step 1 short on the others: every link sends and reads its
+own pieces to their end (or the deadline) before it is shut. So when a call fails, the ranks
+whose own pieces never reached an owner (its ``gaps``) are those that withheld them, whatever
+else failed: an honest rank's own pieces depend on nobody else. The coordinator evicts a member
+that most others name so in consecutive calls (``coordinator.policing``).
+
 Each rank sends ``(N - 1)/N`` of its contribution and ``N - 1`` copies of its segment's
 aggregate: ``2 (N - 1)/N`` of the vector, as the ring does, plus one signature frame per piece
 sent in step 1 and, when auditing, about one piece per link. Links form a full mesh: one
@@ -114,6 +120,8 @@ class _ButterflyRun(AuditFrames, Pipeline):
         self.findings: list[tuple[int, Finding]] = []  # (sender rank, its bad piece), first per sender
         self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
         self.stuck: list[set[int]] = [set(), set()]  # links left out of the pacing (per step): they did not move
+        self.got = [0] * world  # own pieces of our segment received whole from each rank (step 1)
+        self.over = [[False] * (world - 1), [False] * (world - 1)]  # step 1 over on each out and inn link
         if auditing is not None and seal is None:
             raise ValueError("auditing owners needs signed pieces (a seal)")
         self.ledger = None if auditing is None else Ledger(auditing, rank, x.shape[0], piece_numel, mode, block, how,
@@ -174,10 +182,19 @@ class _ButterflyRun(AuditFrames, Pipeline):
         """To the owner of segment ``o``: our own pieces of it, signed; then our aggregates, and
         when auditing, before the last of them, our commitment, our challenge and our answer to
         o's (the last piece waits for our own audit: without it nobody completes)."""
-        conn, o, P = self.links.out[k], peer_of(self.rank, self.world, k), self.plan.pieces
-        for j in range(P):
-            if not self._pace(0, k, j):
-                return
+        try:
+            self._scatter_to(k)
+        finally:
+            going = self._over(0, k)
+        if going:
+            self._gather_to(k)
+
+    def _scatter_to(self, k: int) -> None:
+        """Step 1 on link ``k``: our own pieces of its owner's segment, each with its signature;
+        on to the end even after the call failed elsewhere (see :meth:`fail`)."""
+        conn, o = self.links.out[k], peer_of(self.rank, self.world, k)
+        for j in range(self.plan.pieces):
+            self._pace(0, k, j)  # (paced while the call stands; after a failure, as fast as the link takes)
             wire = self._encode(o, j)
             conn.send(MsgType.DATA, wire, deadline=self.deadline)
             if self.mseal is not None:
@@ -185,6 +202,10 @@ class _ButterflyRun(AuditFrames, Pipeline):
                 conn.send(MsgType.DATA, self.mseal.sign(o, o, j, b - a, wire), deadline=self.deadline)
             self.ws.release(wire)
             self._sent(0, k)
+
+    def _gather_to(self, k: int) -> None:
+        """Step 3 on link ``k``: our aggregates (with the audit frames before the last tail)."""
+        conn, o, P = self.links.out[k], peer_of(self.rank, self.world, k), self.plan.pieces
         for j in range(P):
             if not self.wait_for(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
                 return
@@ -234,11 +255,18 @@ class _ButterflyRun(AuditFrames, Pipeline):
     def receiver(self, k: int) -> None:
         """From rank ``o``: its own pieces of our segment; then its aggregates of segment ``o``,
         and when auditing, before the last piece's tail, its audit frames (:mod:`.audit_frames`)."""
-        conn, o, P, me = self.links.inn[k], peer_of(self.rank, self.world, k), self.plan.pieces, self.rank
-        led = self.ledger
-        for j in range(P):
-            if self.error is not None:
-                return
+        try:
+            self._scatter_from(k)
+        finally:
+            going = self._over(1, k)
+        if going:
+            self._gather_from(k)
+
+    def _scatter_from(self, k: int) -> None:
+        """Step 1 on link ``k``: its sender's own pieces of our segment, each checked and counted
+        (:attr:`got`); on to the end even after the call failed elsewhere (see :meth:`fail`)."""
+        conn, o, me, led = self.links.inn[k], peer_of(self.rank, self.world, k), self.rank, self.ledger
+        for j in range(self.plan.pieces):
             a, b = self.plan.piece(me, j)
             wire = self._recv(conn, b - a)
             sig = self.their_signature(conn)
@@ -257,7 +285,13 @@ class _ButterflyRun(AuditFrames, Pipeline):
             self.ws.release(wire)
             with self.cond:
                 self.rows[j][o] = row
+                self.got[o] += 1
                 self.cond.notify_all()
+
+    def _gather_from(self, k: int) -> None:
+        """Step 3 on link ``k``: the aggregates of its sender's segment (with its audit frames
+        before the last piece's tail)."""
+        conn, o, P, led = self.links.inn[k], peer_of(self.rank, self.world, k), self.plan.pieces, self.ledger
         for j in range(P):
             if self.error is not None:
                 return
@@ -299,6 +333,35 @@ class _ButterflyRun(AuditFrames, Pipeline):
         with self.cond:
             self.findings.append((sender, Finding(why, seg, j, n, payload, sig)))
 
+    def fail(self, exc: BaseException) -> None:
+        """Keep the first error and shut every link whose step 1 is over (every link, once past
+        the deadline). A link still in step 1 goes on to its end: a failure on one link stops
+        nobody's own pieces on the others, so what each owner lacks at the end (:meth:`gaps`)
+        is what its senders withheld, not the echo of a failure elsewhere."""
+        with self.cond:
+            if self.error is None:
+                self.error = exc
+            self.cond.notify_all()
+            late = time.monotonic() >= self.deadline
+            done = [c for side, conns in enumerate((self.links.out, self.links.inn)) for k, c in enumerate(conns)
+                    if late or self.over[side][k]]
+        for c in done:
+            c.abort()
+
+    def _over(self, side: int, k: int) -> bool:
+        """Step 1 is over on link ``k`` (``side`` 0: ours to its owner, 1: its sender's to us);
+        False, with the link shut, if the call failed meanwhile."""
+        with self.cond:
+            self.over[side][k] = True
+            failed = self.error is not None
+        if failed:
+            (self.links.out, self.links.inn)[side][k].abort()
+        return not failed
+
+    def gaps(self) -> list[int]:
+        """The ranks whose own pieces of our segment did not all reach us."""
+        return [o for o in range(self.world) if o != self.rank and self.got[o] < self.plan.pieces]
+
     def run(self) -> np.ndarray:
         self.spawn(self.encoder, self.sender, self.receiver)  # (after a failure nothing goes back to the pool)
         for w in self.agg:  # every sender is done with them
@@ -312,14 +375,17 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
                          inspect: Inspect | None = None, findings: list[tuple[int, Finding]] | None = None,
                          seal: MeshSeal | None = None, workspace: Workspace | None = None,
                          absent: frozenset[int] = frozenset(), auditing: Auditing | None = None,
-                         verdicts: list[tuple[int, str, Case]] | None = None) -> np.ndarray:
+                         verdicts: list[tuple[int, str, Case]] | None = None,
+                         gaps: list[int] | None = None) -> np.ndarray:
     """Robust mean (``how``: a :mod:`.robust` aggregator) of ``x`` (flat float32) over the
     mesh ``links``, bit-identical on every rank. ``inspect(theirs)`` is shown every other
     member's own piece of our segment; the first bad one of each sender goes to ``findings`` as
     (sender rank, :class:`Finding`). ``seal``: sign our pieces, check a bad one's signature.
     ``absent``: the ranks sitting the round out, whose rows must be zeros and are left out.
     ``auditing`` (needs ``seal``): owners commit to their aggregates and every rank audits one
-    (:mod:`.audit`); a member our audit shows at fault goes to ``verdicts`` as (rank, why, case)."""
+    (:mod:`.audit`); a member our audit shows at fault goes to ``verdicts`` as (rank, why, case).
+    When the call fails, ``gaps`` gets the ranks whose own pieces of our segment did not all
+    reach us (links in ``links`` may be :class:`~.mesh.DeadLink`: their threads fail at once)."""
     if mode not in RING_MODES:
         raise ValueError(f"the butterfly exchange takes {', '.join(RING_MODES)}, not {mode}")
     robust.check_mode(how)
@@ -340,3 +406,5 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
             findings.extend(run.findings)
         if verdicts is not None and run.verdict is not None:
             verdicts.append(run.verdict)
+        if gaps is not None and run.error is not None:
+            gaps.extend(run.gaps())

@@ -19,10 +19,10 @@ from typing import Annotated, Any, Callable, Protocol, Sequence, TypeVar, runtim
 import numpy as np
 from pydantic import Field
 
-from intellect_jax.net import audit, codecs, evidence, quant, robust, tree as treelib
+from intellect_jax.net import audit, codecs, evidence, mesh, quant, robust, tree as treelib
 from intellect_jax.net.audit import Auditing, Case
 from intellect_jax.net.butterfly import RING_MODES, MeshSeal, butterfly_all_reduce, peer_of
-from intellect_jax.net.errors import ConfigMismatch, PeerTimeout, RingClosed
+from intellect_jax.net.errors import AuditFailed, ConfigMismatch, NetError, PeerTimeout, RingClosed
 from intellect_jax.net.identity import verify
 from intellect_jax.net.schema import Nat, Wire, recv_model
 from intellect_jax.net.gather import Encoded, check_own, combine, gather_plan, ring_all_gather_mean
@@ -206,6 +206,16 @@ def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Reduce, before: Callable[
     return rebuild(result), sum(sizes)
 
 
+def _or_close(conn: Connection, step: Callable[[], None]) -> Connection:
+    """``conn`` once ``step()`` passed; closed if it raised."""
+    try:
+        step()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
 def _alone(flat: np.ndarray, _: int, out: np.ndarray | None, dropped: np.ndarray | None) -> np.ndarray:
     """A ring of one: an exact copy (nothing is sent, so nothing is dropped)."""
     if dropped is not None:
@@ -337,6 +347,10 @@ class SocketCommunicator:
         # after a butterfly call that our audit failed (AuditFailed): (rank at fault, why, the audited
         # piece as evidence, net.audit.to_wire; None when too large to report)
         self.audited: tuple[int, str, dict[str, Any] | None] | None = None
+        # after a butterfly call that failed (not aborted from outside): the ranks whose own pieces of
+        # our segment did not all reach us, link or header failures included (net.mesh)
+        self.missing: tuple[int, ...] = ()
+        self._dead: dict[int, NetError] = {}  # rank -> why its link to or from us failed (butterfly)
         self._links: Links | None = None
         self._workspace = Workspace()
         self._closed = False
@@ -371,20 +385,16 @@ class SocketCommunicator:
                 return fn(max(0.0, min(left, 0.5)))
             except PeerTimeout as e:
                 if time.monotonic() >= deadline:
-                    raise PeerTimeout(f"{what}: nothing within {self.config.deadline:.1f}s (last try: {e})") from None
+                    raise PeerTimeout(f"{what}: nothing in time (last try: {e})") from None
 
     def _open(self, deadline: float) -> Links:
-        """The ring's links (``streams`` to the successor and from the predecessor), or the
-        butterfly's mesh (one to and one from every other rank, :func:`.butterfly.peer_of`)."""
+        """The ring's links: ``streams`` to the successor and as many from the predecessor (the
+        butterfly's mesh opens with its header: :meth:`_mesh`)."""
         if self._links is not None:
             return self._links
         n, me = self.world_size, self.rank
-        if self.config.exchange == "butterfly":
-            pairs = [(peer_of(me, n, k), 0) for k in range(n - 1)]
-            outs, inns = pairs, pairs
-        else:
-            outs = [((me + 1) % n, k) for k in range(self.config.streams)]
-            inns = [((me - 1) % n, k) for k in range(self.config.streams)]
+        outs = [((me + 1) % n, k) for k in range(self.config.streams)]
+        inns = [((me - 1) % n, k) for k in range(self.config.streams)]
         links = Links([], [])
         try:
             for to, k in outs:
@@ -405,25 +415,72 @@ class SocketCommunicator:
             links.abort()
         return links
 
+    def _mesh(self, meta: dict[str, Any], deadline: float) -> Links:
+        """The butterfly's :meth:`_open` and :meth:`_check_meta` in one, link by link
+        (:mod:`.mesh`): each link's own thread opens it if it is not open yet, then sends our
+        header on it or reads and compares the peer's. A link that fails before ``deadline``
+        (it does not open, its header does not come, parse or match ours) becomes a
+        :class:`~.mesh.DeadLink`, its rank noted in ``_dead``; the others stand."""
+        n, me, links = self.world_size, self.rank, self._links
+        ranks = [peer_of(me, n, k) for k in range(n - 1)]
+        ours = RingMeta.model_validate(meta).model_dump()  # ours must parse too: a new field goes in RingMeta
+
+        def out(k: int) -> Callable[[], Connection]:
+            to, ch = ranks[k], self._channel(me, ranks[k], 0)
+
+            def go() -> Connection:
+                conn = links.out[k] if links else self._until(
+                    lambda t: self.node.connect(self.peers[to], ch, expect=self.ids[to], timeout=t,
+                                                name=self._name(to)), deadline, f"connecting to {self._name(to)}")
+                return _or_close(conn, lambda: send_msg(conn, meta, deadline))
+            return go
+
+        def inn(k: int) -> Callable[[], Connection]:
+            frm, ch = ranks[k], self._channel(ranks[k], me, 0)
+
+            def check(conn: Connection) -> None:
+                theirs = recv_model(conn, RingMeta, "all-reduce header", deadline, max_len=1 << 16).model_dump()
+                diff = [key for key in ours if ours[key] != theirs[key]]
+                if diff:
+                    detail = ", ".join(f"{key}: theirs={repr(theirs[key])[:40]} ours={repr(ours[key])[:40]}"
+                                       for key in diff)
+                    raise ConfigMismatch(f"{self._name(frm)} disagrees on this all-reduce: {detail}")
+
+            def go() -> Connection:
+                conn = links.inn[k] if links else self._until(
+                    lambda t: self.node.accept(ch, peer=self.ids[frm], timeout=t, name=self._name(frm)),
+                    deadline, f"waiting for {self._name(frm)} on channel {ch!r}")
+                return _or_close(conn, lambda: check(conn))
+            return go
+
+        got = mesh.each([out(k) for k in range(n - 1)] + [inn(k) for k in range(n - 1)], deadline,
+                        lambda c: c.close(), "mesh")
+        self._links = links = Links([self._usable(r, c) for r, c in zip(ranks, got[: n - 1])],
+                                    [self._usable(r, c) for r, c in zip(ranks, got[n - 1:])])
+        if self._aborted:
+            links.abort()
+            raise RingClosed(f"ring epoch {self.epoch} aborted while opening its links")
+        return links
+
+    def _usable(self, rank: int, c: Any) -> Any:
+        """``c`` if it is a connection, else a dead link that raises its failure (noted in ``_dead``)."""
+        if not isinstance(c, NetError):
+            return c
+        self._dead.setdefault(rank, c)
+        return mesh.DeadLink(self._name(rank), c)
+
     def _check_meta(self, links: Links, meta: dict[str, Any], deadline: float) -> None:
         """Send our parameters to every rank we send to; every rank we receive from must send
         the same, parsed as a :class:`RingMeta` (:class:`FrameError` if they do not parse,
         :class:`ConfigMismatch` if they differ)."""
         ours = RingMeta.model_validate(meta).model_dump()  # ours must parse too: a new field goes in RingMeta
-        mesh = self.config.exchange == "butterfly"
-        for conn in links.out if mesh else links.out[:1]:
-            send_msg(conn, meta, deadline)
-        # every header is read before any is judged: a rank that gave up at once would close its
-        # links while others still send theirs, and they would see a closed peer, not the mismatch
-        heard = [recv_model(conn, RingMeta, "all-reduce header", deadline, max_len=1 << 16).model_dump()
-                 for conn in (links.inn if mesh else links.inn[:1])]
-        for k, theirs in enumerate(heard):
-            diff = [key for key in ours if ours[key] != theirs[key]]
-            if diff:
-                frm = peer_of(self.rank, self.world_size, k) if mesh else (self.rank - 1) % self.world_size
-                detail = ", ".join(f"{key}: theirs={repr(theirs[key])[:40]} ours={repr(ours[key])[:40]}"
-                                   for key in diff)
-                raise ConfigMismatch(f"{self._name(frm)} disagrees on this all-reduce: {detail}")
+        send_msg(links.out[0], meta, deadline)
+        theirs = recv_model(links.inn[0], RingMeta, "all-reduce header", deadline, max_len=1 << 16).model_dump()
+        diff = [key for key in ours if ours[key] != theirs[key]]
+        if diff:
+            detail = ", ".join(f"{key}: theirs={repr(theirs[key])[:40]} ours={repr(ours[key])[:40]}" for key in diff)
+            raise ConfigMismatch(f"{self._name((self.rank - 1) % self.world_size)} disagrees on this all-reduce: "
+                                 f"{detail}")
 
     def all_reduce_mean(self, tree: T, *, out: T | None = None, dropped: T | None = None) -> T:
         """Mean over the ring, bit-identical on every rank, as new arrays (or written to ``out``);
@@ -447,15 +504,23 @@ class SocketCommunicator:
             self._calls += 1
             return result
         verdicts: list[tuple[int, str, Case]] = []  # (rank, why, case) from our audits
+        gaps: list[int] = []  # after a failed butterfly call: whose own pieces did not all reach us
+        opening = t0 + mesh.OPENING * cfg.deadline if cfg.exchange == "butterfly" else deadline
+        self.missing = ()
+        mesh_ = cfg.exchange == "butterfly"  # (its links open with the call's header, link by link: _mesh)
         try:
-            links = self._open(deadline)
-            sent0, recv0 = links.traffic()
+            links = self._links if mesh_ else self._open(opening)
+            sent0, recv0 = links.traffic() if links else (0, 0)
 
             def before(info: dict[str, Any]) -> None:
+                nonlocal links
                 meta = {"v": 3, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
                         "peers": self._peers_hash, **asdict(cfg), "absent": sorted(self.absent), **info}
                 meta.pop("deadline")
-                self._check_meta(links, meta, deadline)
+                if mesh_:
+                    links = self._mesh(meta, opening)
+                else:
+                    self._check_meta(links, meta, opening)
 
             findings: list[tuple[int, int, Finding]] = []  # (call, sender rank, its bad piece)
             prv = (self.rank - 1) % self.world_size
@@ -472,7 +537,7 @@ class SocketCommunicator:
                                                     findings=by, seal=self._mesh_seal(c, links),
                                                     workspace=self._workspace, absent=self.absent,
                                                     auditing=self._auditing(c, links) if cfg.audit else None,
-                                                    verdicts=verdicts)
+                                                    verdicts=verdicts, gaps=gaps)
                     if codecs.gathered(cfg.mode):
                         return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
@@ -497,11 +562,16 @@ class SocketCommunicator:
                     step=self.step, epoch=self.epoch, call=c, segment=f.segment, piece=f.piece, numel=f.numel,
                     mode=f.mode or cfg.mode, block=f.block or cfg.block_size, payload=f.payload, signature=f.signature,
                     cert=links.inn[k].cert))
-        except BaseException:
+        except BaseException as e:
             if verdicts:  # our audit failed the call: the case goes with our next sync
                 r, why, case = verdicts[0]
                 self.audited = (r, why, audit.to_wire(case) if audit.reportable(case) else None)
+            if not self._aborted:  # (aborted from outside: the call was cut short, its gaps say nothing)
+                self.missing = tuple(sorted(set(gaps)))
             self._teardown()  # neighbours see the connections close and fail fast too
+            if self._dead and isinstance(e, NetError) and not isinstance(e, AuditFailed):
+                first = self._dead[min(self._dead)]  # the root cause, not its echo in the exchange
+                raise type(first)(str(first)) from e
             raise
         sent, recv = links.traffic()
         self._stats = CommStats(sent - sent0, recv - recv0, time.monotonic() - t0, numel, self.world_size, cfg.mode)

@@ -1,0 +1,160 @@
+"""Liveness of the butterfly exchange: a member that withholds its own pieces is named by the
+owners it withheld them from, and nobody else is (a failure on one link cuts nobody's pieces
+short on the others); the coordinator evicts a member most others name in consecutive failed
+calls, and nobody when half the ring or more would be named."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from intellect_jax.coordinator.policing import Police
+from intellect_jax.coordinator.protocol import CoordinatorConfig
+from intellect_jax.coordinator.roster import Arrival, Node, Role
+from intellect_jax.coordinator.schema import Missing, Report
+from intellect_jax.net import RingConfig, butterfly
+from intellect_jax.net.butterfly import MeshSeal
+from intellect_jax.net.evidence import verdict
+from tests.test_net_ring import _inputs, _members, _nodes, _run
+
+CFG = RingConfig(deadline=4, exchange="butterfly", robust="clip", piece_numel=256)
+
+
+def _withheld(monkeypatch: pytest.MonkeyPatch, how: str, bad: int = 2, first: int = 300) -> tuple[list, list, float]:
+    """A butterfly call of 4 ranks over sockets in which rank ``bad`` misbehaves as ``how`` says;
+    (each rank's ``missing``, each rank's error, seconds taken)."""
+    honest = butterfly._ButterflyRun._scatter_to
+
+    def scatter(self: Any, k: int) -> None:
+        if self.rank == bad and how == "silent":  # in the call, its header sent, none of its pieces
+            time.sleep(max(0.0, self.deadline - time.monotonic()))
+            return
+        if self.rank == bad and how == "garbage" and not getattr(self.mseal, "bad", False):
+            sign = self.mseal.sign  # its pieces to rank 0 with a signature that does not verify
+
+            class Bad(MeshSeal):
+                bad = True
+            self.mseal = Bad(lambda owner, *a: bytes(64) if owner == 0 else sign(owner, *a), self.mseal.verify)
+        return honest(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
+    world = 4
+    nodes = _nodes(world, first=first)
+    try:
+        cfgs = [RingConfig(deadline=CFG.deadline, exchange="butterfly", robust="cclip" if how == "mismatch" and r == bad
+                           else "clip", piece_numel=256) for r in range(world)]
+        comms = [n.ring(_members(nodes), r, config=cfgs[r]) for r, n in enumerate(nodes)]
+        for c in comms:
+            c.inspect = lambda theirs: verdict(theirs, None)
+        xs = _inputs(world, 5000)
+        ranks = [r for r in range(world) if not (how == "absent" and r == bad)]
+        t0 = time.monotonic()
+        _, errs = _run([comms[r] for r in ranks], [xs[r] for r in ranks])
+        took = time.monotonic() - t0
+        missing = [comms[r].missing if r in ranks else None for r in range(world)]
+        full = [None] * world
+        for r, e in zip(ranks, errs):
+            full[r] = e
+        return missing, full, took
+    finally:
+        for n in nodes:
+            n.close()
+
+
+@pytest.mark.parametrize("how", ["silent", "absent", "mismatch"])
+def test_a_member_that_withholds_its_pieces_is_named_by_every_other_owner_and_nobody_else(
+        monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Rank 2 sends its header but no piece (silent), never comes (absent: no link opens), or
+    comes with another aggregator (mismatch: every link to it fails its header): every other
+    rank fails and names rank 2 alone, within the deadline."""
+    missing, errs, took = _withheld(monkeypatch, how, first=300 + 10 * ["silent", "absent", "mismatch"].index(how))
+    assert all(errs[r] is not None for r in (0, 1, 3)), errs
+    assert [missing[r] for r in (0, 1, 3)] == [(2,)] * 3, (missing, errs)
+    assert took < CFG.deadline + 3
+    if how == "absent":  # nobody waits for it past the opening share of the deadline
+        assert took < CFG.deadline, took
+        assert "waiting for rank 2" in str(errs[0]), errs[0]
+
+
+def test_a_bad_link_cuts_nobody_s_pieces_short_on_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2 sends rank 0 pieces whose signatures do not verify: rank 0 fails at once, yet its
+    own pieces still reach ranks 1 and 3 whole, so only rank 0 names anybody (rank 2), and
+    nobody names rank 0, whose failure every other rank then meets."""
+    missing, errs, _ = _withheld(monkeypatch, "garbage", first=340)
+    assert all(e is not None for e in errs), errs
+    assert missing == [(2,), (), (), ()], (missing, errs)
+    assert "does not verify" in str(errs[0]), errs[0]
+
+
+def _members_of(ring: tuple[str, ...], step: int, epoch: int, named: dict[str, list[str]]) -> list[Node]:
+    """The retry of barrier ``step``: every member of ``ring`` with its report on epoch ``epoch``
+    (``named[reporter]``: whose pieces never reached it)."""
+    return [Node(i, f"127.0.0.1:{k + 1}", 1, "s", Role.MEMBER, (k, 0), 0.0,
+                 arrival=Arrival(step, 0.0, "h", True, report=Report(missing=Missing(step=step, epoch=epoch,
+                                                                                    nodes=named[i]))
+                                 if named.get(i) else None))
+            for k, i in enumerate(ring)]
+
+
+def _barrier(police: Police, members: list[Node], step: int, epoch: int, named: dict[str, list[str]]) -> list[str]:
+    """One judged retry of barrier ``step`` on ``epoch``; the ids evicted (the nodes keep their counts)."""
+    by_id = {n.node_id: n for n in members}
+    police.formed(step, epoch, tuple(by_id))
+    fresh = _members_of(tuple(by_id), step, epoch, named)
+    for n, f in zip(members, fresh):
+        n.arrival = f.arrival
+    _, evict = police.judge(step, members, "run")
+    return [n.node_id for n, _ in evict]
+
+
+def test_a_member_most_others_name_in_two_failed_calls_in_a_row_is_evicted() -> None:
+    said: list[str] = []
+    police = Police(CoordinatorConfig(), said.append)
+    ring = ("a", "b", "c", "d")
+    members = _members_of(ring, 0, 1, {})
+    staller = {"a": ["d"], "b": ["d"], "c": ["d"], "d": ["a"]}  # d names a to muddy the water
+    assert _barrier(police, members, 0, 1, staller) == []  # one call: not yet
+    assert members[3].stalls == 1 and members[0].stalls == 0
+    assert _barrier(police, members, 0, 2, staller) == ["d"]
+    assert any("3 of the 3 others (a, b, c) say d's own pieces never reached them" in s for s in said), said
+
+
+@pytest.mark.parametrize(("ring", "named", "why"), [
+    ("abcd", {"a": ["b"]}, "one liar of four names b"),
+    ("abcde", {"a": ["b"], "e": ["b"]}, "two liars of five name b: two of its four others, not most"),
+    ("abcd", {"a": ["c", "d"], "b": ["c", "d"], "c": ["a", "b"], "d": ["a", "b"]}, "a partition"),
+])
+def test_no_eviction_without_most_others_or_when_half_the_ring_is_named(ring: str, named: dict[str, list[str]],
+                                                                        why: str) -> None:
+    said: list[str] = []
+    police = Police(CoordinatorConfig(), said.append)
+    members = _members_of(tuple(ring), 0, 1, {})
+    for epoch in (1, 2, 3):
+        assert _barrier(police, members, 0, epoch, named) == [], why
+    assert all(n.stalls == 0 for n in members)
+    assert ("half the ring or more" in " ".join(said)) == (why == "a partition")
+
+
+def test_a_call_that_went_through_or_a_report_on_another_epoch_resets_nothing_it_should_not() -> None:
+    """Named in one failed call, then a call in which it was not named: the count starts over; a
+    report on an epoch other than the failed one counts for nothing."""
+    police = Police(CoordinatorConfig(), lambda _: None)
+    members = _members_of(("a", "b", "c"), 0, 1, {})
+    named = {"a": ["c"], "b": ["c"]}
+    assert _barrier(police, members, 0, 1, named) == [] and members[2].stalls == 1
+    assert _barrier(police, members, 0, 2, {}) == [] and members[2].stalls == 0
+    assert _barrier(police, members, 0, 3, named) == [] and members[2].stalls == 1
+    police.formed(0, 4, ("a", "b", "c"))
+    for n, f in zip(members, _members_of(("a", "b", "c"), 0, 3, named)):  # a report on epoch 3 at epoch 4's retry
+        n.arrival = f.arrival
+    assert police.judge(0, members, "run")[1] == [] and members[2].stalls == 0
+
+
+def test_missing_reports_are_parsed_strictly() -> None:
+    Report.model_validate({"missing": {"step": 3, "epoch": 9, "nodes": ["a"]}})
+    for bad in ({"step": -1, "epoch": 0, "nodes": []}, {"step": 0, "epoch": 0, "nodes": [""]},
+                {"step": 0, "epoch": 0, "nodes": ["a"], "extra": 1}, {"step": 0, "epoch": 0, "nodes": ["x" * 129]}):
+        with pytest.raises(ValueError):
+            Report.model_validate({"missing": bad})
