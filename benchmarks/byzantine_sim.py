@@ -1,7 +1,7 @@
 """The attack suite of the Byzantine-robust exchange in the seeded in-process harness.
 
     python benchmarks/byzantine_sim.py [--steps 20] [--robust mean,clip,cclip] [--exchange butterfly]
-        [--setups 4:1,8:1,8:2,16:1] [--attacks flip,push,ratchet,late-nan,x1000,sitout,owner] [--seed 0]
+        [--setups 4:1,8:1,8:2,16:1] [--attacks flip,push,ratchet,late-nan,x1000,sitout,owner,stall] [--seed 0]
 
 Each run is the fault simulation's (``intellect_jax.testing.sim``: the real node loop and
 coordinator in virtual time, a toy model, the exchange's exact arithmetic, evidence signed by
@@ -11,7 +11,8 @@ each sender and checked by the coordinator) with the first attackers (``n1``, th
 * ``flip``: -N x its honest pseudo-gradient; ``push``: 7x its norm in one fixed direction;
   ``ratchet``: 1.6^step x it; ``late-nan``: NaN in its very last value; ``x1000``: every value
   x1000; ``sitout``: says it sits the round out (its own check fails) yet sends its honest one;
-  ``owner``: sends its honest one but, as a segment owner, its aggregate negated (net.audit).
+  ``owner``: sends its honest one but, as a segment owner, its aggregate negated (net.audit);
+  ``stall``: comes to every all-reduce and sends none of its pieces (the butterfly's liveness).
 
 For each (setup, attack, aggregator) it prints one JSON line: the lowest cosine, over the
 exchanges an attacker took part in, between the applied average and the honest contributors'
@@ -34,15 +35,14 @@ import numpy as np
 
 from intellect_jax.testing.sim import Script, Sim, SimParams
 from intellect_jax.testing.sim_checks import evictions
-from intellect_jax.testing.sim_parts import Fault
+from intellect_jax.testing.sim_plan import attacker
 
-ATTACKS = ("flip", "push", "ratchet", "late-nan", "x1000", "sitout", "owner")
+ATTACKS = ("flip", "push", "ratchet", "late-nan", "x1000", "sitout", "owner", "stall")
 
 
 def run(nodes: int, attackers: list[int], value: str | None, robust: str, exchange: str, steps: int,
         seed: int) -> dict:
-    faults = {f"n{a}#0": [Fault("poison", s, "poison", "wire", value=value) for s in range(1, steps + 1)]
-              for a in attackers} if value else {}
+    faults = {f"n{a}#0": attacker(value, steps) for a in attackers} if value else {}
     p = SimParams(nodes=nodes, outer_steps=steps, outer_lr=1.0, outer_momentum=0.0, exchange=exchange, robust=robust)
     sim = Sim(seed, p, script=Script(faults=faults))
     with warnings.catch_warnings():

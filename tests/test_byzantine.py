@@ -16,7 +16,7 @@ import pytest
 
 from intellect_jax.testing.sim import Script, Sim, SimParams
 from intellect_jax.testing.sim_checks import evictions
-from intellect_jax.testing.sim_parts import Fault
+from intellect_jax.testing.sim_plan import attacker
 
 STEPS = 10
 
@@ -25,8 +25,7 @@ def _run(nodes: int, attackers: list[int], value: str | None, *, exchange: str =
          robust: str = "cclip", values: dict[int, str] | None = None) -> tuple[dict, float, dict[str, int]]:
     """(the simulation's report, the final validation loss, node -> boundary of its eviction);
     ``values``: another attack for some attackers."""
-    faults = {f"n{a}#0": [Fault("poison", s, "poison", "wire", value=(values or {}).get(a, value))
-                          for s in range(1, STEPS + 1)] for a in attackers} if value else {}
+    faults = {f"n{a}#0": attacker((values or {}).get(a, value), STEPS) for a in attackers} if value else {}
     p = SimParams(nodes=nodes, outer_steps=STEPS, outer_lr=1.0, outer_momentum=0.0, exchange=exchange, robust=robust)
     sim = Sim(0, p, script=Script(faults=faults))
     with warnings.catch_warnings():
@@ -120,4 +119,18 @@ def test_an_owner_forging_its_aggregate_is_evicted_on_its_auditor_s_case(robust:
     assert list(evicted) == ["n2"] and evicted["n2"] <= 2, evicted
     assert re.search(r"\[coord\] WARNING n\d's audit of n2's segment .* shows n2 at fault by its own signature: its "
                      rf"aggregate of piece \d+ of segment \d is not the {robust} of the rows it was sent", log)
+    assert "false accusation" not in log
+
+
+@pytest.mark.parametrize(("nodes", "attackers"), [(4, [1]), (8, [1, 5])])
+def test_a_member_stalling_every_all_reduce_is_evicted_and_nobody_else(nodes: int, attackers: list[int]) -> None:
+    """Attackers that come to every all-reduce and send none of their pieces (heartbeats go on):
+    the other owners name them in their retry reports, and the coordinator evicts them at the
+    second failed call, inside the first outer step they stall; no honest node is evicted, and
+    the run goes on to its end with one history."""
+    report, _, evicted = _run(nodes, attackers, "stall")
+    bad = {f"n{a}" for a in attackers}
+    assert set(evicted) == bad and all(b <= 2 for b in evicted.values()), evicted
+    log = "\n".join(report["log"])
+    assert all(re.search(rf"\[coord\] evicted {b}: stalled the all-reduce", log) for b in bad), log[-3000:]
     assert "false accusation" not in log

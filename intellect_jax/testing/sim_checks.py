@@ -189,6 +189,26 @@ def stall_evictions(coord_events: list[tuple[float, str]], procs: list[Proc], pa
     return out
 
 
+def withheld(coord_events: list[tuple[float, str]], procs: list[Proc], window: float) -> list[str]:
+    """Members evicted for stalling the all-reduce (most others said its pieces never reached
+    them) that never withheld its pieces and had no kill or stall of any of its processes in the
+    ``window`` seconds before: an honest member's pieces always arrive, so each such eviction
+    must rest on a real stall."""
+    out = []
+    for t, line in coord_events:
+        m = re.match(r"evicted (\S+): stalled the all-reduce", line)
+        if not m:
+            continue
+        mine = [q for q in procs if q.node_id == m.group(1)]
+        if any(f.hook == "withhold" for q in mine for f in q.faults):
+            continue
+        if not any((q.killed_at is not None and t - window <= q.killed_at <= t)
+                   or any(a <= t and b >= t - window for a, b in q.stalls) for q in mine):
+            out.append(f"{m.group(1)} evicted at {t:.1f}s for stalling the all-reduce, with no kill or stall of it "
+                       f"in the {window:.0f}s before")
+    return out
+
+
 def late_ends(procs: list[Proc], completed_at: float | None, outside: list[Window], end_bound: float,
               log: list[str]) -> list[str]:
     """Processes that ended more than ``end_bound`` after the run completed and they could act

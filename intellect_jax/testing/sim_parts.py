@@ -165,6 +165,7 @@ class _Comm:
         self.inspect: Any = None  # as the socket ring's: shown the predecessor's own contribution
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
         self.audited: tuple[int, str, dict[str, Any] | None] | None = None  # as SocketCommunicator.audited
+        self.missing: tuple[int, ...] = ()  # as SocketCommunicator.missing: the ranks that never came
         self.absent: frozenset[int] = frozenset()  # set by the loop: the ranks that sit the round out
         self.node_ids = list(ep.node_ids)
 
@@ -177,6 +178,8 @@ class _Comm:
         f = sim.gate(self.proc, "allreduce", "before")
         tree = sim.poison(self.proc, "wire", self.step, tree)
         deadline = clock.now() + sim.p.ring_deadline
+        if self.over_present and g.world >= 3 and sim.withholding(self.proc, self.step):
+            self._withhold(deadline)
         with sim.cond:
             g.inputs[self.rank], g.members[self.rank], g.drops[self.rank] = tree, self.proc, dropped
             g.units[self.rank] = sim.leased.get((self.proc.name, self.step - 1))  # the round that made it
@@ -224,6 +227,8 @@ class _Comm:
         if g.forged and g.results is not None:  # the auditor of a forged segment fails the call for all
             self.audited = g.verdicts.get(self.rank)
             raise AuditFailed(f"sim ring epoch {self.epoch}: an audit shows {sorted(g.forged)} forging")
+        if g.results is None and self.over_present and g.error != "aborted (a member was evicted)":
+            self.missing = tuple(r for r in range(g.world) if r not in g.inputs)  # (their pieces never left)
         if g.results is None or self.rank in g.fail_ranks:
             raise PeerClosed(f"sim ring epoch {self.epoch}: {g.error or 'a peer died before passing it on'}")
         sim.gate(self.proc, "allreduce", "after")
@@ -240,6 +245,19 @@ class _Comm:
                                                                   step=self.step - 1, epoch=self.epoch,
                                                                   piece_numel=sim.ring_cfg.piece_numel)[1])
         return copy.deepcopy(g.results[self.rank])
+
+    def _withhold(self, deadline: float) -> None:
+        """A withholder's call: in the exchange, but none of its pieces go out; it fails at the
+        deadline with everyone (a ring of two cannot tell which of them withholds: none here)."""
+        sim, g = self.sim, self.group
+        sim.injected["withhold"] += 1
+        sim.say(self.proc.name, f"FAULT withholds its pieces in epoch {self.epoch}")
+        with sim.cond:
+            g.members[self.rank] = self.proc
+            while g.error is None and sim.clock.now() < deadline:
+                sim.cond.wait(min(deadline - sim.clock.now(), 1.0))
+        sim.clock.sleep(sim.p.ring_time)
+        raise PeerTimeout(f"sim ring epoch {self.epoch}: we withheld our pieces")
 
     def _butterfly_suspect(self, g: Group) -> tuple[int, str, dict[str, Any]] | None:
         """As a butterfly owner sees them: every other member's own pieces, the first bad one

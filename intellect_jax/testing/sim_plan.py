@@ -57,6 +57,7 @@ class SimParams:
     exchange: str = "ring"  # "butterfly": each segment's owner sees every piece (net/butterfly.py); signed evidence
     robust: str = "mean"  # the butterfly owners' aggregator (net/robust.py)
     forge_prob: float = 0.1  # butterfly: chance that an incarnation forges its aggregates as owner (net/audit.py)
+    withhold_prob: float = 0.3  # butterfly: chance that a seed has a node that withholds its pieces (draw_withholder)
 
 
 
@@ -127,6 +128,26 @@ def draw_forgers(rng: np.random.Generator, p: SimParams) -> list[Fault]:
         return []
     first = int(rng.integers(1, p.outer_steps + 1))
     return [Fault("poison", s, "poison", "wire", value="owner") for s in range(first, p.outer_steps + 1)]
+
+
+def attacker(value: str, steps: int) -> list[Fault]:
+    """A malicious member's faults from outer step 1 to ``steps``: ``"stall"`` comes to every
+    all-reduce and withholds its pieces (:meth:`~.sim_world.World.withholding`), any other
+    ``value`` corrupts what it sends (:meth:`~.sim_world.World.poison`)."""
+    if value == "stall":
+        return [Fault("withhold", s, "withhold") for s in range(1, steps + 1)]
+    return [Fault("poison", s, "poison", "wire", value=value) for s in range(1, steps + 1)]
+
+
+def draw_withholder(rng: np.random.Generator, p: SimParams) -> tuple[str, int] | None:
+    """(node, first step): the one node of a seed that, from that outer step on, in every
+    incarnation, comes to each butterfly all-reduce of three or more and sends none of its
+    pieces while its heartbeats go on (its own stream, so the other draws of a seed stay as they
+    were); only the others' reports can get it evicted. One at most: a stall needs most of the
+    others to witness it, and two withholders in a ring of four are half of it."""
+    if p.exchange != "butterfly" or rng.random() >= p.withhold_prob:
+        return None
+    return f"n{int(rng.integers(p.nodes))}", int(rng.integers(1, p.outer_steps + 1))
 
 
 def draw_schedule(rng: np.random.Generator, p: SimParams) -> list[tuple[float, str, str]]:

@@ -175,6 +175,10 @@ class World:
         outer step ``step`` (the same bytes to every member: only an audit can tell)."""
         return any(f.hook == "poison" and f.value == "owner" and f.nth == step for f in proc.faults)
 
+    def withholding(self, proc: Proc, step: int) -> bool:
+        """Whether the node comes to outer step ``step``'s all-reduce but sends none of its pieces."""
+        return any(f.hook == "withhold" and f.nth == step for f in proc.faults)
+
     def framing(self, proc: Proc, step: int) -> bool:
         """Whether the node frames its ring predecessor in outer step ``step``: it poisons the
         partial sums it forwards (the round fails for everyone, and nobody can see whose doing it
