@@ -4,6 +4,8 @@ attacker's own code patched to attack (the fault injector lives here, not in the
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -58,3 +60,27 @@ def test_a_late_nan_in_a_real_run_is_evicted_on_its_signed_piece(monkeypatch: py
     monkeypatch.setattr(SocketCommunicator, "all_reduce_mean", late_nan)
     r = socket_run(4, "byz-nan", RING, outer_steps=STEPS, dim=4096)
     _check(r, "n2", "poisoned contributions")
+
+
+def test_a_member_that_withholds_its_pieces_in_a_real_run_is_evicted_and_the_others_finish(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """n3 comes to the first all-reduces, heartbeats and all, but sends none of its pieces: each
+    call fails at its deadline, the three others name n3 in their retry reports, and the
+    coordinator evicts it at the second failed call (rejoining, it behaves)."""
+    from intellect_jax.net import butterfly
+
+    honest = butterfly._ButterflyRun._scatter_to
+
+    def withhold(self: Any, k: int) -> None:
+        ctx = self.ledger.ctx
+        if ctx.ids[self.rank] == "n3" and ctx.step <= 1:
+            time.sleep(max(0.0, self.deadline - time.monotonic()))
+            return
+        honest(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", withhold)
+    r = socket_run(4, "byz-stall", dataclasses.replace(RING, deadline=5.0), outer_steps=STEPS, dim=4096)
+    _check(r, "n3", "stalled the all-reduce")
+    log = "\n".join(r["events"])
+    assert "3 of the 3 others (n0, n1, n2) say n3's own pieces never reached them" in log, log[-2000:]
+    assert len(r["evictions"]) == 1, r["evictions"]  # evicted once, in the first outer step's retries
