@@ -495,6 +495,9 @@ def socket_run(n: int, run_id: str, ring: Any, *, outer_steps: int = 20, dim: in
     return {"wall_s": wall, "outcomes": outcomes, "evictions": [e for e in status["evictions"] if not e["graceful"]],
             "hashes": {state_hash(lp.state) for lp in loops if lp.state is not None},
             "node_hashes": [None if lp is None or lp.state is None else state_hash(lp.state) for lp in loops],
+            "distance": [None if lp is None or lp.state is None else  # each node's final outer params to the goal
+                         float(np.linalg.norm(lp.state.outer_params["w"] - goal) / np.linalg.norm(goal))
+                         for lp in loops],
             "refused": refused,
             "node_refused": node_refused, "events": events}
 
