@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Any
 
 import numpy as np
@@ -14,6 +13,7 @@ from intellect_jax.coordinator.schema import Audit
 from intellect_jax.net import RingConfig, audit, butterfly, comm as commlib, quant
 from intellect_jax.net.audit import ENTRY, Case, judge
 from intellect_jax.net.errors import AuditFailed
+from intellect_jax.net.evidence import digest
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import make_plan
 from intellect_jax.testing.audit_cases import sign, signed_case, verifier
@@ -148,20 +148,20 @@ def test_judge_an_honest_case_and_each_kind_of_fault() -> None:
     assert judge(case, _verify) == (None, "the aggregate of piece 1 is right", True)
     # the owner's aggregate is not the mean of its rows
     aggs = list(case.aggregates)
-    aggs[1] = hashlib.sha256(b"another").digest()
+    aggs[1] = digest(b"another")
     assert judge(_resign(case, aggregates=tuple(aggs)), _verify)[0] == 0
     # a row in the list whose signature does not verify: the owner's forgery or a sender's trick, not told apart
     rows = bytearray(case.rows)
     rows[2 * ENTRY] ^= 1
     roots = list(case.row_roots)
-    roots[1] = hashlib.sha256(bytes(rows)).digest()
+    roots[1] = digest(bytes(rows))
     guilty, why, right = judge(_resign(case, rows=bytes(rows), row_roots=tuple(roots)), _verify)
     assert guilty is None and not right and "a2 whose signature does not verify" in why  # owner or sender?
     # a sender signs another piece to the auditor than it sent the owner
     other = bytearray(case.payloads[2])
     other[-1] ^= 1
     sigs = list(case.audit_sigs)
-    sigs[2] = _sign(2, case.said(2, 1, hashlib.sha256(bytes(other)).digest()))
+    sigs[2] = _sign(2, case.said(2, 1, digest(bytes(other))))
     guilty, why, _ = judge(dataclasses.replace(case, payloads=(*case.payloads[:2], bytes(other)),
                                             audit_sigs=tuple(sigs)), _verify)
     assert guilty == 2 and "signed two different pieces" in why
@@ -175,7 +175,7 @@ def test_judge_an_honest_case_and_each_kind_of_fault() -> None:
     own = bytearray(case.payloads[0])
     own[0] ^= 1
     sigs = list(case.audit_sigs)
-    sigs[0] = _sign(0, case.said(0, 1, hashlib.sha256(bytes(own)).digest(), own=True))
+    sigs[0] = _sign(0, case.said(0, 1, digest(bytes(own)), own=True))
     assert judge(dataclasses.replace(case, payloads=(bytes(own), *case.payloads[1:]), audit_sigs=tuple(sigs)),
                  _verify)[0] == 0
     # nothing holds without the owner's own signature on the commitment
@@ -205,8 +205,7 @@ class _Equivocating:
                 forged = forged[start:start + payload.nbytes]
             payload = forged
         elif led.commit is not None and isinstance(payload, bytes) and payload == led.commit[0]:
-            ds = [hashlib.sha256(quant.encode(-quant.decode(w, e - s, run.mode, run.block), run.mode,
-                                              run.block)).digest()
+            ds = [digest(quant.encode(-quant.decode(w, e - s, run.mode, run.block), run.mode, run.block))
                   for w, (s, e) in zip(run.agg, (run.plan.piece(run.rank, j) for j in range(run.plan.pieces)))]
             payload = b"".join(ds) + payload[-audit.DIGEST:]
             self.forged_sig = led.ctx.sign(led._said(run.rank, ds, payload[-audit.DIGEST:]))

@@ -8,8 +8,8 @@ piece per link:
 1. **Commitment.** Once an owner has aggregated all ``P`` pieces of its segment (and sent all
    but the last, which goes after the audit) it signs one
    :func:`commitment` (the run, outer step, epoch and call, the plan, the codec, the aggregator,
-   the members sitting out, and two roots): the SHA-256 of each aggregate's wire bytes, and for
-   each piece the *row list*: every member's piece as the owner received it (its SHA-256 and its
+   the members sitting out, and two roots): the digest (BLAKE3) of each aggregate's wire bytes, and for
+   each piece the *row list*: every member's piece as the owner received it (its digest and its
    sender's signature, zeros for the owner's own row, which it never sent). Every member gets
    the aggregates' digests and the signature; the segment's auditor (:func:`auditor_of`, a
    different member every call) also gets the row lists.
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -46,11 +45,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from intellect_jax.net import quant, robust
-from intellect_jax.net.evidence import MAX_EVIDENCE_BYTES, SIG_BYTES, piece_statement
+from intellect_jax.net.evidence import MAX_EVIDENCE_BYTES, SIG_BYTES, digest, hasher, piece_statement
 from intellect_jax.net.plan import make_plan
 
 DIGEST = 32
-ENTRY = DIGEST + SIG_BYTES  # a row list entry: the row's SHA-256, its sender's signature to the owner
+ENTRY = DIGEST + SIG_BYTES  # a row list entry: the row's digest, its sender's signature to the owner
 NO_SIG = bytes(SIG_BYTES)  # the owner's own row: never sent, so never signed
 MAX_PIECES = 1 << 16  # pieces per segment a case may list
 MAX_CASE_RANKS = 64  # members a reported case may hold
@@ -69,8 +68,8 @@ def audited_by(rank: int, world: int, step: int, call: int) -> int:
 
 
 def root(parts: Sequence[bytes]) -> bytes:
-    """The SHA-256 of the parts' concatenation."""
-    h = hashlib.sha256()
+    """The digest (:func:`~.evidence.digest`) of the parts' concatenation."""
+    h = hasher()
     for p in parts:
         h.update(p)
     return h.digest()
@@ -83,7 +82,7 @@ def commitment(run_id: str, step: int, epoch: int, call: int, owner: str, segmen
     return (f"intellect_jax commitment\nrun {run_id}\nouter step {step}\nepoch {epoch}\ncall {call}\nowner {owner}\n"
             f"segment {segment}\nworld {world}\nnumel {numel}\npiece numel {piece_numel}\nmode {mode}\n"
             f"block {block}\nhow {how}\nabsent {','.join(map(str, sorted(absent)))}\n"
-            f"aggregates sha256 {aggregates.hex()}\nrows sha256 {rows.hex()}").encode()
+            f"aggregates blake3 {aggregates.hex()}\nrows blake3 {rows.hex()}").encode()
 
 
 @dataclass(frozen=True)
@@ -183,7 +182,7 @@ def judge(case: Case, verify: Verify) -> Judgement:
                 head[-DIGEST:]), sig):
             return Judgement(None, "the other commitment is not another one signed by the owner")
         return Judgement(o, f"signed two different commitments to its aggregates of segment {o} in call {case.call}")
-    if hashlib.sha256(case.rows).digest() != case.row_roots[case.piece]:
+    if digest(case.rows) != case.row_roots[case.piece]:
         return Judgement(None, f"the row list is not the one committed for piece {case.piece}")
     entries = [case.rows[i * ENTRY:(i + 1) * ENTRY] for i in range(world)]
     for i, e in enumerate(entries):  # the owner lists what each sender signed to it (it checked each)
@@ -194,9 +193,9 @@ def judge(case: Case, verify: Verify) -> Judgement:
     for i, (e, payload, sig) in enumerate(zip(entries, case.payloads, case.audit_sigs)):
         own = i == o
         want = 4 * n if own else quant.encoded_nbytes(n, case.mode, case.block)
-        digest = hashlib.sha256(payload).digest()
-        if digest != e[:DIGEST]:  # not the committed row: its sender signed two pieces for one place
-            if i == case.auditor or sig is None or not verify(i, case.said(i, case.auditor, digest, own), sig):
+        d = digest(payload)
+        if d != e[:DIGEST]:  # not the committed row: its sender signed two pieces for one place
+            if i == case.auditor or sig is None or not verify(i, case.said(i, case.auditor, d, own), sig):
                 return Judgement(None, f"{case.ids[i]}'s piece is not the committed one, and not signed to the "
                                        "auditor")
             return Judgement(i, f"signed two different pieces {case.piece} of segment {o} (to {case.ids[o]} and to "
@@ -209,7 +208,7 @@ def judge(case: Case, verify: Verify) -> Judgement:
         except ValueError:  # signed by its sender, yet no payload of its codec: the aggregate drops it
             rows.append(np.full(n, np.nan, np.float32))
     wire = robust.aggregate_piece(rows, n, case.mode, case.block, case.how, absent=frozenset(case.absent))
-    if hashlib.sha256(wire).digest() != case.aggregates[case.piece]:
+    if digest(wire) != case.aggregates[case.piece]:
         return Judgement(o, f"its aggregate of piece {case.piece} of segment {o} is not the {case.how} of the rows it "
                             "was sent")
     return Judgement(None, f"the aggregate of piece {case.piece} is right", right=True)
@@ -233,7 +232,7 @@ class Auditing:
 
 def signed_piece(ctx: Auditing, sender: int, receiver: int, segment: int, piece: int, numel: int, mode: str,
                  block: int, digest: bytes) -> bytes:
-    """The statement ``sender`` signs for a piece of its own (SHA-256 ``digest``) it sends
+    """The statement ``sender`` signs for a piece of its own (its ``digest``) it sends
     ``receiver`` in this call."""
     return piece_statement(ctx.run_id, ctx.step, ctx.epoch, ctx.call, ctx.ids[sender], ctx.ids[receiver], segment,
                            piece, numel, mode, block, digest.hex())
@@ -269,26 +268,26 @@ class Ledger:
     def received(self, j: int, sender: int, wire: np.ndarray | bytes, signature: bytes) -> bool:
         """``sender``'s own piece ``j`` of our segment arrived: False if ``signature`` is not its
         signature of it (we commit to what each sender signed), else it goes into our row list."""
-        digest = hashlib.sha256(wire).digest()  # (one pass: the signed statement and the row list)
+        d = digest(wire)  # (one pass: the signed statement and the row list)
         a, b = self.plan.piece(self.rank, j)
-        said = signed_piece(self.ctx, sender, self.rank, self.rank, j, b - a, self.mode, self.block, digest)
+        said = signed_piece(self.ctx, sender, self.rank, self.rank, j, b - a, self.mode, self.block, d)
         if not self.ctx.verify(sender, said, signature):
             return False
-        self.entries[j][sender] = digest + signature
+        self.entries[j][sender] = d + signature
         return True
 
     def own(self, j: int, row: np.ndarray) -> None:
-        self.entries[j][self.rank] = hashlib.sha256(np.ascontiguousarray(row, np.float32)).digest() + NO_SIG
+        self.entries[j][self.rank] = digest(np.ascontiguousarray(row, np.float32)) + NO_SIG
 
     def aggregated(self, j: int, wire: np.ndarray) -> None:
-        self.agg_digests[j] = hashlib.sha256(wire).digest()
+        self.agg_digests[j] = digest(wire)
 
     def seal(self) -> tuple[bytes, bytes, list[bytes]]:
         """Our commitment once every piece is aggregated: (digests and the rows' root, signature,
         row lists)."""
         rows = [b"".join(e) for e in self.entries]
         digests: list[bytes] = self.agg_digests  # type: ignore[assignment]
-        rows_root = root([hashlib.sha256(r).digest() for r in rows])
+        rows_root = root([digest(r) for r in rows])
         said = self._said(self.rank, digests, rows_root)
         self.commit = (b"".join(digests) + rows_root, self.ctx.sign(said), rows)
         return self.commit
@@ -307,7 +306,7 @@ class Ledger:
         if not self.ctx.verify(owner, self._said(owner, ds, rows_root), signature):
             return "a commitment its signature does not cover"
         if rows is not None:
-            row_roots = [hashlib.sha256(r).digest() for r in rows]
+            row_roots = [digest(r) for r in rows]
             if root(row_roots) != rows_root:
                 return "row lists that are not the ones it committed"
             self.audited = (ds, signature, rows)
@@ -318,7 +317,7 @@ class Ledger:
     def got(self, owner: int, j: int, wire: np.ndarray) -> bool:
         """An owner's aggregate of piece ``j`` arrived (its commitment comes before its last);
         False: it is not the one the owner committed to."""
-        self.received_aggs.setdefault(owner, []).append(hashlib.sha256(wire).digest())
+        self.received_aggs.setdefault(owner, []).append(digest(wire))
         return owner not in self.theirs or self._consistent(owner)
 
     def _consistent(self, owner: int) -> bool:
@@ -346,7 +345,7 @@ class Ledger:
         sigs = tuple(None if i == self.rank else self.answers[i][1] for i in range(self.world))
         return Case(self.ctx.run_id, self.ctx.step, self.ctx.epoch, self.ctx.call, self.ctx.ids, o, self.rank,
                     j, self.numel, self.piece_numel, self.mode, self.block, self.how, self.absent,  # type: ignore[arg-type]
-                    tuple(ds), tuple(hashlib.sha256(r).digest() for r in rows), sig, rows[j], payloads, sigs,
+                    tuple(ds), tuple(digest(r) for r in rows), sig, rows[j], payloads, sigs,
                     other)
 
 

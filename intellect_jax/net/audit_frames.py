@@ -8,14 +8,12 @@ plan, links, codec and condition variable.
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 
 from intellect_jax.net import quant
 from intellect_jax.net.audit import DIGEST, ENTRY, audited_by, judge, signed_piece
 from intellect_jax.net.errors import AuditFailed, FrameError
-from intellect_jax.net.evidence import SAT_OUT, SIG_BYTES
+from intellect_jax.net.evidence import SAT_OUT, SIG_BYTES, digest
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.ring import Finding
 
@@ -69,7 +67,7 @@ class AuditFrames:
             payload = wire.tobytes()
             self.ws.release(wire)
         said = signed_piece(led.ctx, self.rank, o, seg, j, b - a, "fp32" if own else self.mode,
-                            1 if own else self.block, hashlib.sha256(payload).digest())
+                            1 if own else self.block, digest(payload))
         conn.send(MsgType.DATA, payload, deadline=self.deadline)
         conn.send(MsgType.DATA, led.ctx.sign(said), deadline=self.deadline)
         return True
@@ -100,7 +98,7 @@ class AuditFrames:
         payload, sig = self._frame(conn, n), self._frame(conn, SIG_BYTES)
         own = o == led.target
         said = signed_piece(led.ctx, o, self.rank, led.target, led.challenge, b - a,  # type: ignore[arg-type]
-                            "fp32" if own else self.mode, 1 if own else self.block, hashlib.sha256(payload).digest())
+                            "fp32" if own else self.mode, 1 if own else self.block, digest(payload))
         if not led.ctx.verify(o, said, sig):
             raise FrameError(f"rank {o}: the signature of its answer to our audit does not verify")
         if own:  # the owner's own row, which nobody else ever sees: checked like every other row

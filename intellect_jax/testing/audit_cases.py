@@ -10,7 +10,6 @@ the honest aggregate.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ import numpy as np
 from intellect_jax.net import quant, tree as treelib
 from intellect_jax.net.audit import NO_SIG, Case, audited_by, judge, to_wire
 from intellect_jax.net.comm import RingConfig, bucket_call
+from intellect_jax.net.evidence import digest
 from intellect_jax.net.evidence import der_signature, piece_statement, raw_signature
 from intellect_jax.net.identity import verify
 from intellect_jax.net.plan import make_plan
@@ -52,7 +52,7 @@ def signed_case(xs: Sequence[np.ndarray], ids: Sequence[str], *, owner: int, aud
         a, b, ws = wires(j)
         entries = []
         for i, w in enumerate(ws):
-            d = hashlib.sha256(w).digest()
+            d = digest(w)
             said = piece_statement(run_id, step, epoch, call, ids[i], ids[owner], owner, j, b - a, mode, block, d.hex())
             entries.append(d + (NO_SIG if i == owner else sign(ids[i], said)))
         rows.append(b"".join(entries))
@@ -61,12 +61,12 @@ def signed_case(xs: Sequence[np.ndarray], ids: Sequence[str], *, owner: int, aud
         wire = aggregate_piece(decoded, b - a, mode, block, how, absent=frozenset(absent))
         if forge is not None:
             wire = quant.encode(forge(j, quant.decode(wire, b - a, mode, block)), mode, block)
-        aggs.append(hashlib.sha256(wire).digest())
+        aggs.append(digest(wire))
     _, _, payloads = wires(piece)
     case = Case(run_id, step, epoch, call, tuple(ids), owner, auditor, piece, n, piece_numel, mode, block, how,
-                tuple(sorted(absent)), tuple(aggs), tuple(hashlib.sha256(r).digest() for r in rows), b"", rows[piece],
+                tuple(sorted(absent)), tuple(aggs), tuple(digest(r) for r in rows), b"", rows[piece],
                 tuple(payloads), (None,) * world)
-    sigs = tuple(None if i == auditor else sign(ids[i], case.said(i, auditor, hashlib.sha256(w).digest(), i == owner))
+    sigs = tuple(None if i == auditor else sign(ids[i], case.said(i, auditor, digest(w), i == owner))
                  for i, w in enumerate(payloads))
     return dataclasses.replace(case, commit_sig=sign(ids[owner], case.committed()), audit_sigs=sigs)
 
