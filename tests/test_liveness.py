@@ -88,6 +88,61 @@ def test_a_bad_link_cuts_nobody_s_pieces_short_on_the_others(monkeypatch: pytest
     assert "does not verify" in str(errs[0]), errs[0]
 
 
+def _call(monkeypatch: pytest.MonkeyPatch, first: int, xs: list[Any], **cfg: Any) -> tuple[list, list]:
+    """One butterfly call of 4 ranks over sockets with the patches already in place; (each
+    rank's ``missing``, each rank's error)."""
+    nodes = _nodes(4, first=first)
+    try:
+        comms = [n.ring(_members(nodes), r, config=RingConfig(**{**dict(deadline=CFG.deadline, exchange="butterfly",
+                                                                            robust="clip", piece_numel=256), **cfg}))
+                 for r, n in enumerate(nodes)]
+        for c in comms:
+            c.inspect = lambda theirs: verdict(theirs, None)
+        _, errs = _run(comms, xs)
+        return [c.missing for c in comms], errs
+    finally:
+        for n in nodes:
+            n.close()
+
+
+def test_a_failure_in_one_bucket_gets_nobody_named_for_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two buckets: rank 2 withholds the last 4 bytes of its bucket-0 aggregate from rank 0 only.
+    Rank 0 fails in bucket 0 and never sends its bucket-1 pieces, which the others then lack;
+    only the first bucket's gaps count, so nobody is named (before, all three named rank 0)."""
+    honest = butterfly._ButterflyRun._gather_to
+
+    def gather(self: Any, k: int) -> None:
+        if self.rank == 2 and self.x.shape[0] == 5000 and butterfly.peer_of(2, self.world, k) == 0:
+            send = self.links.out[k].send
+            self.links.out[k].send = lambda t, payload, **kw: (
+                None if getattr(payload, "nbytes", 0) == butterfly.TAIL else send(t, payload, **kw))
+        honest(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather)
+    a, b = _inputs(4, 5000), _inputs(4, 3000, seed=1)
+    missing, errs = _call(monkeypatch, 360, [{"a": a[r], "b": b[r]} for r in range(4)], bucket_numel=5000)
+    assert errs[0] is not None and all(m == () for m in missing), (missing, errs)
+
+
+def test_a_peer_that_reads_slowly_holds_nobody_s_pieces_back_until_the_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's link to rank 2 takes 0.2 s a frame (rank 2 reads just fast enough never to count
+    as stuck: 80 frames, 16 s, past the 4 s deadline). The pacing holds rank 0's other links
+    within 2 pieces of that one, so its pieces would reach nobody in time and every owner would
+    name it; step 1 goes unpaced after half the call's time, and ranks 1 and 3 name nobody."""
+    honest = butterfly._ButterflyRun._scatter_to
+
+    def scatter(self: Any, k: int) -> None:
+        if self.rank == 0 and butterfly.peer_of(0, self.world, k) == 2:
+            send = self.links.out[k].send
+            self.links.out[k].send = lambda *a, **kw: (time.sleep(0.2), send(*a, **kw))[1]
+        honest(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
+    missing, errs = _call(monkeypatch, 370, _inputs(4, 4 * 256 * 40))
+    assert missing[1] == () and missing[3] == (), (missing, errs)
+
+
 def _members_of(ring: tuple[str, ...], step: int, epoch: int, named: dict[str, list[str]]) -> list[Node]:
     """The retry of barrier ``step``: every member of ``ring`` with its report on epoch ``epoch``
     (``named[reporter]``: whose pieces never reached it)."""

@@ -121,6 +121,7 @@ class _ButterflyRun(AuditFrames, Pipeline):
         self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
         self.stuck: list[set[int]] = [set(), set()]  # links left out of the pacing (per step): they did not move
         self.got = [0] * world  # own pieces of our segment received whole from each rank (step 1)
+        self.unpaced = (time.monotonic() + deadline) / 2  # from then on step 1 goes unpaced (see _pace)
         self.over = [[False] * (world - 1), [False] * (world - 1)]  # step 1 over on each out and inn link
         if auditing is not None and seal is None:
             raise ValueError("auditing owners needs signed pieces (a seal)")
@@ -227,19 +228,25 @@ class _ButterflyRun(AuditFrames, Pipeline):
         the others, and our uplink idles while we wait for them. A link that has not moved for
         ``PACE_HOLD`` holds nobody: a peer that does not read blocks no other link. (One that
         reads slowly does set the pace, as it would by sending slowly: leaving lagging links out
-        of the pacing measured slower, 1.12-1.20x the ring's time, docs/results.md.)"""
+        of the pacing measured slower, 1.12-1.20x the ring's time, docs/results.md.) Step 1 goes
+        unpaced after half the call's time: a peer that reads just fast enough not to count as
+        stuck must not hold our own pieces back from the other owners until the deadline, where
+        they would name us as a withholder."""
         sent, until = self.sent[phase], time.monotonic() + PACE_HOLD
         with self.cond:
             while j - self._base(phase, j) >= WINDOW:
                 if self.error is not None:
                     return False
-                left = until - time.monotonic()
+                now = time.monotonic()
+                if phase == 0 and now >= self.unpaced:
+                    break
+                left = until - now
                 if left <= 0:  # the slowest link has not moved: a peer that does not read holds nobody back
                     self.stuck[phase].add(min((i for i in range(len(sent)) if i not in self.stuck[phase]),
                                               key=sent.__getitem__))
                     until = time.monotonic() + PACE_HOLD
                     continue
-                self.cond.wait(min(left, 1.0))
+                self.cond.wait(min(left, 1.0, self.unpaced - now if phase == 0 else 1.0))
             return self.error is None
 
     def _base(self, phase: int, j: int) -> int:

@@ -348,7 +348,7 @@ class SocketCommunicator:
         # piece as evidence, net.audit.to_wire; None when too large to report)
         self.audited: tuple[int, str, dict[str, Any] | None] | None = None
         # after a butterfly call that failed (not aborted from outside): the ranks whose own pieces of
-        # our segment did not all reach us, link or header failures included (net.mesh)
+        # our segment of the first bucket did not all reach us, link or header failures included (net.mesh)
         self.missing: tuple[int, ...] = ()
         self._dead: dict[int, NetError] = {}  # rank -> why its link to or from us failed (butterfly)
         self._links: Links | None = None
@@ -504,7 +504,10 @@ class SocketCommunicator:
             self._calls += 1
             return result
         verdicts: list[tuple[int, str, Case]] = []  # (rank, why, case) from our audits
-        gaps: list[int] = []  # after a failed butterfly call: whose own pieces did not all reach us
+        # after a failed butterfly call: whose own pieces of the first bucket did not all reach us (a
+        # later bucket's step 1 comes after the earlier buckets' step 3: a rank that failed there, or
+        # was made to fail there by another, never sends its later pieces, and is no withholder)
+        gaps: list[int] = []
         opening = t0 + mesh.OPENING * cfg.deadline if cfg.exchange == "butterfly" else deadline
         self.missing = ()
         mesh_ = cfg.exchange == "butterfly"  # (its links open with the call's header, link by link: _mesh)
@@ -537,7 +540,7 @@ class SocketCommunicator:
                                                     findings=by, seal=self._mesh_seal(c, links),
                                                     workspace=self._workspace, absent=self.absent,
                                                     auditing=self._auditing(c, links) if cfg.audit else None,
-                                                    verdicts=verdicts, gaps=gaps)
+                                                    verdicts=verdicts, gaps=gaps if bi == 0 else None)
                     if codecs.gathered(cfg.mode):
                         return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,

@@ -23,7 +23,9 @@ from typing import Any, TypeVar
 from intellect_jax.net.errors import NetError, PeerTimeout
 
 T = TypeVar("T")
-OPENING = 0.25  # share of a butterfly call's deadline given to opening its links and reading their headers
+OPENING = 0.5  # share of a butterfly call's deadline given to opening its links and reading their headers
+# (a member that starts later than that, measured from each rank's own start, has too little of the
+# deadline left for its pieces, and is named as missing)
 _PENDING = object()
 
 
