@@ -213,3 +213,31 @@ def test_missing_reports_are_parsed_strictly() -> None:
                 {"step": 0, "epoch": 0, "nodes": ["a"], "extra": 1}, {"step": 0, "epoch": 0, "nodes": ["x" * 129]}):
         with pytest.raises(ValueError):
             Report.model_validate({"missing": bad})
+
+
+def test_an_abort_from_outside_ends_a_mesh_that_is_still_opening(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 3 opens its links but holds its headers back, so the others wait to read them (up to
+    half the 20 s deadline); the coordinator says the epoch broke and each aborts: all end at
+    once, naming nobody (a call cut short says nothing of who withheld what)."""
+    import threading
+
+    from intellect_jax.net import comm as commlib
+
+    send = commlib.send_msg
+    monkeypatch.setattr(commlib, "send_msg", lambda conn, msg, deadline=None: (
+        time.sleep(8) if conn.channel.startswith("ring/0/3>") else send(conn, msg, deadline)))
+    cfg = RingConfig(deadline=20, exchange="butterfly", robust="clip", piece_numel=256)
+    nodes = _nodes(4, first=380)
+    try:
+        comms = [n.ring(_members(nodes), r, config=cfg) for r, n in enumerate(nodes)]
+        xs = _inputs(4, 5000)
+        threading.Thread(target=_run, args=([comms[3]], xs[3:]), daemon=True).start()
+        threading.Timer(1.0, lambda: [c.abort() for c in comms[:3]]).start()
+        t0 = time.monotonic()
+        _, errs = _run(comms[:3], xs[:3])
+        took = time.monotonic() - t0
+    finally:
+        for n in nodes:
+            n.close()
+    assert all(e is not None for e in errs) and took < 4, (took, errs)
+    assert [c.missing for c in comms[:3]] == [()] * 3

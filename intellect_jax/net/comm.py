@@ -351,6 +351,7 @@ class SocketCommunicator:
         # our segment of the first bucket did not all reach us, link or header failures included (net.mesh)
         self.missing: tuple[int, ...] = ()
         self._dead: dict[int, NetError] = {}  # rank -> why its link to or from us failed (butterfly)
+        self._opening: list[Connection] = []  # the mesh's links opened so far, while _mesh runs
         self._links: Links | None = None
         self._workspace = Workspace()
         self._closed = False
@@ -429,9 +430,9 @@ class SocketCommunicator:
             to, ch = ranks[k], self._channel(me, ranks[k], 0)
 
             def go() -> Connection:
-                conn = links.out[k] if links else self._until(
+                conn = links.out[k] if links else self._opened(self._until(
                     lambda t: self.node.connect(self.peers[to], ch, expect=self.ids[to], timeout=t,
-                                                name=self._name(to)), deadline, f"connecting to {self._name(to)}")
+                                                name=self._name(to)), deadline, f"connecting to {self._name(to)}"))
                 return _or_close(conn, lambda: send_msg(conn, meta, deadline))
             return go
 
@@ -447,9 +448,9 @@ class SocketCommunicator:
                     raise ConfigMismatch(f"{self._name(frm)} disagrees on this all-reduce: {detail}")
 
             def go() -> Connection:
-                conn = links.inn[k] if links else self._until(
+                conn = links.inn[k] if links else self._opened(self._until(
                     lambda t: self.node.accept(ch, peer=self.ids[frm], timeout=t, name=self._name(frm)),
-                    deadline, f"waiting for {self._name(frm)} on channel {ch!r}")
+                    deadline, f"waiting for {self._name(frm)} on channel {ch!r}"))
                 return _or_close(conn, lambda: check(conn))
             return go
 
@@ -457,10 +458,18 @@ class SocketCommunicator:
                         lambda c: c.close(), "mesh")
         self._links = links = Links([self._usable(r, c) for r, c in zip(ranks, got[: n - 1])],
                                     [self._usable(r, c) for r, c in zip(ranks, got[n - 1:])])
+        self._opening = []
         if self._aborted:
             links.abort()
             raise RingClosed(f"ring epoch {self.epoch} aborted while opening its links")
         return links
+
+    def _opened(self, conn: Connection) -> Connection:
+        """``conn``, just opened by :meth:`_mesh`, where :meth:`abort` finds it meanwhile."""
+        self._opening.append(conn)
+        if self._aborted:
+            conn.abort()
+        return conn
 
     def _usable(self, rank: int, c: Any) -> Any:
         """``c`` if it is a connection, else a dead link that raises its failure (noted in ``_dead``)."""
@@ -643,6 +652,8 @@ class SocketCommunicator:
         links = self._links
         if links is not None:
             links.abort()
+        for conn in list(self._opening):  # (a mesh still opening: its header reads wake up too)
+            conn.abort()
 
     def _teardown(self) -> None:
         self._closed = True
