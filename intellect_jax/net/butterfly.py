@@ -183,12 +183,17 @@ class _ButterflyRun(AuditFrames, Pipeline):
         """To the owner of segment ``o``: our own pieces of it, signed; then our aggregates, and
         when auditing, before the last of them, our commitment, our challenge and our answer to
         o's (the last piece waits for our own audit: without it nobody completes)."""
+        self._link(0, k, self._scatter_to, self._gather_to)
+
+    def _link(self, side: int, k: int, step1: Callable[[int], None], step3: Callable[[int], None]) -> None:
+        """Link ``k``'s step 1, to its end whatever fails elsewhere, then its step 3 unless the
+        call failed meanwhile (``side`` 0: our link to its owner, 1: its sender's to us)."""
         try:
-            self._scatter_to(k)
+            step1(k)
         finally:
-            going = self._over(0, k)
+            going = self._over(side, k)
         if going:
-            self._gather_to(k)
+            step3(k)
 
     def _scatter_to(self, k: int) -> None:
         """Step 1 on link ``k``: our own pieces of its owner's segment, each with its signature;
@@ -262,12 +267,7 @@ class _ButterflyRun(AuditFrames, Pipeline):
     def receiver(self, k: int) -> None:
         """From rank ``o``: its own pieces of our segment; then its aggregates of segment ``o``,
         and when auditing, before the last piece's tail, its audit frames (:mod:`.audit_frames`)."""
-        try:
-            self._scatter_from(k)
-        finally:
-            going = self._over(1, k)
-        if going:
-            self._gather_from(k)
+        self._link(1, k, self._scatter_from, self._gather_from)
 
     def _scatter_from(self, k: int) -> None:
         """Step 1 on link ``k``: its sender's own pieces of our segment, each checked and counted
