@@ -241,3 +241,17 @@ def test_an_abort_from_outside_ends_a_mesh_that_is_still_opening(monkeypatch: py
             n.close()
     assert all(e is not None for e in errs) and took < 4, (took, errs)
     assert [c.missing for c in comms[:3]] == [()] * 3
+
+
+def test_reports_on_an_epoch_that_lost_a_member_name_nobody() -> None:
+    """d left during the call (the epoch broke, and whoever aborted first on hearing so cut its
+    own pieces short): at the retry the others' reports naming a count for nothing, twice."""
+    said: list[str] = []
+    police = Police(CoordinatorConfig(), said.append)
+    members = _members_of(("a", "b", "c", "d"), 0, 1, {})
+    for epoch in (1, 2):
+        police.formed(0, epoch, ("a", "b", "c", "d"))
+        for n, f in zip(members, _members_of(("a", "b", "c", "d"), 0, epoch, {"b": ["a"], "c": ["a"], "d": ["a"]})):
+            n.arrival = f.arrival
+        _, evict = police.judge(0, members[:3], "run")  # d is not at the retry
+        assert evict == [] and members[0].stalls == 0, (evict, said)

@@ -194,7 +194,7 @@ class Police:
                 self._say(f"WARNING {n.node_id} shows {accused}'s own piece {ev.piece} of segment {ev.segment} "
                           f"(call {ev.call}) in outer step {step - 1}'s all-reduce, signed by {accused}: {guilty}")
         self.frauds = frauds = self._audits(step, reports, by_id, run_id)
-        stalled = self._stalls(step, reports)
+        stalled = self._stalls(step, reports, set(by_id))
         keep: list[Node] = []
         evict: list[tuple[Node, str]] = []
         for n in members:
@@ -251,12 +251,16 @@ class Police:
                           f"signature: {why}")
         return frauds
 
-    def _stalls(self, step: int, reports: list) -> dict[str, str]:
+    def _stalls(self, step: int, reports: list, present: set[str]) -> dict[str, str]:
         """Members named, at this retry of barrier ``step``, by most of the other members of the
         epoch whose call failed as having withheld their own pieces (member -> who named it).
         Only reports on that epoch count, one per reporter and member; nobody is named when half
-        the ring or more would be."""
+        the ring or more would be, nor when a member of that epoch is not ``present`` at this
+        barrier: it left, died or came back as a joiner, so the epoch broke under the call, and
+        whoever aborted first on hearing so cut its own pieces short through no fault of its own."""
         epoch_id, ring, _ = self._rings.get(step, (None, (), ()))
+        if set(ring) - present:
+            return {}
         names: dict[str, set[str]] = {}
         for n, r in reports:
             m = r.missing
