@@ -255,3 +255,29 @@ def test_reports_on_an_epoch_that_lost_a_member_name_nobody() -> None:
             n.arrival = f.arrival
         _, evict = police.judge(0, members[:3], "run")  # d is not at the retry
         assert evict == [] and members[0].stalls == 0, (evict, said)
+
+
+def test_a_peer_that_holds_its_header_back_from_one_member_delays_nobody_else_s_links(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2 holds its header to rank 0 back for 1.9 s of the 4 s deadline and reads rank 0's
+    pieces slowly (0.2 s a frame against 0.04 s to the others). Rank 0's links to ranks 1 and 3
+    do not wait for that one link to open, so its pieces reach them in time and neither names
+    it (when every link waited for the slowest to open, all three others named rank 0)."""
+    from intellect_jax.net import comm as commlib
+
+    send = commlib.send_msg
+    monkeypatch.setattr(commlib, "send_msg", lambda conn, msg, deadline=None: (
+        time.sleep(1.9) if conn.channel.startswith("ring/0/2>0/") else None, send(conn, msg, deadline))[1])
+    honest = butterfly._ButterflyRun._scatter_to
+
+    def scatter(self: Any, k: int) -> None:
+        if self.rank == 0:
+            pause = 0.2 if butterfly.peer_of(0, self.world, k) == 2 else 0.04
+            out = self.links.out[k].send
+            self.links.out[k].send = lambda t, payload, **kw: (
+                time.sleep(pause) if getattr(payload, "nbytes", 0) > 64 else None, out(t, payload, **kw))[1]
+        honest(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
+    missing, errs = _call(monkeypatch, 390, _inputs(4, 4 * 256 * 40))
+    assert missing[1] == () and missing[3] == (), (missing, errs)

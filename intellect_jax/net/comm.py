@@ -418,19 +418,21 @@ class SocketCommunicator:
 
     def _mesh(self, meta: dict[str, Any], deadline: float) -> Links:
         """The butterfly's :meth:`_open` and :meth:`_check_meta` in one, link by link
-        (:mod:`.mesh`): each link's own thread opens it if it is not open yet, then sends our
-        header on it or reads and compares the peer's. A link that fails before ``deadline``
-        (it does not open, its header does not come, parse or match ours) becomes a
-        :class:`~.mesh.DeadLink`, its rank noted in ``_dead``; the others stand."""
+        (:mod:`.mesh`): each link is a :class:`~.mesh.Pending` whose own thread opens it if it
+        is not open yet, then sends our header on it or reads and compares the peer's; the call
+        starts at once, and each of its threads waits only for its own link. A link that fails
+        before ``deadline`` (it does not open, its header does not come, parse or match ours)
+        becomes a :class:`~.mesh.DeadLink`, its rank noted in ``_dead``; the others stand."""
         n, me, links = self.world_size, self.rank, self._links
         ranks = [peer_of(me, n, k) for k in range(n - 1)]
         ours = RingMeta.model_validate(meta).model_dump()  # ours must parse too: a new field goes in RingMeta
+        self._opening = []
 
         def out(k: int) -> Callable[[], Connection]:
             to, ch = ranks[k], self._channel(me, ranks[k], 0)
 
             def go() -> Connection:
-                conn = links.out[k] if links else self._opened(self._until(
+                conn = links.out[k].get() if links else self._opened(self._until(
                     lambda t: self.node.connect(self.peers[to], ch, expect=self.ids[to], timeout=t,
                                                 name=self._name(to)), deadline, f"connecting to {self._name(to)}"))
                 return _or_close(conn, lambda: send_msg(conn, meta, deadline))
@@ -448,17 +450,17 @@ class SocketCommunicator:
                     raise ConfigMismatch(f"{self._name(frm)} disagrees on this all-reduce: {detail}")
 
             def go() -> Connection:
-                conn = links.inn[k] if links else self._opened(self._until(
+                conn = links.inn[k].get() if links else self._opened(self._until(
                     lambda t: self.node.accept(ch, peer=self.ids[frm], timeout=t, name=self._name(frm)),
                     deadline, f"waiting for {self._name(frm)} on channel {ch!r}"))
                 return _or_close(conn, lambda: check(conn))
             return go
 
-        got = mesh.each([out(k) for k in range(n - 1)] + [inn(k) for k in range(n - 1)], deadline,
-                        lambda c: c.close(), "mesh")
-        self._links = links = Links([self._usable(r, c) for r, c in zip(ranks, got[: n - 1])],
-                                    [self._usable(r, c) for r, c in zip(ranks, got[n - 1:])])
-        self._opening = []
+        def pending(rank: int, opener: Callable[[], Connection]) -> mesh.Pending:
+            return mesh.Pending(self._name(rank), opener, deadline, lambda e: self._dead.setdefault(rank, e))
+
+        self._links = links = Links([pending(ranks[k], out(k)) for k in range(n - 1)],  # type: ignore[misc]
+                                    [pending(ranks[k], inn(k)) for k in range(n - 1)])
         if self._aborted:
             links.abort()
             raise RingClosed(f"ring epoch {self.epoch} aborted while opening its links")
@@ -470,13 +472,6 @@ class SocketCommunicator:
         if self._aborted:
             conn.abort()
         return conn
-
-    def _usable(self, rank: int, c: Any) -> Any:
-        """``c`` if it is a connection, else a dead link that raises its failure (noted in ``_dead``)."""
-        if not isinstance(c, NetError):
-            return c
-        self._dead.setdefault(rank, c)
-        return mesh.DeadLink(self._name(rank), c)
 
     def _check_meta(self, links: Links, meta: dict[str, Any], deadline: float) -> None:
         """Send our parameters to every rank we send to; every rank we receive from must send
@@ -612,7 +607,7 @@ class SocketCommunicator:
     def _mesh_seal(self, call: int, links: Links) -> MeshSeal:
         """Signatures of call ``call`` in the butterfly: ours over our own pieces, to each
         segment's owner; a sender's checked with the certificate its connection presented."""
-        cfg, run_id, ids, certs = self.config, self.node.cfg.run_id, self.ids, self._certs(links)
+        cfg, run_id, ids = self.config, self.node.cfg.run_id, self.ids
 
         def said(sender: int, owner: int, seg: int, j: int, numel: int, payload: Any) -> bytes:
             return evidence.statement(run_id, self.step, self.epoch, call, ids[sender], ids[owner], seg, j, numel,
@@ -622,28 +617,29 @@ class SocketCommunicator:
             return evidence.raw_signature(self.node.cfg.identity.sign(said(self.rank, owner, seg, j, numel, payload)))
 
         def check(sender: int, seg: int, j: int, numel: int, payload: bytes, sig: bytes) -> bool:
-            return verify(certs[sender], said(sender, self.rank, seg, j, numel, payload),  # type: ignore[arg-type]
-                          evidence.der_signature(sig))
+            cert = self._cert(links, sender)
+            return cert is not None and verify(cert, said(sender, self.rank, seg, j, numel, payload),
+                                               evidence.der_signature(sig))
 
         return MeshSeal(sign, check)
 
     def _auditing(self, call: int, links: Links) -> Auditing:
         """Audits of call ``call`` (:mod:`.audit`): statements signed with our key, a peer's
         checked with the certificate its connection presented."""
-        certs = self._certs(links)
-
         def check(rank: int, data: bytes, sig: bytes) -> bool:
-            cert = certs[rank]
+            cert = self._cert(links, rank)
             return cert is not None and verify(cert, data, evidence.der_signature(sig))
 
         return Auditing(self.node.cfg.run_id, self.step, self.epoch, call, tuple(self.ids),
                         lambda data: evidence.raw_signature(self.node.cfg.identity.sign(data)), check,
                         secrets.randbelow)
 
-    def _certs(self, links: Links) -> list[bytes | None]:
-        """Each rank's certificate (DER): ours, and the one each peer's connection presented."""
-        n, me = self.world_size, self.rank
-        return [self.node.cfg.identity.cert_der if r == me else links.inn[(r - me - 1) % n].cert for r in range(n)]
+    def _cert(self, links: Links, rank: int) -> bytes | None:
+        """``rank``'s certificate (DER): ours, or the one its connection to us presented (asked
+        when needed: a mesh link may still be opening, :mod:`.mesh`)."""
+        if rank == self.rank:
+            return self.node.cfg.identity.cert_der
+        return links.inn[(rank - self.rank - 1) % self.world_size].cert
 
     def abort(self) -> None:
         """From another thread: fail the all-reduce in progress now (every socket of the ring is

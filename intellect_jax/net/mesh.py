@@ -4,29 +4,26 @@ The ring opens its links one after the other, and every rank reads every header 
 sends a byte of data: there, one peer that never connects, or never sends its header, stops
 the call before anybody's pieces leave. In the butterfly exchange each rank's own pieces must
 reach every honest owner whatever a third rank does (so that what an owner lacks at the end
-names its sender, :mod:`.butterfly`), so here:
-
-* every link is opened by its own thread (:func:`each`), bounded by the opening deadline;
-* every header is read by its own thread too, and a peer whose header does not arrive or does
-  not match ours loses that link only;
-* a link that failed becomes a :class:`DeadLink`, whose every use raises the failure: the call
-  then runs on the links that stand, and fails on that one.
+names its sender, :mod:`.butterfly`), so here every link is a :class:`Pending`: a thread of its
+own opens it and sends our header on it, or reads and checks the peer's, while the call runs;
+the call's thread for that link waits for it at its first use, and for nothing else. A link
+that fails (it does not open before the opening deadline, its header does not come, parse or
+match ours) becomes a :class:`DeadLink`, whose every use raises the failure: the call runs on
+the links that stand, and fails on that one.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from intellect_jax.net.errors import NetError, PeerTimeout
 
-T = TypeVar("T")
 OPENING = 0.5  # share of a butterfly call's deadline given to opening its links and reading their headers
 # (a member that starts later than that, measured from each rank's own start, has too little of the
 # deadline left for its pieces, and is named as missing)
-_PENDING = object()
 
 
 class DeadLink:
@@ -58,32 +55,75 @@ def failure(e: BaseException) -> NetError:
     return e if isinstance(e, NetError) else NetError(f"{type(e).__name__}: {e}")
 
 
-def each(fns: Sequence[Callable[[], T]], deadline: float, discard: Callable[[T], None] = lambda _: None,
-         name: str = "mesh") -> list[T | NetError]:
-    """Run every ``fns[i]()`` in a thread of its own; their results, or the :class:`NetError`
-    each raised (one still running after ``deadline`` gets a timeout, and whatever it returns
-    later goes to ``discard``)."""
-    results: list[Any] = [_PENDING] * len(fns)
-    lock = threading.Lock()
-    gave_up = [False]
+class Pending:
+    """A mesh link that ``opener()`` opens (and checks) in a thread of its own: the first use of
+    an attribute waits for that thread, never past ``deadline`` and a second, and then acts on
+    the connection, or on a :class:`DeadLink` of its failure (also handed to ``failed``).
+    :meth:`abort` and :meth:`close` do not wait: they act on the link once it is there."""
 
-    def run(i: int) -> None:
+    def __init__(self, peer: str, opener: Callable[[], Any], deadline: float,
+                 failed: Callable[[NetError], None]) -> None:
+        self.peer, self._deadline, self._failed = peer, deadline, failed
+        self._link: Any = None
+        self._shut: str | None = None  # "abort" or "close", if asked before the link was there
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        threading.Thread(target=self._open, args=(opener,), name=f"open-{peer}", daemon=True).start()
+
+    def _open(self, opener: Callable[[], Any]) -> None:
         try:
-            r: Any = fns[i]()
+            link = opener()
         except Exception as e:  # noqa: BLE001 - a link's failure is its result
-            r = failure(e)
-        with lock:
-            late = gave_up[0]
-            if not late:
-                results[i] = r
-        if late and not isinstance(r, NetError):
-            discard(r)
+            err = failure(e)
+            self._failed(err)
+            link = DeadLink(self.peer, err)
+        self._settle(link)
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"{name}{i}", daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()) + 1.0)
-    with lock:
-        gave_up[0] = True
-        return [PeerTimeout("not done before the deadline") if r is _PENDING else r for r in results]
+    def _settle(self, link: Any) -> None:
+        with self._lock:
+            late = self._link is not None  # (given up on: a timeout stands in for it)
+            if not late:
+                self._link = link
+            shut = self._shut
+        if late:
+            link.close()
+        elif shut:
+            getattr(link, shut)()
+        self._done.set()
+
+    def get(self) -> Any:
+        """The connection, or a :class:`DeadLink` (waiting for the opener, up to the deadline)."""
+        if not self._done.wait(max(0.0, self._deadline - time.monotonic()) + 1.0):
+            err = PeerTimeout(f"{self.peer}: no link before the deadline")
+            with self._lock:
+                if self._link is None:
+                    self._failed(err)
+                    self._link = DeadLink(self.peer, err)
+        return self._link
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.get(), name)
+
+    @property
+    def bytes_sent(self) -> int:
+        link = self._link
+        return 0 if link is None else link.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        link = self._link
+        return 0 if link is None else link.bytes_received
+
+    def abort(self) -> None:
+        self._shutdown("abort")
+
+    def close(self) -> None:
+        self._shutdown("close")
+
+    def _shutdown(self, how: str) -> None:
+        with self._lock:
+            link = self._link
+            if link is None:
+                self._shut = "close" if "close" in (how, self._shut) else how
+        if link is not None:
+            getattr(link, how)()
