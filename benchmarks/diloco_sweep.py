@@ -14,7 +14,9 @@ data, schedule and validation windows as the experiment (`configs/debug_diloco.t
 `--mode int8` as the experiment's wire format, `int4`, `int2`, `topk`, `top1` as those codecs
 (the last three with error feedback, `--feedback`). Prints the validation loss of the final outer
 params (and, with `--eval-replicas`, at every outer step each node's before averaging and the
-average's), then one JSON line.
+average's), then one JSON line. `--exchange butterfly --robust AGG --attack A` makes node1 an
+attacker (the fault injection of `intellect_jax.testing`, here in the benchmark, never in the
+node) and prints the cosine of every applied average with the honest nodes' mean.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ def main() -> None:
     ap.add_argument("--encode-device", action="store_true",
                     help="topk, top1: encode each contribution on the devices (XLA, as GPU nodes do; implies --device-pg)")
     ap.add_argument("--eval-seqs", type=int, default=128)
+    ap.add_argument("--exchange", default="ring", choices=["ring", "butterfly"])
+    ap.add_argument("--robust", default="mean", help="the butterfly owners' aggregator: mean, clip, trim<k>, cclip")
+    ap.add_argument("--attack", default=None, help="node1 (and node5, ...: --attackers) sends, from the first "
+                    "outer step on: flip (-N x its own), push (7x its norm, one direction), ratchet (1.6^k x), x1000")
+    ap.add_argument("--attackers", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/sweep", help="data cache and run directories")
     a = ap.parse_args()
@@ -115,7 +122,7 @@ def main() -> None:
 
     d = DilocoConfig(mode=a.mode, block_size=a.block, topk=a.topk, top1_group=a.top1_group,
                      sparse_chunk=a.sparse_chunk, feedback=a.feedback)
-    ring = RingConfig(mode=d.wire_mode, block_size=d.wire_block)
+    ring = RingConfig(mode=d.wire_mode, block_size=d.wire_block, exchange=a.exchange, robust=a.robust)
     numel = sum(x.size for x in jax.tree.leaves(t0.state.params))
     sent = 0 if a.single else ring_bytes(numel, a.nodes, 0, ring)  # one bucket: the debug model is small
     start = time.time()
@@ -144,14 +151,67 @@ def main() -> None:
         dpg = (lambda: DevicePseudoGradient(64, host_quantize)) if device else (lambda: None)
         enc = (lambda: DeviceEncoder(ring.mode, ring.block_size, ring.bucket_numel, ring.piece_numel)) \
             if a.encode_device else (lambda: None)
-        run_local(loop, [Inner(t, dpg(), enc()) for t in trainers], ring)
+        hook, cosines = attacker(a) if a.attack else (None, [])
+        run_local(loop, [Inner(t, dpg(), enc()) for t in trainers], ring, ring_hook=hook)
     vl = val_loss(t0.state.params)
     print(f"final val loss {vl:.4f} ({time.time() - start:.0f} s); {sent} bytes sent per node per outer step "
           f"({numel} values)", flush=True)
     for t in trainers:
         t.close(save=False)
+    if a.attack:
+        print("cosine of each applied average with the honest nodes' mean: "
+              + " ".join(f"{c:.3f}" for c in cosines), flush=True)
     print(json.dumps({"args": vars(a), "val_loss": vl, "seconds": round(time.time() - start, 1),
-                      "bytes_per_outer_step": sent, "numel": numel}))
+                      "bytes_per_outer_step": sent, "numel": numel,
+                      **({"min_cosine": min(cosines, default=None), "cosines": cosines} if a.attack else {})}))
+
+
+def attacker(a: argparse.Namespace) -> tuple:
+    """(ring_hook for run_local, the list it fills with each exchange's cosine between the
+    average and the honest contributors' mean): the attackers' communicators corrupt what they
+    send (``testing.sim_world``'s attacks), every exchange's inputs and result are recorded."""
+    import jax
+    import numpy as np
+
+    from intellect_jax.testing.local_ring import LocalGroup
+    from intellect_jax.testing.sim_world import ATTACKS, attack, corrupt
+
+    bad = {f"node{1 + 4 * i}" for i in range(a.attackers)}
+    sent: set[int] = set()  # ids of the first leaf of every attacked contribution
+    kept: list = []  # ... held, so that no id is reused
+    rounds: dict[str, int] = {}
+    cosines: list[float] = []
+    honest_all = LocalGroup.all_reduce_mean_all
+
+    def flat(tree) -> np.ndarray:
+        return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
+
+    def recorded(self, trees, dropped=None, absent=frozenset()):
+        results = honest_all(self, trees, dropped, absent)
+        honest = [flat(t) for r, t in enumerate(trees) if r not in absent and id(jax.tree.leaves(t)[0]) not in sent]
+        if len(honest) < len(trees) and honest:
+            mean, res = np.mean(honest, axis=0), flat(results[0])
+            cosines.append(float(mean @ res / (np.linalg.norm(mean) * np.linalg.norm(res) + 1e-30)))
+        return results
+
+    LocalGroup.all_reduce_mean_all = recorded
+
+    def hook(name: str, comm):
+        if name not in bad:
+            return comm
+        inner = comm.all_reduce_mean
+
+        def attacked(tree, **kw):
+            rounds[name] = k = rounds.get(name, 0) + 1
+            tree = attack(tree, a.attack, a.nodes, k) if a.attack in ATTACKS else corrupt(tree, a.attack)
+            kept.append(jax.tree.leaves(tree)[0])
+            sent.add(id(kept[-1]))
+            return inner(tree, **kw)
+
+        comm.all_reduce_mean = attacked
+        return comm
+
+    return hook, cosines
 
 
 if __name__ == "__main__":

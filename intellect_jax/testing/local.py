@@ -197,9 +197,12 @@ class _Endpoint:
 
 def run_local(loop_cfg: LoopConfig, inners: list[Inner], ring: RingConfig, *,
               coordinator: CoordinatorConfig | None = None, log: Callable[[str], None] | None = None,
-              heartbeat_interval: float = 1.0, stores: list[MemoryStore] | None = None) -> list[Outcome]:
+              heartbeat_interval: float = 1.0, stores: list[MemoryStore] | None = None,
+              ring_hook: Callable[[str, Any], Any] | None = None) -> list[Outcome]:
     """Run every node to the end in threads; returns their outcomes (raises a node's error).
-    ``stores``: each node's checkpoint store (default: a fresh :class:`MemoryStore` each)."""
+    ``stores``: each node's checkpoint store (default: a fresh :class:`MemoryStore` each);
+    ``ring_hook(node, communicator)``: what node ``node`` gets instead of each communicator (an
+    attacker's, in a benchmark)."""
     stores = stores or [MemoryStore() for _ in inners]
     coord = LocalCoordinator(coordinator or CoordinatorConfig(min_nodes=len(inners), join_window=0.0,
                                                               outer_steps=loop_cfg.outer_steps))
@@ -211,7 +214,8 @@ def run_local(loop_cfg: LoopConfig, inners: list[Inner], ring: RingConfig, *,
         client = CoordinatorClient(None, None, name, f"local://{name}", wire=coord.wire(name),
                                    heartbeat_interval=heartbeat_interval, outer_steps=loop_cfg.outer_steps,
                                    data=DataPlan(True) if loop_cfg.data_units else None)
-        parts = NodeParts(name, inners[i], client, rings, transport.endpoint(name), stores[i],
+        ring_of = rings if ring_hook is None else (lambda ep: ring_hook(name, rings(ep)))
+        parts = NodeParts(name, inners[i], client, ring_of, transport.endpoint(name), stores[i],
                           log=(lambda line: log(f"[{name}] {line}")) if log else (lambda line: None))
         try:
             outcomes[i] = NodeLoop(loop_cfg, parts).run()
