@@ -512,11 +512,11 @@ class SocketCommunicator:
         # later bucket's step 1 comes after the earlier buckets' step 3: a rank that failed there, or
         # was made to fail there by another, never sends its later pieces, and is no withholder)
         gaps: list[int] = []
-        opening = t0 + mesh.OPENING * cfg.deadline if cfg.exchange == "butterfly" else deadline
+        meshed = cfg.exchange == "butterfly"  # (its links open with the call's header, link by link: _mesh)
+        opening = t0 + mesh.OPENING * cfg.deadline if meshed else deadline
         self.missing = ()
-        mesh_ = cfg.exchange == "butterfly"  # (its links open with the call's header, link by link: _mesh)
         try:
-            links = self._links if mesh_ else self._open(opening)
+            links = self._links if meshed else self._open(opening)
             sent0, recv0 = links.traffic() if links else (0, 0)
 
             def before(info: dict[str, Any]) -> None:
@@ -524,7 +524,7 @@ class SocketCommunicator:
                 meta = {"v": 4, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
                         "peers": self._peers_hash, **asdict(cfg), "absent": sorted(self.absent), **info}
                 meta.pop("deadline")
-                if mesh_:
+                if meshed:
                     links = self._mesh(meta, opening)
                 else:
                     self._check_meta(links, meta, opening)
