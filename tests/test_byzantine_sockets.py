@@ -79,7 +79,7 @@ def test_a_member_that_withholds_its_pieces_in_a_real_run_is_evicted_and_the_oth
         honest(self, k)
 
     monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", withhold)
-    r = socket_run(4, "byz-stall", dataclasses.replace(RING, deadline=5.0), outer_steps=STEPS, dim=4096)
+    r = socket_run(4, "byz-stall", dataclasses.replace(RING, deadline=3.0), outer_steps=STEPS, dim=4096)
     _check(r, "n3", "stalled the all-reduce")
     log = "\n".join(r["events"])
     assert "3 of the 3 others (n0, n1, n2) say n3's own pieces never reached them" in log, log[-2000:]

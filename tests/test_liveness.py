@@ -19,7 +19,7 @@ from intellect_jax.net.butterfly import MeshSeal
 from intellect_jax.net.evidence import verdict
 from tests.test_net_ring import _inputs, _members, _nodes, _run
 
-CFG = RingConfig(deadline=4, exchange="butterfly", robust="clip", piece_numel=256)
+CFG = RingConfig(deadline=3, exchange="butterfly", robust="clip", piece_numel=256)
 
 
 def _withheld(monkeypatch: pytest.MonkeyPatch, how: str, bad: int = 2, first: int = 300) -> tuple[list, list, float]:
@@ -139,7 +139,7 @@ def test_a_peer_that_reads_slowly_holds_nobody_s_pieces_back_until_the_deadline(
         honest(self, k)
 
     monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
-    missing, errs = _call(monkeypatch, 370, _inputs(4, 4 * 256 * 40))
+    missing, errs = _call(monkeypatch, 370, _inputs(4, 4 * 256 * 40), deadline=4)
     assert missing[1] == () and missing[3] == (), (missing, errs)
 
 
@@ -279,5 +279,5 @@ def test_a_peer_that_holds_its_header_back_from_one_member_delays_nobody_else_s_
         honest(self, k)
 
     monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
-    missing, errs = _call(monkeypatch, 390, _inputs(4, 4 * 256 * 40))
+    missing, errs = _call(monkeypatch, 390, _inputs(4, 4 * 256 * 40), deadline=4)
     assert missing[1] == () and missing[3] == (), (missing, errs)
