@@ -269,7 +269,7 @@ class Police:
             for x in set(m.nodes) & set(ring) - {n.node_id}:
                 names.setdefault(x, set()).add(n.node_id)
         named = {x: by for x, by in names.items() if 2 * len(by) > len(ring) - 1}
-        if 2 * len(named) >= len(ring) > 0 and named:
+        if named and 2 * len(named) >= len(ring):
             self._say(f"WARNING outer step {step}'s all-reduce (epoch {epoch_id}): most members say the pieces of "
                       f"{', '.join(sorted(named))} never reached them, half the ring or more: a partition, nobody "
                       "is evicted for it")

@@ -31,7 +31,6 @@ class DeadLink:
     read raises its failure (a fresh exception of the same kind each time)."""
 
     cert: bytes | None = None
-    identity = ""
     bytes_sent = 0
     bytes_received = 0
 
@@ -48,11 +47,6 @@ class DeadLink:
 
     def close(self) -> None:
         """Nothing to close."""
-
-
-def failure(e: BaseException) -> NetError:
-    """``e`` as the :class:`NetError` that ends a link."""
-    return e if isinstance(e, NetError) else NetError(f"{type(e).__name__}: {e}")
 
 
 class Pending:
@@ -74,7 +68,7 @@ class Pending:
         try:
             link = opener()
         except Exception as e:  # noqa: BLE001 - a link's failure is its result
-            err = failure(e)
+            err = e if isinstance(e, NetError) else NetError(f"{type(e).__name__}: {e}")
             self._failed(err)
             link = DeadLink(self.peer, err)
         self._settle(link)
