@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import time
 from typing import Any
 
 import numpy as np
@@ -181,3 +182,30 @@ def test_a_member_sitting_out_is_left_out_and_its_values_are_evidence(sends: str
         e = Evidence.model_validate(ev)
         assert weigh(e, accuser=f"r8{owner}", accused="r81", sat_out=True, **kw) == (SAT_OUT, "")
         assert weigh(e, accuser=f"r8{owner}", accused="r81", **kw)[0] is None  # it did not declare it
+
+
+def test_a_mesh_link_whose_opener_starts_late_still_opens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each link of the mesh opens in its own thread (net/mesh.py). One that starts only after
+    the call has its new links in hand must still open its own connection, or reuse the last
+    call's, never wait for itself (it did: the opener read the new links, and every link timed
+    out)."""
+    from intellect_jax.net import mesh
+
+    opened = mesh.Pending._open
+
+    def late(self: Any, opener: Any) -> None:
+        time.sleep(0.05)
+        opened(self, opener)
+
+    monkeypatch.setattr(mesh.Pending, "_open", late)
+    cfg = RingConfig(mode="int8", block_size=64, piece_numel=512, deadline=4, exchange="butterfly", robust="mean")
+    xs = _inputs(3, 3000)
+    nodes = _nodes(3)
+    try:
+        comms = [n.ring(_members(nodes), r, config=cfg) for r, n in enumerate(nodes)]
+        for _ in range(2):  # the first call opens its links, the second reuses them
+            outs, errs = _run(comms, xs)
+            assert errs == [None] * 3 and all(_same_bits(o, outs[0]) for o in outs), errs
+    finally:
+        for n in nodes:
+            n.close()

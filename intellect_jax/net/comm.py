@@ -423,7 +423,7 @@ class SocketCommunicator:
         starts at once, and each of its threads waits only for its own link. A link that fails
         before ``deadline`` (it does not open, its header does not come, parse or match ours)
         becomes a :class:`~.mesh.DeadLink`, its rank noted in ``_dead``; the others stand."""
-        n, me, links = self.world_size, self.rank, self._links
+        n, me, last = self.world_size, self.rank, self._links  # (the last call's links, reused; not the new ones)
         ranks = [peer_of(me, n, k) for k in range(n - 1)]
         ours = RingMeta.model_validate(meta).model_dump()  # ours must parse too: a new field goes in RingMeta
         self._opening = []
@@ -432,7 +432,7 @@ class SocketCommunicator:
             to, ch = ranks[k], self._channel(me, ranks[k], 0)
 
             def go() -> Connection:
-                conn = links.out[k].get() if links else self._opened(self._until(
+                conn = last.out[k].get() if last else self._opened(self._until(
                     lambda t: self.node.connect(self.peers[to], ch, expect=self.ids[to], timeout=t,
                                                 name=self._name(to)), deadline, f"connecting to {self._name(to)}"))
                 return _or_close(conn, lambda: send_msg(conn, meta, deadline))
@@ -450,7 +450,7 @@ class SocketCommunicator:
                     raise ConfigMismatch(f"{self._name(frm)} disagrees on this all-reduce: {detail}")
 
             def go() -> Connection:
-                conn = links.inn[k].get() if links else self._opened(self._until(
+                conn = last.inn[k].get() if last else self._opened(self._until(
                     lambda t: self.node.accept(ch, peer=self.ids[frm], timeout=t, name=self._name(frm)),
                     deadline, f"waiting for {self._name(frm)} on channel {ch!r}"))
                 return _or_close(conn, lambda: check(conn))
