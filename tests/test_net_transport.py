@@ -442,3 +442,28 @@ def test_parse_address() -> None:
     for bad in ("no-port", "h:", "h:-1", "h:65536", "h:x", ("h",), ("h", 1, 2), (3, 4), ("h", 1.5), 42, None):
         with pytest.raises(ValueError, match="address"):
             parse_address(bad)  # type: ignore[arg-type]
+
+
+def test_a_link_s_unsent_backlog_can_be_bounded_and_a_frame_may_be_one_of_several_types() -> None:
+    """``bound_unsent`` sets TCP_NOTSENT_LOWAT (None leaves the kernel's); ``recv_header`` takes
+    a tuple of types, and a frame of none of them is one line naming them all."""
+    cfg = _cfg()
+    with pytest.raises(ValueError, match="notsent_lowat"):
+        _cfg(notsent_lowat=0)
+    with Listener(cfg) as lst:
+        conn = connect(cfg, lst.address, "data/1", timeout=5)
+        srv = lst.accept("data/1", timeout=5)
+        before = conn._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+        conn.bound_unsent(None)
+        assert conn._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == before
+        conn.bound_unsent(64 << 10)
+        assert conn._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == 64 << 10
+        conn.send(MsgType.AUDIT, b"abc")
+        conn.send(MsgType.META, b"{}")
+        hdr = srv.recv_header((MsgType.DATA, MsgType.AUDIT), deadline=_deadline(), length=3)
+        assert hdr.mtype == MsgType.AUDIT
+        srv.recv_payload_into(hdr, bytearray(3))
+        with pytest.raises(FrameError, match="expected a DATA or AUDIT frame, got META"):
+            srv.recv_header((MsgType.DATA, MsgType.AUDIT), deadline=_deadline())
+        conn.close()
+        srv.close()

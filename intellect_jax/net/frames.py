@@ -44,6 +44,7 @@ class MsgType(enum.IntEnum):
     REJECT = 5
     META = 10
     DATA = 11
+    AUDIT = 12  # a butterfly call's audit frames, interleaved with its aggregates (net/audit_frames.py)
     BLOB_BEGIN = 20
     BLOB_DATA = 21
     BLOB_END = 22

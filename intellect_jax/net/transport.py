@@ -75,6 +75,7 @@ class TransportConfig:
     integrity: str = "crc32"  # TLS authenticates every byte; the payload tag only catches framing bugs
     keepalive: tuple[int, int, int] = (10, 5, 3)  # idle s, interval s, probes
     sock_buf_bytes: int | None = None
+    notsent_lowat: int | None = 128 << 10  # unsent bytes a butterfly link queues (Connection.bound_unsent)
     pending_ttl: float = 300.0  # an authenticated connection nobody claims is closed after this
     pending_per_peer: int = 64  # unclaimed authenticated connections one identity may hold
     pending_per_prefix: int = 4096  # ... all identities together, per channel prefix (ring, state, ...)
@@ -91,6 +92,8 @@ class TransportConfig:
                self.pending_per_prefix) < 1:
             raise ValueError("handshakes_per_source, handshakes_per_prefix, pending_per_peer and pending_per_prefix "
                              "must be >= 1")
+        if self.notsent_lowat is not None and self.notsent_lowat < 1:
+            raise ValueError(f"notsent_lowat must be >= 1 byte (or None), not {self.notsent_lowat}")
         if self.max_frame_bytes < 1 << 16:
             raise ValueError("max_frame_bytes must be at least 64 KiB")
 
@@ -242,15 +245,25 @@ class Connection:
         self.bytes_sent += HEADER_LEN + n
         return ptag
 
+    def bound_unsent(self, nbytes: int | None) -> None:
+        """Queue at most about ``nbytes`` unsent in the kernel (``TCP_NOTSENT_LOWAT``; None: the
+        kernel's bound, megabytes). A bulk sender then no longer queues megabytes ahead of its next
+        small frame (an audit step), which would wait behind them for their time on the wire; data
+        in flight is not bounded, so neither is throughput. Only for a link that its peer reads all
+        along: a send now blocks as soon as that much waits and the peer's window is full."""
+        if nbytes is not None and hasattr(socket, "TCP_NOTSENT_LOWAT"):
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, nbytes)
+
     def recv_header(
         self,
-        expect: MsgType,
+        expect: MsgType | tuple[MsgType, ...],
         *,
         deadline: float | None = None,
         length: int | None = None,
         max_len: int | None = None,
     ) -> Header:
-        """Receive and validate the next header; the caller then reads its payload."""
+        """Receive and validate the next header (of type ``expect``, or one of them); the caller
+        then reads its payload."""
         raw = bytearray(HEADER_LEN)
         self._recv_into(memoryview(raw), deadline, "a frame header")
         limit = self.cfg.max_frame_bytes if max_len is None else min(max_len, self.cfg.max_frame_bytes)
@@ -259,11 +272,13 @@ class Connection:
         if hdr.seq != self._recv_seq:
             raise FrameError(f"{self.peer}: frame seq {hdr.seq}, expected {self._recv_seq} (replayed or lost frame)")
         self._recv_seq += 1
-        if hdr.mtype != expect:
+        wanted = expect if isinstance(expect, tuple) else (expect,)
+        if hdr.mtype not in wanted:
             if hdr.mtype == MsgType.REJECT and hdr.length <= 4096:
                 reason = self._read(hdr, deadline).decode(errors="replace")
                 raise AuthError(f"{self.peer} rejected us: {' '.join(reason.split())[:200]!r}")
-            raise FrameError(f"{self.peer}: expected a {expect.name} frame, got {hdr.mtype.name}")
+            raise FrameError(f"{self.peer}: expected a {' or '.join(t.name for t in wanted)} frame, "
+                             f"got {hdr.mtype.name}")
         if hdr.length > limit:
             raise FrameError(f"{self.peer}: {hdr.mtype.name} frame announces {hdr.length} bytes, above {limit}")
         if length is not None and hdr.length != length:
