@@ -277,8 +277,8 @@ def test_an_owner_answering_its_audit_with_an_unsigned_piece_fails_the_call(monk
         if self.rank != bad or o != self.ledger.auditor:
             return original(self, conn, o)
         a, b = self.plan.piece(self.rank, self.ledger.asked[o])
-        conn.send(MsgType.DATA, np.zeros(b - a, np.float32).tobytes(), deadline=self.deadline)
-        conn.send(MsgType.DATA, bytes(64), deadline=self.deadline)
+        conn.send(MsgType.AUDIT, np.zeros(b - a, np.float32).tobytes(), deadline=self.deadline)
+        conn.send(MsgType.AUDIT, bytes(64), deadline=self.deadline)
         return True
 
     monkeypatch.setattr(butterfly._ButterflyRun, "_answer", garbled)
@@ -339,3 +339,39 @@ def test_a_forger_that_left_before_the_barrier_is_banned_all_the_same() -> None:
     keep, evict = police.judge(0, members, "run")
     assert police.frauds == {"a0": judge(case, verifier(ids)).why} and not evict and keep == members
     assert any("shows a0 at fault by its own signature" in line for line in said), said
+
+
+def test_the_audit_frames_go_out_between_the_aggregates_as_soon_as_they_are_ready(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner's commitment, challenge and answers do not wait for its last aggregate: they go
+    out between its aggregates as soon as each is ready, so the audit's round trips overlap the
+    gather. Rank 0 here holds its gather back until it has committed: every other member gets its
+    commitment before any of its aggregates, and the call completes, bit-identical."""
+    world = 4
+    gather_to = butterfly._ButterflyRun._gather_to
+    committed, got = audit.Ledger.committed, audit.Ledger.got
+    seen: dict[int, list[str]] = {r: [] for r in range(1, world)}
+
+    def hold(self: Any, k: int) -> None:
+        if self.rank != 0 or self.wait_for(lambda: self.ledger.commit is not None, "our commitment"):
+            gather_to(self, k)
+
+    def on_commit(self: Any, owner: int, *a: Any) -> Any:
+        if owner == 0:
+            seen[self.rank].append("commitment")
+        return committed(self, owner, *a)
+
+    def on_got(self: Any, owner: int, *a: Any) -> Any:
+        if owner == 0:
+            seen[self.rank].append("aggregate")
+        return got(self, owner, *a)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", hold)
+    monkeypatch.setattr(audit.Ledger, "committed", on_commit)
+    monkeypatch.setattr(audit.Ledger, "got", on_got)
+    xs = _inputs(world, 9000)
+    _, outs, errs = _butterfly(world, xs, CFG)
+    assert errs == [None] * world
+    assert all(_same_bits(o, butterfly.simulate(xs, "int8", 64, 512, "clip")) for o in outs)
+    pieces = make_plan(9000, world, 64, 512).pieces
+    assert pieces > 2 and all(s == ["commitment"] + ["aggregate"] * pieces for s in seen.values()), seen

@@ -5,8 +5,8 @@ own piece of it and sends the result back to all. Nothing so far stopped a malic
 sending back anything it liked. Here every call audits every owner, at a cost of about one
 piece per link:
 
-1. **Commitment.** Once an owner has aggregated all ``P`` pieces of its segment (and sent all
-   but the last, which goes after the audit) it signs one
+1. **Commitment.** As soon as an owner has aggregated all ``P`` pieces of its segment (while
+   its aggregates still go out: the audit's frames go between them) it signs one
    :func:`commitment` (the run, outer step, epoch and call, the plan, the codec, the aggregator,
    the members sitting out, and two roots): the digest (BLAKE3) of each aggregate's wire bytes, and for
    each piece the *row list*: every member's piece as the owner received it (its digest and its

@@ -1,12 +1,19 @@
 """The audits' share of a butterfly call (:mod:`.audit`): the frames each rank sends and reads
 for them on the mesh's links, and the auditor's verdict before its last bytes leave.
 
+They are :attr:`~.frames.MsgType.AUDIT` frames, sent between a rank's aggregates as soon as
+each is ready (:meth:`AuditFrames._audit_out`), so the audit's round trips (commitment, then
+challenge, then answers) overlap the gather rather than follow it; those not out by the last
+aggregate go before its tail, and every one must be in before that tail is read.
+
 A mixin of :class:`~.butterfly._ButterflyRun`, whose sender and receiver threads call these
 steps in the frame order of docs/net.md; it uses the run's ``ledger`` (:class:`~.audit.Ledger`),
 plan, links, codec and condition variable.
 """
 
 from __future__ import annotations
+
+from collections.abc import Generator
 
 import numpy as np
 
@@ -18,38 +25,66 @@ from intellect_jax.net.frames import MsgType
 from intellect_jax.net.ring import Finding
 
 
+ANSWER = -1  # the length of an answer to our audit: known once we have drawn our challenge
+
+
 class AuditFrames:
     """The audit steps of one butterfly call (see the module docstring)."""
 
-    def _audit_sends(self, conn, o: int) -> bool:  # noqa: ANN001
-        """Our commitment (row lists too if ``o`` audits us), our challenge, our piece that
-        ``o`` asked for and the commitment we got from the owner ``o`` audits; then wait until
-        our own audit has every piece and every such commitment, and judge (False: failed)."""
+    audit_sent: dict[int, int]  # link to rank o -> how many of its audit steps went out
+
+    def _audit_out(self, conn, o: int, wait: bool) -> bool:  # noqa: ANN001
+        """Send rank ``o`` the audit frames that are ready, in their order: our commitment (row
+        lists too if ``o`` audits us), our challenge, our piece that ``o`` asked for, and the
+        commitment we got from the owner ``o`` audits. With ``wait``, all of them, each waited
+        for (False: the call failed meanwhile)."""
         led = self.ledger
         assert led is not None
-        if not self.wait_for(lambda: led.commit is not None, "our commitment"):
-            return False
-        head, sig, rows = led.commit  # type: ignore[misc]
-        conn.send(MsgType.DATA, head, deadline=self.deadline)
-        conn.send(MsgType.DATA, sig, deadline=self.deadline)
-        if o == led.auditor:
-            for r in rows:
-                conn.send(MsgType.DATA, r, deadline=self.deadline)
-        if not self.wait_for(lambda: led.challenge is not None, f"the commitment of rank {led.target}"):
-            return False
-        conn.send(MsgType.DATA, np.uint32(led.challenge).tobytes(), deadline=self.deadline)
-        if not self.wait_for(lambda: o in led.asked, f"rank {o}'s challenge") or not self._answer(conn, o):
-            return False
         t = audited_by(o, self.world, led.ctx.step, led.ctx.call)
+        steps = [(lambda: led.commit is not None, "our commitment", lambda: self._commit_to(conn, o)),
+                 (lambda: led.challenge is not None, f"the commitment of rank {led.target}",
+                  lambda: self._audit_frame(conn, np.uint32(led.challenge).tobytes())),
+                 (lambda: o in led.asked, f"rank {o}'s challenge", lambda: self._answer(conn, o))]
         if t != self.rank:  # the commitment we got from o's target, so that o sees any other version
-            if not self.wait_for(lambda: t in led.heads, f"the commitment of rank {t}"):
+            steps.append((lambda: t in led.heads, f"the commitment of rank {t}",
+                          lambda: all(self._audit_frame(conn, f) for f in led.heads[t])))
+        done = self.audit_sent.setdefault(o, 0)
+        for ready, what, send in steps[done:]:
+            if wait:
+                if not self.wait_for(ready, what):
+                    return False
+            else:
+                with self.cond:
+                    if not ready():
+                        return True
+            if send() is False:
                 return False
-            for frame in led.heads[t]:
-                conn.send(MsgType.DATA, frame, deadline=self.deadline)
+            done = self.audit_sent[o] = done + 1
+        return True
+
+    def _audit_end(self, conn, o: int) -> bool:  # noqa: ANN001
+        """Every audit frame still due to ``o``; then wait until our own audit has every piece
+        and every commitment echoed to us, and judge (False: the call failed meanwhile)."""
+        led = self.ledger
+        assert led is not None
+        if not self._audit_out(conn, o, wait=True):
+            return False
         if not self.wait_for(lambda: len(led.answers) == self.world - 1 and len(led.echoes) == self.world - 2,
                              "the pieces of our audit"):
             return False
         self._judge()
+        return True
+
+    def _audit_frame(self, conn, payload: bytes) -> bool:  # noqa: ANN001
+        conn.send(MsgType.AUDIT, payload, deadline=self.deadline)
+        return True
+
+    def _commit_to(self, conn, o: int) -> bool:  # noqa: ANN001
+        led = self.ledger
+        assert led is not None and led.commit is not None
+        head, sig, rows = led.commit
+        for frame in (head, sig, *(rows if o == led.auditor else ())):
+            self._audit_frame(conn, frame)
         return True
 
     def _answer(self, conn, o: int) -> bool:  # noqa: ANN001
@@ -68,34 +103,38 @@ class AuditFrames:
             self.ws.release(wire)
         said = signed_piece(led.ctx, self.rank, o, seg, j, b - a, "fp32" if own else self.mode,
                             1 if own else self.block, digest(payload))
-        conn.send(MsgType.DATA, payload, deadline=self.deadline)
-        conn.send(MsgType.DATA, led.ctx.sign(said), deadline=self.deadline)
+        self._audit_frame(conn, payload)
+        self._audit_frame(conn, led.ctx.sign(said))
         return True
 
-    def _audit_receives(self, conn, o: int) -> None:  # noqa: ANN001
-        """Rank ``o``'s commitment, its challenge (what it audits), its piece for our audit and
-        (unless ``o`` is the owner we audit) the commitment it got from that owner."""
+    def _audit_in(self, o: int) -> Generator[int, bytes, None]:
+        """Rank ``o``'s audit frames, in their order: its commitment, its challenge (what it
+        audits), its piece for our audit and (unless ``o`` is the owner we audit) the commitment
+        it got from that owner. Yields the length of the next frame (:data:`ANSWER`: an answer's)
+        and is sent its payload."""
         led, P = self.ledger, self.plan.pieces
         assert led is not None
-        head = self._frame(conn, P * DIGEST + DIGEST)
-        sig = self._frame(conn, SIG_BYTES)
-        rows = [self._frame(conn, self.world * ENTRY) for _ in range(P)] if o == led.target else None
+        head = yield P * DIGEST + DIGEST
+        sig = yield SIG_BYTES
+        rows = None
+        if o == led.target:
+            rows = []
+            for _ in range(P):
+                rows.append((yield self.world * ENTRY))
         with self.cond:
             bad = led.committed(o, head, sig, rows)
             self.cond.notify_all()
         if bad:
             raise FrameError(f"rank {o} sent {bad}")
-        j = int(np.frombuffer(self._frame(conn, 4), np.uint32)[0])
+        j = int(np.frombuffer((yield 4), np.uint32)[0])
         if j >= P:
             raise FrameError(f"rank {o} asks for piece {j} of {P}")
         with self.cond:
             led.asked[o] = j
             self.cond.notify_all()
-        if not self.wait_for(lambda: led.challenge is not None, f"the commitment of rank {led.target}"):
-            return
+        payload = yield ANSWER
+        sig = yield SIG_BYTES
         a, b = self.plan.piece(led.target, led.challenge)  # type: ignore[arg-type]
-        n = 4 * (b - a) if o == led.target else quant.encoded_nbytes(b - a, self.mode, self.block)
-        payload, sig = self._frame(conn, n), self._frame(conn, SIG_BYTES)
         own = o == led.target
         said = signed_piece(led.ctx, o, self.rank, led.target, led.challenge, b - a,  # type: ignore[arg-type]
                             "fp32" if own else self.mode, 1 if own else self.block, digest(payload))
@@ -111,19 +150,33 @@ class AuditFrames:
                         self.findings.append((o, Finding(why, led.target, led.challenge,  # type: ignore[arg-type]
                                                          b - a, payload, sig,
                                                          "fp32", 1)))
-        echo = None if o == led.target else (self._frame(conn, P * DIGEST + DIGEST), self._frame(conn, SIG_BYTES))
         with self.cond:
             led.answers[o] = (payload, sig)
-            if echo is not None:
-                led.echoes[o] = echo
             self.cond.notify_all()
+        if not own:
+            echo = (yield P * DIGEST + DIGEST), (yield SIG_BYTES)
+            with self.cond:
+                led.echoes[o] = echo
+                self.cond.notify_all()
 
-    def _frame(self, conn, n: int) -> bytes:  # noqa: ANN001
-        """The next data frame, of exactly ``n`` bytes."""
-        hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=n)
-        buf = bytearray(n)
+    def _audit_read(self, conn, o: int, hdr, frames: Generator[int, bytes, None], want: int) -> int | None:  # noqa: ANN001
+        """Read the audit frame ``hdr`` announces (``want``: the length :meth:`_audit_in` asked
+        for) and hand it on; the length of the next one (None: that was the last)."""
+        led = self.ledger
+        assert led is not None
+        if want == ANSWER:
+            if led.challenge is None:
+                raise FrameError(f"rank {o} answered our audit before we asked")
+            a, b = self.plan.piece(led.target, led.challenge)
+            want = 4 * (b - a) if o == led.target else quant.encoded_nbytes(b - a, self.mode, self.block)
+        if hdr.length != want:
+            raise FrameError(f"rank {o}: an audit frame of {hdr.length} bytes, expected {want}")
+        buf = bytearray(want)
         conn.recv_payload_into(hdr, buf, deadline=self.deadline)
-        return bytes(buf)
+        try:
+            return frames.send(bytes(buf))
+        except StopIteration:
+            return None
 
     def _judge(self) -> None:
         """Our audit, before any of our aggregates leaves (once; every sender calls it): the

@@ -21,7 +21,8 @@ rank ``c`` owns segment ``c``:
    result is bit-identical on every rank that the owners were honest to.
 
 With ``auditing`` (:mod:`.audit`) each owner then commits to its aggregates under its signature
-before the last piece of them goes out, and every rank audits one owner's segment (one piece
+as soon as it has them all (the audit's frames go out between the aggregates, each once it is
+ready), and every rank audits one owner's segment (one piece
 drawn at random, recomputed from every member's signed piece of it); a fault fails the call
 everywhere, with the case that names the culprit.
 
@@ -129,6 +130,7 @@ class _ButterflyRun(AuditFrames, Pipeline):
                                                            absent)
         self.verdict: tuple[int, str, Case] | None = None  # (guilty rank, why, the case) from our audit
         self.judging, self.judged = threading.Lock(), None  # (judged: our audit's Judgement)
+        self.audit_sent = {}
 
     def _wire(self, n: int) -> np.ndarray:
         """A pooled buffer for ``n`` values on the wire (give it back with ``ws.release``)."""
@@ -181,8 +183,8 @@ class _ButterflyRun(AuditFrames, Pipeline):
 
     def sender(self, k: int) -> None:
         """To the owner of segment ``o``: our own pieces of it, signed; then our aggregates, and
-        when auditing, before the last of them, our commitment, our challenge and our answer to
-        o's (the last piece waits for our own audit: without it nobody completes)."""
+        when auditing, between them, our commitment, our challenge and our answer to o's (the
+        last piece's tail waits for our own audit: without it nobody completes)."""
         self._link(0, k, self._scatter_to, self._gather_to)
 
     def _link(self, side: int, k: int, step1: Callable[[int], None], step3: Callable[[int], None]) -> None:
@@ -210,17 +212,20 @@ class _ButterflyRun(AuditFrames, Pipeline):
             self._sent(0, k)
 
     def _gather_to(self, k: int) -> None:
-        """Step 3 on link ``k``: our aggregates (with the audit frames before the last tail)."""
+        """Step 3 on link ``k``: our aggregates; when auditing, each audit frame goes out between
+        them as soon as it is ready, and those not out by then before the last piece's tail."""
         conn, o, P = self.links.out[k], peer_of(self.rank, self.world, k), self.plan.pieces
         for j in range(P):
             if not self.wait_for(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
                 return
             if not self._pace(1, k, j):
                 return
+            if self.ledger is not None and not self._audit_out(conn, o, wait=False):  # (those ready by now)
+                return
             wire: np.ndarray = self.agg[j]  # type: ignore[assignment]
             if j == P - 1 and self.ledger is not None:  # all but its tail; the tail once our audit passed
                 conn.send(MsgType.DATA, wire[:-TAIL], deadline=self.deadline)
-                if not self._audit_sends(conn, o):
+                if not self._audit_end(conn, o):
                     return
                 wire = wire[-TAIL:]
             conn.send(MsgType.DATA, wire, deadline=self.deadline)
@@ -266,7 +271,7 @@ class _ButterflyRun(AuditFrames, Pipeline):
 
     def receiver(self, k: int) -> None:
         """From rank ``o``: its own pieces of our segment; then its aggregates of segment ``o``,
-        and when auditing, before the last piece's tail, its audit frames (:mod:`.audit_frames`)."""
+        and when auditing, between them, its audit frames (:mod:`.audit_frames`)."""
         self._link(1, k, self._scatter_from, self._gather_from)
 
     def _scatter_from(self, k: int) -> None:
@@ -296,20 +301,32 @@ class _ButterflyRun(AuditFrames, Pipeline):
                 self.cond.notify_all()
 
     def _gather_from(self, k: int) -> None:
-        """Step 3 on link ``k``: the aggregates of its sender's segment (with its audit frames
-        before the last piece's tail)."""
+        """Step 3 on link ``k``: the aggregates of its sender's segment, and when auditing its
+        audit frames (:mod:`.audit_frames`) between them, every one before the last piece's tail."""
         conn, o, P, led = self.links.inn[k], peer_of(self.rank, self.world, k), self.plan.pieces, self.ledger
+        frames = None if led is None else self._audit_in(o)
+        want = None if frames is None else next(frames)  # the length of its next audit frame (None: all in)
         for j in range(P):
-            if self.error is not None:
-                return
             a, b = self.plan.piece(o, j)
             wire = self._wire(b - a)
-            if j == P - 1 and led is not None:  # the last piece's tail comes after the audit frames
-                self._into(conn, wire[:-TAIL])
-                self._audit_receives(conn, o)
+            last = j == P - 1 and led is not None
+            body = wire[:-TAIL] if last else wire
+            while True:  # its audit frames until its next aggregate
+                if self.error is not None:
+                    return
+                hdr = conn.recv_header(MsgType.DATA if want is None else (MsgType.DATA, MsgType.AUDIT),
+                                       deadline=self.deadline)
+                if hdr.mtype == MsgType.DATA:
+                    break
+                want = self._audit_read(conn, o, hdr, frames, want)  # type: ignore[arg-type]
+            if hdr.length != body.nbytes:
+                raise FrameError(f"rank {o}: an aggregate frame of {hdr.length} bytes, expected {body.nbytes}")
+            conn.recv_payload_into(hdr, body, deadline=self.deadline)
+            if last:  # every audit frame before the last bytes
+                while want is not None:
+                    want = self._audit_read(conn, o, conn.recv_header(MsgType.AUDIT, deadline=self.deadline), frames,
+                                            want)  # type: ignore[arg-type]
                 self._into(conn, wire[-TAIL:])
-            else:
-                self._into(conn, wire)
             if led is not None and not led.got(o, j, wire):
                 raise FrameError(f"rank {o}: its aggregates are not the ones it committed to")
             quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])

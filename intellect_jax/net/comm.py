@@ -521,7 +521,7 @@ class SocketCommunicator:
 
             def before(info: dict[str, Any]) -> None:
                 nonlocal links
-                meta = {"v": 4, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
+                meta = {"v": 5, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
                         "peers": self._peers_hash, **asdict(cfg), "absent": sorted(self.absent), **info}
                 meta.pop("deadline")
                 if meshed:
