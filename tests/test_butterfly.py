@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import socket
 import time
 from typing import Any
 
@@ -182,6 +183,43 @@ def test_a_member_sitting_out_is_left_out_and_its_values_are_evidence(sends: str
         e = Evidence.model_validate(ev)
         assert weigh(e, accuser=f"r8{owner}", accused="r81", sat_out=True, **kw) == (SAT_OUT, "")
         assert weigh(e, accuser=f"r8{owner}", accused="r81", **kw)[0] is None  # it did not declare it
+
+
+def test_our_own_pieces_go_before_our_aggregates_and_every_mesh_link_bounds_its_backlog(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank sends its aggregates (step 3) only once its own pieces (step 1) are out on every
+    link, so that every owner aggregates, and commits, as early as the links allow; and every
+    link of the mesh queues at most ``notsent_lowat`` unsent bytes, so a small frame (an audit
+    step) does not wait behind megabytes of aggregates (docs/results.md)."""
+    from intellect_jax.net import transport
+
+    world, events = 4, {r: [] for r in range(4)}
+    sent, over, bound = butterfly._ButterflyRun._sent, butterfly._ButterflyRun._over, transport.Connection.bound_unsent
+    bounded: list[int] = []
+
+    def on_sent(self: Any, phase: int, k: int) -> None:
+        events[self.rank].append(("sent", phase))
+        sent(self, phase, k)
+
+    def on_over(self: Any, side: int, k: int) -> bool:
+        events[self.rank].append(("over", side))
+        return over(self, side, k)
+
+    def on_bound(self: Any, n: int | None) -> None:
+        bound(self, n)
+        bounded.append(self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT))
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_sent", on_sent)
+    monkeypatch.setattr(butterfly._ButterflyRun, "_over", on_over)
+    monkeypatch.setattr(transport.Connection, "bound_unsent", on_bound)
+    cfg = RingConfig(mode="int8", block_size=64, piece_numel=512, deadline=30, exchange="butterfly", robust="mean")
+    xs = _inputs(world, 20_000)
+    _, outs, errs = _butterfly(world, xs, cfg)
+    assert errs == [None] * world and all(_same_bits(o, outs[0]) for o in outs)
+    assert bounded == [128 << 10] * (world * (world - 1))
+    for r, ev in events.items():
+        first = ev.index(("sent", 1))
+        assert ev[:first].count(("over", 0)) == world - 1, (r, ev)
 
 
 def test_a_mesh_link_whose_opener_starts_late_still_opens(monkeypatch: pytest.MonkeyPatch) -> None:

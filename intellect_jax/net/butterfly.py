@@ -122,6 +122,7 @@ class _ButterflyRun(AuditFrames, Pipeline):
         self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
         self.stuck: list[set[int]] = [set(), set()]  # links left out of the pacing (per step): they did not move
         self.got = [0] * world  # own pieces of our segment received whole from each rank (step 1)
+        self.moved = [time.monotonic()] * (world - 1)  # when step 1 last moved on each link (see _after_step1)
         self.unpaced = (time.monotonic() + deadline) / 2  # from then on step 1 goes unpaced (see _pace)
         self.over = [[False] * (world - 1), [False] * (world - 1)]  # step 1 over on each out and inn link
         if auditing is not None and seal is None:
@@ -215,6 +216,8 @@ class _ButterflyRun(AuditFrames, Pipeline):
         """Step 3 on link ``k``: our aggregates; when auditing, each audit frame goes out between
         them as soon as it is ready, and those not out by then before the last piece's tail."""
         conn, o, P = self.links.out[k], peer_of(self.rank, self.world, k), self.plan.pieces
+        if not self._after_step1():
+            return
         for j in range(P):
             if not self.wait_for(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
                 return
@@ -230,6 +233,22 @@ class _ButterflyRun(AuditFrames, Pipeline):
                 wire = wire[-TAIL:]
             conn.send(MsgType.DATA, wire, deadline=self.deadline)
             self._sent(1, k)
+
+    def _after_step1(self) -> bool:
+        """Hold step 3 until our step 1 is over on every link that still moves (one that has not
+        moved for ``PACE_HOLD`` holds nobody; False: the call failed meanwhile). Our own pieces
+        go first: every owner then has its rows, aggregates and commits sooner, so the audits'
+        round trips run while our aggregates still go out instead of after them; the bytes on
+        our uplink, and so its busy time, are the same either way (docs/results.md)."""
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    return False
+                now = time.monotonic()
+                going = [t for i, t in enumerate(self.moved) if not self.over[0][i] and now - t < PACE_HOLD]
+                if not going:
+                    return True
+                self.cond.wait(max(0.001, min(going) + PACE_HOLD - now))
 
     def _pace(self, phase: int, k: int, j: int) -> bool:
         """Hold link ``k`` before piece ``j`` of ``phase`` while it is ``WINDOW`` pieces ahead of
@@ -266,6 +285,8 @@ class _ButterflyRun(AuditFrames, Pipeline):
     def _sent(self, phase: int, k: int) -> None:
         with self.cond:
             self.sent[phase][k] += 1
+            if phase == 0:
+                self.moved[k] = time.monotonic()
             self.stuck[phase].discard(k)  # it moved: it paces the others again
             self.cond.notify_all()
 
@@ -378,6 +399,7 @@ class _ButterflyRun(AuditFrames, Pipeline):
         with self.cond:
             self.over[side][k] = True
             failed = self.error is not None
+            self.cond.notify_all()  # (step 3 may wait for it: _after_step1)
         if failed:
             (self.links.out, self.links.inn)[side][k].abort()
         return not failed
