@@ -87,6 +87,8 @@ class Pending:
 
     def get(self) -> Any:
         """The connection, or a :class:`DeadLink` (waiting for the opener, up to the deadline)."""
+        if self._done.is_set():  # (every frame asks: no lock once settled)
+            return self._link
         if not self._done.wait(max(0.0, self._deadline - time.monotonic()) + 1.0):
             err = PeerTimeout(f"{self.peer}: no link before the deadline")
             with self._lock:
