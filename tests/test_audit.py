@@ -171,11 +171,11 @@ def test_judge_an_honest_case_and_each_kind_of_fault() -> None:
     mine[-1] ^= 1
     assert judge(dataclasses.replace(case, payloads=(case.payloads[0], bytes(mine), case.payloads[2])),
                  _verify)[0] is None
-    # the owner's own float32 row under its commitment: changed, it is the owner's double statement
+    # the owner's own row under its commitment: changed, it is the owner's double statement
     own = bytearray(case.payloads[0])
     own[0] ^= 1
     sigs = list(case.audit_sigs)
-    sigs[0] = _sign(0, case.said(0, 1, digest(bytes(own)), own=True))
+    sigs[0] = _sign(0, case.said(0, 1, digest(bytes(own))))
     assert judge(dataclasses.replace(case, payloads=(bytes(own), *case.payloads[1:]), audit_sigs=tuple(sigs)),
                  _verify)[0] == 0
     # nothing holds without the owner's own signature on the commitment
@@ -277,7 +277,7 @@ def test_an_owner_answering_its_audit_with_an_unsigned_piece_fails_the_call(monk
         if self.rank != bad or o != self.ledger.auditor:
             return original(self, conn, o)
         a, b = self.plan.piece(self.rank, self.ledger.asked[o])
-        conn.send(MsgType.AUDIT, np.zeros(b - a, np.float32).tobytes(), deadline=self.deadline)
+        conn.send(MsgType.AUDIT, bytes(quant.encoded_nbytes(b - a, self.mode, self.block)), deadline=self.deadline)
         conn.send(MsgType.AUDIT, bytes(64), deadline=self.deadline)
         return True
 
@@ -292,7 +292,7 @@ def test_an_owner_answering_its_audit_with_an_unsigned_piece_fails_the_call(monk
 def test_an_owner_s_own_row_is_inspected_by_its_auditor_and_is_evidence_against_it() -> None:
     """An owner's own row never travels in the scatter, so no other member saw it: its auditor
     now checks the piece it draws like every other row, and a NaN there is evidence against the
-    owner, as float32 under the owner's signature to the auditor, which the coordinator's check
+    owner, in the codec under the owner's signature to the auditor, which the coordinator's check
     upholds."""
     from intellect_jax.coordinator.policing import weigh
     from intellect_jax.coordinator.schema import Evidence
@@ -309,7 +309,7 @@ def test_an_owner_s_own_row_is_inspected_by_its_auditor_and_is_evidence_against_
     suspect = comms[auditor].suspect
     assert suspect is not None and suspect[0] == bad and suspect[1] == "non-finite values", suspect
     ev = Evidence.model_validate(suspect[2])
-    assert (ev.mode, ev.block) == ("fp32", 1)
+    assert (ev.mode, ev.block) == ("int8", 64)
     ids = [c.ids[c.rank] for c in comms]
     guilty, _ = weigh(ev, run_id="ring-test", step=0, epoch_id=0, accuser=ids[auditor], accused=ids[bad],
                       ca=credentials(ids[0]).ca_der, recorded=None)

@@ -10,12 +10,12 @@ piece per link:
    :func:`commitment` (the run, outer step, epoch and call, the plan, the codec, the aggregator,
    the members sitting out, and two roots): the digest (BLAKE3) of each aggregate's wire bytes, and for
    each piece the *row list*: every member's piece as the owner received it (its digest and its
-   sender's signature, zeros for the owner's own row, which it never sent). Every member gets
+   sender's signature; for the owner's own row, which it never sent, its digest and zeros). Every member gets
    the aggregates' digests and the signature; the segment's auditor (:func:`auditor_of`, a
    different member every call) also gets the row lists.
 2. **Challenge.** Only then does the auditor draw one piece ``j`` at random and ask every member
-   for its own piece ``j`` of the segment, signed to the auditor (the owner sends its own row as
-   it used it: float32). An owner cannot know which piece will be checked while it aggregates.
+   for its own piece ``j`` of the segment in the codec, signed to the auditor (the owner too: its
+   own row went through the codec like every other). An owner cannot know which piece will be checked while it aggregates.
 3. **Check** (:func:`judge`, the same code on the auditor and the coordinator). The rows must be
    the committed ones and the aggregate of the committed rows must be the committed aggregate.
    A failure names one member with what it signed itself: an owner whose aggregate is not the
@@ -91,8 +91,8 @@ class Case:
 
     ``aggregates``: the owner's digest of each piece's aggregate (``P``); ``row_roots``: the
     root of each piece's row list; ``rows``: piece ``piece``'s row list (``world`` entries);
-    ``payloads``: each member's piece as the auditor got it (the owner's as float32, the
-    auditor's own as it sent it to the owner); ``audit_sigs``: each sender's signature of its
+    ``payloads``: each member's piece as the auditor got it (the auditor's own as it sent it to
+    the owner); ``audit_sigs``: each sender's signature of its
     payload to the auditor (None for the auditor's own)."""
 
     run_id: str
@@ -127,13 +127,11 @@ class Case:
             raise ValueError(f"piece {self.piece} of {len(self.aggregates)} digests: the plan has {plan.pieces} pieces")
         return plan.piece(self.owner, self.piece)
 
-    def said(self, sender: int, receiver: int, payload_digest: bytes, own: bool = False) -> bytes:
-        """The statement ``sender`` signs for its piece to ``receiver`` (``own``: an owner's
-        float32 row)."""
+    def said(self, sender: int, receiver: int, payload_digest: bytes) -> bytes:
+        """The statement ``sender`` signs for its piece to ``receiver``."""
         a, b = self.bounds()
         return piece_statement(self.run_id, self.step, self.epoch, self.call, self.ids[sender], self.ids[receiver],
-                               self.owner, self.piece, b - a, "fp32" if own else self.mode, 1 if own else self.block,
-                               payload_digest.hex())
+                               self.owner, self.piece, b - a, self.mode, self.block, payload_digest.hex())
 
     def committed(self) -> bytes:
         """The owner's commitment statement."""
@@ -190,12 +188,11 @@ def judge(case: Case, verify: Verify) -> Judgement:
             return Judgement(None, f"the row list for piece {case.piece} holds a piece of {case.ids[i]} whose "
                                    "signature does not verify")
     rows: list[np.ndarray] = []
+    want = quant.encoded_nbytes(n, case.mode, case.block)
     for i, (e, payload, sig) in enumerate(zip(entries, case.payloads, case.audit_sigs)):
-        own = i == o
-        want = 4 * n if own else quant.encoded_nbytes(n, case.mode, case.block)
         d = digest(payload)
         if d != e[:DIGEST]:  # not the committed row: its sender signed two pieces for one place
-            if i == case.auditor or sig is None or not verify(i, case.said(i, case.auditor, d, own), sig):
+            if i == case.auditor or sig is None or not verify(i, case.said(i, case.auditor, d), sig):
                 return Judgement(None, f"{case.ids[i]}'s piece is not the committed one, and not signed to the "
                                        "auditor")
             return Judgement(i, f"signed two different pieces {case.piece} of segment {o} (to {case.ids[o]} and to "
@@ -203,8 +200,7 @@ def judge(case: Case, verify: Verify) -> Judgement:
         if len(payload) != want:
             return Judgement(None, f"{case.ids[i]}'s committed piece is {len(payload)} bytes, not {want}")
         try:
-            rows.append(np.frombuffer(payload, np.float32).copy() if own else
-                        quant.decode(np.frombuffer(payload, np.uint8).copy(), n, case.mode, case.block))
+            rows.append(quant.decode(np.frombuffer(payload, np.uint8).copy(), n, case.mode, case.block))
         except ValueError:  # signed by its sender, yet no payload of its codec: the aggregate drops it
             rows.append(np.full(n, np.nan, np.float32))
     wire = robust.aggregate_piece(rows, n, case.mode, case.block, case.how, absent=frozenset(case.absent))
@@ -276,8 +272,9 @@ class Ledger:
         self.entries[j][sender] = d + signature
         return True
 
-    def own(self, j: int, row: np.ndarray) -> None:
-        self.entries[j][self.rank] = digest(np.ascontiguousarray(row, np.float32)) + NO_SIG
+    def own(self, j: int, wire: np.ndarray) -> None:
+        """Our own row of piece ``j``, as we encoded it, goes into our row list."""
+        self.entries[j][self.rank] = digest(wire) + NO_SIG
 
     def aggregated(self, j: int, wire: np.ndarray) -> None:
         self.agg_digests[j] = digest(wire)

@@ -88,21 +88,16 @@ class AuditFrames:
         return True
 
     def _answer(self, conn, o: int) -> bool:  # noqa: ANN001
-        """Our piece that auditor ``o`` asked for, signed to it (our own row as we used it, if
-        ``o`` audits our segment)."""
+        """Our piece that auditor ``o`` asked for, signed to it (our own row too, if ``o`` audits
+        our segment: we encoded it like every other)."""
         led = self.ledger
         assert led is not None
         seg, j = audited_by(o, self.world, led.ctx.step, led.ctx.call), led.asked[o]
         a, b = self.plan.piece(seg, j)
-        own = seg == self.rank
-        if own:
-            payload = np.ascontiguousarray(self.x[a:b], np.float32).tobytes()
-        else:
-            wire = self._encode(seg, j)
-            payload = wire.tobytes()
-            self.ws.release(wire)
-        said = signed_piece(led.ctx, self.rank, o, seg, j, b - a, "fp32" if own else self.mode,
-                            1 if own else self.block, digest(payload))
+        wire = self._encode(seg, j)
+        payload = wire.tobytes()
+        self.ws.release(wire)
+        said = signed_piece(led.ctx, self.rank, o, seg, j, b - a, self.mode, self.block, digest(payload))
         self._audit_frame(conn, payload)
         self._audit_frame(conn, led.ctx.sign(said))
         return True
@@ -137,19 +132,22 @@ class AuditFrames:
         a, b = self.plan.piece(led.target, led.challenge)  # type: ignore[arg-type]
         own = o == led.target
         said = signed_piece(led.ctx, o, self.rank, led.target, led.challenge, b - a,  # type: ignore[arg-type]
-                            "fp32" if own else self.mode, 1 if own else self.block, digest(payload))
+                            self.mode, self.block, digest(payload))
         if not led.ctx.verify(o, said, sig):
             raise FrameError(f"rank {o}: the signature of its answer to our audit does not verify")
         if own:  # the owner's own row, which nobody else ever sees: checked like every other row
-            row = np.frombuffer(payload, np.float32)
-            why = (SAT_OUT if row.any() else None) if o in self.absent else \
-                self.inspect(row) if self.inspect is not None else None
+            try:
+                row = quant.decode(np.frombuffer(payload, np.uint8).copy(), b - a, self.mode, self.block)
+            except ValueError as e:
+                why: str | None = f"an undecodable payload ({e})"
+            else:
+                why = (SAT_OUT if row.any() else None) if o in self.absent else \
+                    self.inspect(row) if self.inspect is not None else None
             if why:
                 with self.cond:
                     if not any(r == o for r, _ in self.findings):
                         self.findings.append((o, Finding(why, led.target, led.challenge,  # type: ignore[arg-type]
-                                                         b - a, payload, sig,
-                                                         "fp32", 1)))
+                                                         b - a, payload, sig)))
         with self.cond:
             led.answers[o] = (payload, sig)
             self.cond.notify_all()
@@ -168,7 +166,7 @@ class AuditFrames:
             if led.challenge is None:
                 raise FrameError(f"rank {o} answered our audit before we asked")
             a, b = self.plan.piece(led.target, led.challenge)
-            want = 4 * (b - a) if o == led.target else quant.encoded_nbytes(b - a, self.mode, self.block)
+            want = quant.encoded_nbytes(b - a, self.mode, self.block)
         if hdr.length != want:
             raise FrameError(f"rank {o}: an audit frame of {hdr.length} bytes, expected {want}")
         buf = bytearray(want)

@@ -10,8 +10,9 @@ rank ``c`` owns segment ``c``:
    the statement is the owner). So each owner holds every member's own piece of its segment,
    as its sender signed it: a bad piece anywhere in a contribution is evidence against its
    sender and nobody else.
-2. **Aggregate.** The owner decodes the ``world - 1`` rows of piece ``j`` it received (its own
-   row is its input as it is), shows each to ``inspect``, and aggregates them with
+2. **Aggregate.** The owner decodes the ``world - 1`` rows of piece ``j`` it received and its
+   own row through the same codec (every row is what its sender encoded: an auditor then checks
+   the owner's in the codec's bytes too), shows each other member's to ``inspect``, and aggregates them with
    :func:`~.robust.aggregate` (a row that is not finite is dropped by every aggregator). It
    encodes the aggregate once and adopts the decoded value itself. The rows of members that
    sit the round out (``absent``: their own checks failed, and the coordinator told every
@@ -96,7 +97,7 @@ def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: i
     for c in range(world):
         for j in range(p.pieces):
             a, b = p.piece(c, j)
-            rows = [x[a:b] if r == c else roundtrip(x[a:b], mode, block) for r, x in enumerate(inputs)]
+            rows = [roundtrip(x[a:b], mode, block) for x in inputs]
             wire = aggregate_piece(rows, b - a, mode, block, how, absent=absent)
             quant.decode(wire, b - a, mode, block, out=out[a:b])
     return out
@@ -151,8 +152,8 @@ class _ButterflyRun(AuditFrames, Pipeline):
         return quant.encode(self.x[a:b], self.mode, self.block, buf)
 
     def _release_rows(self, rows: list[np.ndarray | None]) -> None:
-        for i, r in enumerate(rows):
-            if r is not None and i != self.rank:  # (ours is a view of the caller's input)
+        for r in rows:
+            if r is not None:
                 self.ws.release(r.base)
 
     # -- threads -----------------------------------------------------------------------
@@ -162,15 +163,20 @@ class _ButterflyRun(AuditFrames, Pipeline):
         me, P, led = self.rank, self.plan.pieces, self.ledger
         for j in range(P):
             a, b = self.plan.piece(me, j)
+            own = self._encode(me, j)  # our own row as every other member's: through the codec
+            row = self._row(b - a)
+            quant.decode(own, b - a, self.mode, self.block, out=row)
+            if led is not None:
+                led.own(j, own)
+            self.ws.release(own)
             with self.cond:
-                self.rows[j][me] = self.x[a:b]  # our own row as it is: nothing to send
+                self.rows[j][me] = row
             if not self.wait_for(lambda: all(r is not None for r in self.rows[j]), f"the rows of piece {j}"):
                 return
             rows = self.rows[j]
             wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a), self.absent)
             quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
             if led is not None:
-                led.own(j, self.x[a:b])
                 led.aggregated(j, wire)
             with self.cond:
                 self.agg[j] = wire

@@ -569,7 +569,7 @@ class SocketCommunicator:
                 k = (r - self.rank - 1) % self.world_size if cfg.exchange == "butterfly" else 0
                 self.suspect = (r, f.why, evidence.evidence(
                     step=self.step, epoch=self.epoch, call=c, segment=f.segment, piece=f.piece, numel=f.numel,
-                    mode=f.mode or cfg.mode, block=f.block or cfg.block_size, payload=f.payload, signature=f.signature,
+                    mode=cfg.mode, block=cfg.block_size, payload=f.payload, signature=f.signature,
                     cert=links.inn[k].cert))
         except BaseException as e:
             if verdicts:  # our audit failed the call: the case goes with our next sync

@@ -54,8 +54,6 @@ class Finding:
     numel: int
     payload: bytes
     signature: bytes | None
-    mode: str | None = None  # its codec, if not the call's (an owner's own row shown to its auditor: fp32)
-    block: int | None = None
 
 
 @dataclass

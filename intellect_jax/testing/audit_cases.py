@@ -43,9 +43,7 @@ def signed_case(xs: Sequence[np.ndarray], ids: Sequence[str], *, owner: int, aud
 
     def wires(j: int) -> tuple[int, int, list[bytes]]:
         a, b = p.piece(owner, j)
-        return a, b, [np.ascontiguousarray(x[a:b], np.float32).tobytes() if i == owner else
-                      quant.encode(np.ascontiguousarray(x[a:b], np.float32), mode, block).tobytes()
-                      for i, x in enumerate(xs)]
+        return a, b, [quant.encode(np.ascontiguousarray(x[a:b], np.float32), mode, block).tobytes() for x in xs]
 
     rows, aggs = [], []
     for j in range(p.pieces):
@@ -56,8 +54,7 @@ def signed_case(xs: Sequence[np.ndarray], ids: Sequence[str], *, owner: int, aud
             said = piece_statement(run_id, step, epoch, call, ids[i], ids[owner], owner, j, b - a, mode, block, d.hex())
             entries.append(d + (NO_SIG if i == owner else sign(ids[i], said)))
         rows.append(b"".join(entries))
-        decoded = [np.frombuffer(w, np.float32) if i == owner else
-                   quant.decode(np.frombuffer(w, np.uint8), b - a, mode, block) for i, w in enumerate(ws)]
+        decoded = [quant.decode(np.frombuffer(w, np.uint8), b - a, mode, block) for w in ws]
         wire = aggregate_piece(decoded, b - a, mode, block, how, absent=frozenset(absent))
         if forge is not None:
             wire = quant.encode(forge(j, quant.decode(wire, b - a, mode, block)), mode, block)
@@ -66,7 +63,7 @@ def signed_case(xs: Sequence[np.ndarray], ids: Sequence[str], *, owner: int, aud
     case = Case(run_id, step, epoch, call, tuple(ids), owner, auditor, piece, n, piece_numel, mode, block, how,
                 tuple(sorted(absent)), tuple(aggs), tuple(digest(r) for r in rows), b"", rows[piece],
                 tuple(payloads), (None,) * world)
-    sigs = tuple(None if i == auditor else sign(ids[i], case.said(i, auditor, digest(w), i == owner))
+    sigs = tuple(None if i == auditor else sign(ids[i], case.said(i, auditor, digest(w)))
                  for i, w in enumerate(payloads))
     return dataclasses.replace(case, commit_sig=sign(ids[owner], case.committed()), audit_sigs=sigs)
 
