@@ -517,8 +517,9 @@ def forging_owner(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any], bool],
         local.bad, local.j = bad(self), 0
         encoder(self)
 
-    def forged(rows: Any, n: int, mode: str, block: int, how: str, out: Any = None, absent: Any = frozenset()) -> Any:
-        wire = honest(rows, n, mode, block, how, out, absent)
+    def forged(rows: Any, n: int, mode: str, block: int, how: str, out: Any = None, absent: Any = frozenset(),
+               scratch: Any = None) -> Any:
+        wire = honest(rows, n, mode, block, how, out, absent, scratch)
         j, local.j = getattr(local, "j", 0), getattr(local, "j", 0) + 1
         if getattr(local, "bad", False) and (pieces is None or j in pieces):
             return quant.encode(-quant.decode(wire, n, mode, block), mode, block, wire)

@@ -103,6 +103,22 @@ def test_the_same_rows_give_the_same_bits_and_signed_zeros_do_not_matter(mode):
         assert not np.signbit(aggregate(zeros[:n], "trim2", DIM).value).any(), n
 
 
+@pytest.mark.parametrize("mode", ("mean", *MODES))
+def test_a_reused_scratch_gives_the_same_bits_and_the_default_keeps_each_value(mode):
+    """With a caller's scratch (the butterfly's workspace, reused across pieces and calls) the
+    aggregate is the same bits; without one each value is the caller's own (the thread's
+    scratch is reused, the value copied out)."""
+    from intellect_jax.net.ring import Workspace
+
+    ws, rows, other = Workspace(), _rows(6, seed=3), _rows(5, seed=4)
+    first = aggregate(rows, mode, DIM).value
+    second = aggregate(other, mode, DIM).value
+    assert hashlib.sha256(first.tobytes()).hexdigest()[:16] == GOLDEN[mode]
+    for _ in range(2):
+        assert aggregate(rows, mode, DIM, scratch=ws.scratch).value.tobytes() == first.tobytes()
+        assert aggregate(other, mode, DIM, scratch=ws.scratch).value.tobytes() == second.tobytes()
+
+
 def test_a_clean_round_loses_little_direction():
     rows = _rows(8, noise=1.0, seed=5)
     want = aggregate(rows, "mean", DIM).value

@@ -174,7 +174,8 @@ class _ButterflyRun(AuditFrames, Pipeline):
             if not self.wait_for(lambda: all(r is not None for r in self.rows[j]), f"the rows of piece {j}"):
                 return
             rows = self.rows[j]
-            wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a), self.absent)
+            wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a), self.absent,
+                                   self.ws.scratch)
             quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
             if led is not None:
                 led.aggregated(j, wire)

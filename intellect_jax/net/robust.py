@@ -35,13 +35,15 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from intellect_jax.net import quant
 
+Scratch = Callable[..., np.ndarray]  # (name, n, dtype=float32) -> a reused array of >= n elements (Workspace.scratch)
 DEFAULT_FACTOR = 1.0  # clip / cclip: the bound in units of this round's median (row norm or distance)
 CCLIP_ITERS = 3
 
@@ -54,22 +56,46 @@ class Aggregated:
     weights: tuple[float, ...]
 
 
-def norm(x: np.ndarray) -> float:
-    """L2 norm as a float64 pairwise sum (the same bits on any CPU; inf if not finite)."""
-    a64 = np.asarray(x, np.float32).astype(np.float64)
+_local = threading.local()
+
+
+def _own_scratch(name: str, n: int, dtype: type = np.float32) -> np.ndarray:
+    """The calling thread's scratch arrays (kept for its next aggregation)."""
+    bufs: dict[str, np.ndarray] = _local.__dict__.setdefault("bufs", {})
+    a = bufs.get(name)
+    if a is None or a.shape[0] < n or a.dtype != dtype:
+        a = bufs[name] = np.empty(n, dtype)
+    return a
+
+
+def _row(scratch: Scratch, name: str, n: int, dtype: type = np.float32) -> np.ndarray:
+    return scratch(f"robust.{name}", n, dtype)[:n]
+
+
+def norm(x: np.ndarray, scratch: Scratch | None = None) -> float:
+    """L2 norm as a float64 pairwise sum (the same bits on any CPU; inf if not finite); with
+    ``scratch``, of a flat row, without a fresh float64 copy."""
+    x = np.asarray(x, np.float32)
+    if scratch is None or x.ndim != 1:
+        a64 = x.astype(np.float64)
+    else:
+        a64 = _row(scratch, "norm", x.shape[0], np.float64)
+        np.copyto(a64, x)
     return math.sqrt(float(np.add.reduce(np.square(a64, out=a64))))
 
 
-def _ordered_sum(rows: Sequence[np.ndarray], coefs: Sequence[float] | None = None) -> np.ndarray:
-    """sum_i c_i x_i in float32, in the rows' order (elementwise: exact per operation)."""
-    acc = np.zeros_like(rows[0], dtype=np.float32)
+def _ordered_sum(rows: Sequence[np.ndarray], coefs: Sequence[float] | None, scratch: Scratch) -> np.ndarray:
+    """sum_i c_i x_i in float32, in the rows' order (elementwise: exact per operation), into a
+    scratch row. Every step writes in place: a fresh array per step costs more than its
+    arithmetic here (its pages are new each time: page faults)."""
+    n = rows[0].shape[0]
+    acc, tmp = _row(scratch, "acc", n), _row(scratch, "tmp", n)
+    acc[...] = 0
     for i, x in enumerate(rows):
-        if coefs is None:
-            acc += x
-        elif coefs[i] == 1.0:
+        if coefs is None or coefs[i] == 1.0:
             acc += x
         elif coefs[i] != 0.0:
-            acc += np.float32(coefs[i]) * x
+            acc += np.multiply(x, np.float32(coefs[i]), out=tmp)
     return acc
 
 
@@ -82,15 +108,17 @@ def _median(values: Sequence[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
 
-def mean(rows: Sequence[np.ndarray]) -> np.ndarray:
-    return _ordered_sum(rows) / np.float32(len(rows))
+def mean(rows: Sequence[np.ndarray], scratch: Scratch) -> np.ndarray:
+    acc = _ordered_sum(rows, None, scratch)
+    return np.divide(acc, np.float32(len(rows)), out=acc)
 
 
-def clip(rows: Sequence[np.ndarray], factor: float = DEFAULT_FACTOR) -> tuple[np.ndarray, list[float]]:
-    norms = [norm(x) for x in rows]
+def clip(rows: Sequence[np.ndarray], factor: float, scratch: Scratch) -> tuple[np.ndarray, list[float]]:
+    norms = [norm(x, scratch) for x in rows]
     bound = factor * _median(norms)
     w = [_scale(n, bound) for n in norms]
-    return _ordered_sum(rows, w) / np.float32(len(rows)), w
+    acc = _ordered_sum(rows, w, scratch)
+    return np.divide(acc, np.float32(len(rows)), out=acc), w
 
 
 @functools.lru_cache(maxsize=64)
@@ -111,11 +139,15 @@ def _network(n: int) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
-def _sorted(rows: Sequence[np.ndarray]) -> list[np.ndarray]:
-    """The rows sorted coordinate-wise (finite float32 rows): a sorting network of elementwise
-    min and max, many times faster than sorting each coordinate's few values on its own."""
-    s = [np.array(x, np.float32, copy=True) for x in rows]
-    tmp = np.empty_like(s[0])
+def _sorted(rows: Sequence[np.ndarray], scratch: Scratch) -> list[np.ndarray]:
+    """The rows sorted coordinate-wise (finite float32 rows) in scratch rows: a sorting network
+    of elementwise min and max, many times faster than sorting each coordinate's few values on
+    its own."""
+    n = rows[0].shape[0]
+    s = [_row(scratch, f"sort{i}", n) for i in range(len(rows))]
+    for d, x in zip(s, rows):
+        np.copyto(d, x)
+    tmp = _row(scratch, "sort", n)
     for i, j in _network(len(s)):
         lo = np.minimum(s[i], s[j], out=tmp)
         np.maximum(s[i], s[j], out=s[j])
@@ -125,31 +157,42 @@ def _sorted(rows: Sequence[np.ndarray]) -> list[np.ndarray]:
     return s
 
 
-def _middle(s: Sequence[np.ndarray]) -> np.ndarray:
-    """The coordinate-wise median of rows sorted along axis 0 (float32; np.median is 4x slower)."""
-    n = len(s)
-    half = np.float32(0.5)
-    return s[n // 2].copy() if n % 2 else s[n // 2 - 1] * half + s[n // 2] * half
+def _middle(s: Sequence[np.ndarray], scratch: Scratch) -> np.ndarray:
+    """The coordinate-wise median of rows sorted along axis 0 (float32; np.median is 4x slower),
+    in a scratch row."""
+    n, half = len(s), np.float32(0.5)
+    v = _row(scratch, "middle", s[0].shape[0])
+    if n % 2:
+        np.copyto(v, s[n // 2])
+    else:  # (s[a] * half + s[b] * half, in place)
+        np.multiply(s[n // 2 - 1], half, out=v)
+        v += np.multiply(s[n // 2], half, out=_row(scratch, "tmp", v.shape[0]))
+    return v
 
 
-def trimmed_mean(rows: Sequence[np.ndarray], k: int) -> np.ndarray:
+def trimmed_mean(rows: Sequence[np.ndarray], k: int, scratch: Scratch) -> np.ndarray:
     n = len(rows)
-    s = _sorted(rows)
+    s = _sorted(rows, scratch)
     if n - 2 * k < 1:
-        return _middle(s)
-    return _ordered_sum(s[k:n - k]) / np.float32(n - 2 * k)
+        return _middle(s, scratch)
+    acc = _ordered_sum(s[k:n - k], None, scratch)
+    return np.divide(acc, np.float32(n - 2 * k), out=acc)
 
 
-def centered_clip(rows: Sequence[np.ndarray], factor: float = DEFAULT_FACTOR,
+def centered_clip(rows: Sequence[np.ndarray], factor: float, scratch: Scratch,
                   iters: int = CCLIP_ITERS) -> tuple[np.ndarray, list[float]]:
-    v = _middle(_sorted(rows))
+    s = _sorted(rows, scratch)
+    v = _middle(s, scratch)
+    diffs = s  # (the sorted rows' scratch, free once v is)
     w = [1.0] * len(rows)
     for _ in range(iters):
-        diffs = [x - v for x in rows]
-        dists = [norm(d) for d in diffs]
+        for x, d in zip(rows, diffs):
+            np.subtract(x, v, out=d)
+        dists = [norm(d, scratch) for d in diffs]
         tau = factor * _median(dists)
         w = [_scale(d, tau) for d in dists]
-        v = v + _ordered_sum(diffs, w) / np.float32(len(rows))
+        step = _ordered_sum(diffs, w, scratch)
+        v += np.divide(step, np.float32(len(rows)), out=step)
     return v, w
 
 
@@ -162,9 +205,15 @@ def check_mode(mode: str) -> None:
     raise ValueError(f"aggregator {mode!r} is not one of mean, clip, trim<k> (k = 1..99), cclip")
 
 
-def aggregate(rows: Sequence[np.ndarray], mode: str, numel: int, factor: float = DEFAULT_FACTOR) -> Aggregated:
+def aggregate(rows: Sequence[np.ndarray], mode: str, numel: int, factor: float = DEFAULT_FACTOR,
+              scratch: Scratch | None = None) -> Aggregated:
     """One segment's aggregate of ``rows`` (each member's own piece of the segment's ``numel``
-    values, rank order, cast to float32)."""
+    values, rank order, cast to float32). ``scratch`` (e.g. ``Workspace.scratch``): where its
+    work rows come from, reused across calls; the value is one of them then, valid until the
+    next call with the same scratch (without it: the thread's own, and the value a copy)."""
+    if scratch is None:
+        got = aggregate(rows, mode, numel, factor, _own_scratch)
+        return Aggregated(got.value.copy(), got.weights)
     check_mode(mode)
     if not (math.isfinite(factor) and factor > 0):
         raise ValueError(f"the clipping factor must be finite and > 0, not {factor}")
@@ -172,29 +221,31 @@ def aggregate(rows: Sequence[np.ndarray], mode: str, numel: int, factor: float =
         raise ValueError("no rows to aggregate")
     with np.errstate(over="ignore"):  # (a float64 value beyond float32's range becomes inf: dropped)
         cast = [np.asarray(x, np.float32) for x in rows]
-    good = [x.shape == (numel,) and bool(np.isfinite(x).all()) for x in cast]
+    good = [x.shape == (numel,) and bool(np.isfinite(x, out=_row(scratch, "finite", numel, np.bool_)).all())
+            for x in cast]
     kept = [x for x, ok in zip(cast, good) if ok]
     if not kept:
         raise ValueError(f"no row has {numel} finite values")
     if mode == "mean":
-        value, w = mean(kept), [1.0] * len(kept)
+        value, w = mean(kept, scratch), [1.0] * len(kept)
     elif mode == "clip":
-        value, w = clip(kept, factor)
+        value, w = clip(kept, factor, scratch)
     elif mode == "cclip":
-        value, w = centered_clip(kept, factor)
+        value, w = centered_clip(kept, factor, scratch)
     else:
-        value, w = trimmed_mean(kept, int(mode[4:])), [1.0] * len(kept)
+        value, w = trimmed_mean(kept, int(mode[4:]), scratch), [1.0] * len(kept)
     it = iter(w)
     return Aggregated(value, tuple(next(it) if ok else 0.0 for ok in good))
 
 
 def aggregate_piece(rows: Sequence[np.ndarray], n: int, mode: str, block: int, how: str,
-                    out: np.ndarray | None = None, absent: frozenset[int] = frozenset()) -> np.ndarray:
+                    out: np.ndarray | None = None, absent: frozenset[int] = frozenset(),
+                    scratch: Scratch | None = None) -> np.ndarray:
     """The owner's wire bytes for one piece from its decoded ``rows`` (rank order): the
     aggregate of the rows of the ranks not ``absent`` (sitting the round out), encoded once
-    (zeros when no row is usable), into ``out`` if given."""
+    (zeros when no row is usable), into ``out`` if given (``scratch``: see :func:`aggregate`)."""
     try:
-        value = aggregate([r for i, r in enumerate(rows) if i not in absent], how, n).value
+        value = aggregate([r for i, r in enumerate(rows) if i not in absent], how, n, scratch=scratch).value
     except ValueError:  # no row, or every row non-finite: nothing to apply
         value = np.zeros(n, np.float32)
     value = np.ascontiguousarray(value, np.float32)
