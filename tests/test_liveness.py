@@ -281,3 +281,32 @@ def test_a_peer_that_holds_its_header_back_from_one_member_delays_nobody_else_s_
     monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
     missing, errs = _call(monkeypatch, 390, _inputs(4, 4 * 256 * 40), deadline=4)
     assert missing[1] == () and missing[3] == (), (missing, errs)
+
+
+def test_a_link_given_up_on_answers_at_once_and_its_late_connection_is_closed() -> None:
+    """A link whose opener has not finished by the deadline becomes a DeadLink for every later
+    ask too, without another wait (each ask waited a second more before); the connection the
+    opener brings afterwards is closed, not leaked."""
+    import threading
+
+    from intellect_jax.net import mesh
+    from intellect_jax.net.errors import PeerTimeout
+
+    release, closed, failures = threading.Event(), threading.Event(), []
+
+    class Conn:
+        def close(self) -> None:
+            closed.set()
+
+    def opener() -> Conn:
+        release.wait(10)
+        return Conn()
+
+    link = mesh.Pending("rank 9", opener, time.monotonic() + 0.05, failures.append)
+    assert isinstance(link.get(), mesh.DeadLink) and isinstance(failures[0], PeerTimeout)
+    t0 = time.monotonic()
+    for _ in range(3):
+        assert isinstance(link.get(), mesh.DeadLink)
+    assert time.monotonic() - t0 < 0.5 and len(failures) == 1
+    release.set()
+    assert closed.wait(5)

@@ -95,6 +95,7 @@ class Pending:
                 if self._link is None:
                     self._failed(err)
                     self._link = DeadLink(self.peer, err)
+            self._done.set()  # (settled: a later ask does not wait again; a late opener's link is closed)
         return self._link
 
     def __getattr__(self, name: str) -> Any:
