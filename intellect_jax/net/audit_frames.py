@@ -177,8 +177,8 @@ class AuditFrames:
             return None
 
     def _judge(self) -> None:
-        """Our audit, before any of our aggregates leaves (once; every sender calls it): the
-        case, and :class:`AuditFailed` if it shows a member at fault, so that no rank completes."""
+        """Our audit, before the tail of our last aggregate leaves (once; every sender calls it):
+        the case, and :class:`AuditFailed` if it shows a member at fault, so that no rank completes."""
         led = self.ledger
         assert led is not None
         with self.judging:

@@ -435,9 +435,11 @@ class SocketCommunicator:
                 conn = last.out[k].get() if last else self._opened(self._until(
                     lambda t: self.node.connect(self.peers[to], ch, expect=self.ids[to], timeout=t,
                                                 name=self._name(to)), deadline, f"connecting to {self._name(to)}"))
-                if not last:  # (a new link: its peer reads it all along, see Connection.bound_unsent)
-                    conn.bound_unsent(self.node.cfg.notsent_lowat)
-                return _or_close(conn, lambda: send_msg(conn, meta, deadline))
+                def start() -> None:
+                    if not last:  # (a new link: its peer reads it all along, see Connection.bound_unsent)
+                        conn.bound_unsent(self.node.cfg.notsent_lowat)
+                    send_msg(conn, meta, deadline)
+                return _or_close(conn, start)
             return go
 
         def inn(k: int) -> Callable[[], Connection]:
