@@ -9,8 +9,9 @@ from dataclasses import dataclass
 # coordinator protocol version; bump on any incompatible change (6: data leases, 7: data plans,
 # 8: the last average's verdict in the state hash and the transfer header, 11: audits of the
 # butterfly's owners in the all-reduce header and the barrier report, 12: whose pieces a failed
-# butterfly call lacked, in the retry's report; BLAKE3 digests in signed pieces and audits)
-PROTOCOL = 12
+# butterfly call lacked, in the retry's report; BLAKE3 digests in signed pieces and audits,
+# 13: an owner's own row in an audit case or as evidence is in the call's codec, not float32)
+PROTOCOL = 13
 
 
 class CoordinatorError(Exception):
