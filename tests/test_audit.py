@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ from intellect_jax.coordinator.policing import weigh_audit
 from intellect_jax.coordinator.schema import Audit
 from intellect_jax.net import RingConfig, audit, butterfly, comm as commlib, quant
 from intellect_jax.net.audit import ENTRY, Case, judge
-from intellect_jax.net.errors import AuditFailed
+from intellect_jax.net.errors import AuditFailed, FrameError
 from intellect_jax.net.evidence import digest
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import make_plan
@@ -375,3 +376,75 @@ def test_the_audit_frames_go_out_between_the_aggregates_as_soon_as_they_are_read
     assert all(_same_bits(o, butterfly.simulate(xs, "int8", 64, 512, "clip")) for o in outs)
     pieces = make_plan(9000, world, 64, 512).pieces
     assert pieces > 2 and all(s == ["commitment"] + ["aggregate"] * pieces for s in seen.values()), seen
+
+
+class _Reorder:
+    """Rank ``bad``'s link to one victim, sending its frames in another order (``how``)."""
+
+    def __init__(self, conn: Any, how: Any) -> None:
+        self.conn, self.how, self.held = conn, how, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+    def send(self, mtype: MsgType, payload: Any = b"", **kw: Any) -> Any:
+        return self.how(self, mtype, payload, kw)
+
+
+def _tail_first(w: _Reorder, mtype: MsgType, payload: Any, kw: Any) -> Any:
+    if mtype == MsgType.AUDIT:  # every audit frame held back until after the tail
+        w.held.append(payload)
+        return None
+    w.conn.send(mtype, payload, **kw)
+    if mtype == MsgType.DATA and getattr(payload, "nbytes", 0) == butterfly.TAIL:
+        for p in w.held:
+            w.conn.send(MsgType.AUDIT, p, **kw)
+    return None
+
+
+def _audit_in_step1(w: _Reorder, mtype: MsgType, payload: Any, kw: Any) -> Any:
+    if not w.held:  # an audit frame before its first piece
+        w.held.append(w.conn.send(MsgType.AUDIT, bytes(8), **kw))
+    return w.conn.send(mtype, payload, **kw)
+
+
+def _extra_audit(w: _Reorder, mtype: MsgType, payload: Any, kw: Any) -> Any:
+    if mtype == MsgType.DATA and getattr(payload, "nbytes", 0) == butterfly.TAIL:
+        w.conn.send(MsgType.AUDIT, bytes(64), **kw)  # one audit frame more than an audit has
+    return w.conn.send(mtype, payload, **kw)
+
+
+@pytest.mark.parametrize(("how", "audit_on"), [(_tail_first, True), (_audit_in_step1, True), (_extra_audit, True),
+                                               (_tail_first, False)])
+def test_audit_frames_out_of_order_fail_the_call_on_their_sender_and_frame_nobody(
+        monkeypatch: pytest.MonkeyPatch, how: Any, audit_on: bool) -> None:
+    """A sender's audit frames may come anywhere between its aggregates, but not before its
+    pieces and not one too many: either is a FrameError on that link naming the sender. Held
+    back until after its tail, they stall every audit that needs them (the tail is not read
+    before them): the call fails at the deadline. The victim never completes, and no honest
+    member is named or suspected. (The others may complete when the violation comes after
+    their last bytes: like a tail withheld from one member, a liveness gap of docs/net.md.)
+    Without audits there is nothing to reorder."""
+    world, bad, victim = 4, 1, 3
+    run = butterfly._ButterflyRun.run
+
+    def reorder(self: Any) -> Any:
+        if self.rank == bad:
+            k = (victim - bad - 1) % world
+            self.links = dataclasses.replace(self.links, out=list(self.links.out))
+            self.links.out[k] = _Reorder(self.links.out[k], how)
+        return run(self)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "run", reorder)
+    cfg = dataclasses.replace(CFG, deadline=3, audit=audit_on)
+    t0 = time.monotonic()
+    comms, _, errs = _butterfly(world, _inputs(world, 9000, seed=2), cfg)
+    assert time.monotonic() - t0 < 6
+    if how is _tail_first and not audit_on:  # (no audit frames to reorder: a clean call)
+        assert errs == [None] * world
+        return
+    assert errs[victim] is not None, errs
+    for e in errs:  # a frame error names the sender of the frame: never an honest rank
+        assert not isinstance(e, FrameError) or (f"r{bad} " in str(e) and "AUDIT" in str(e)), errs
+    for c in comms:
+        assert set(c.missing) <= {bad} and c.audited is None and (c.suspect is None or c.suspect[0] == bad)
