@@ -184,6 +184,20 @@ def test_judge_an_honest_case_and_each_kind_of_fault() -> None:
     assert judge(dataclasses.replace(case, owner=1, auditor=1), _verify)[0] is None
 
 
+def _wrap_link(monkeypatch: pytest.MonkeyPatch, world: int, bad: int, victim: int, wrap: Any) -> None:
+    """Rank ``bad``'s link to ``victim`` becomes ``wrap(connection, run)`` in every call."""
+    run = butterfly._ButterflyRun.run
+
+    def wrapped(self: Any) -> Any:
+        if self.rank == bad:
+            k = (victim - bad - 1) % world
+            self.links = dataclasses.replace(self.links, out=list(self.links.out))
+            self.links.out[k] = wrap(self.links.out[k], self)
+        return run(self)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "run", wrapped)
+
+
 class _Equivocating:
     """The owner's link to one victim: every aggregate negated and a commitment to those, signed
     by the owner (what a malicious owner sends one member while the others get the honest ones)."""
@@ -224,16 +238,7 @@ def test_an_owner_that_sends_one_member_other_aggregates_is_caught_by_the_echoes
     the call (nobody applies either) and keeps the pair as the case that convicts the owner."""
     world, bad, victim = 4, 1, 3
     assert audit.auditor_of(bad, world, 0, 0) != victim
-    run_ = butterfly._ButterflyRun.run
-
-    def equivocate(self: Any) -> Any:
-        if self.rank == bad:
-            k = (victim - bad - 1) % world
-            self.links = dataclasses.replace(self.links, out=list(self.links.out))
-            self.links.out[k] = _Equivocating(self.links.out[k], self)
-        return run_(self)
-
-    monkeypatch.setattr(butterfly._ButterflyRun, "run", equivocate)
+    _wrap_link(monkeypatch, world, bad, victim, _Equivocating)
     comms, _, errs = _butterfly(world, _inputs(world, 9000, seed=9), CFG)
     auditor = audit.auditor_of(bad, world, 0, 0)
     assert all(e is not None for e in errs) and isinstance(errs[auditor], AuditFailed), errs
@@ -426,16 +431,7 @@ def test_audit_frames_out_of_order_fail_the_call_on_their_sender_and_frame_nobod
     their last bytes: like a tail withheld from one member, a liveness gap of docs/net.md.)
     Without audits there is nothing to reorder."""
     world, bad, victim = 4, 1, 3
-    run = butterfly._ButterflyRun.run
-
-    def reorder(self: Any) -> Any:
-        if self.rank == bad:
-            k = (victim - bad - 1) % world
-            self.links = dataclasses.replace(self.links, out=list(self.links.out))
-            self.links.out[k] = _Reorder(self.links.out[k], how)
-        return run(self)
-
-    monkeypatch.setattr(butterfly._ButterflyRun, "run", reorder)
+    _wrap_link(monkeypatch, world, bad, victim, lambda conn, _: _Reorder(conn, how))
     cfg = dataclasses.replace(CFG, deadline=3, audit=audit_on)
     t0 = time.monotonic()
     comms, _, errs = _butterfly(world, _inputs(world, 9000, seed=2), cfg)
