@@ -209,6 +209,7 @@ def test_our_own_pieces_go_before_our_aggregates_and_every_mesh_link_bounds_its_
         bound(self, n)
         bounded.append(self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT))
 
+    monkeypatch.setattr(butterfly, "PACE_HOLD", 10.0)  # (no link counts as stuck on a loaded machine)
     monkeypatch.setattr(butterfly._ButterflyRun, "_sent", on_sent)
     monkeypatch.setattr(butterfly._ButterflyRun, "_over", on_over)
     monkeypatch.setattr(transport.Connection, "bound_unsent", on_bound)
