@@ -15,7 +15,8 @@ piece per link:
    different member every call) also gets the row lists.
 2. **Challenge.** Only then does the auditor draw one piece ``j`` at random and ask every member
    for its own piece ``j`` of the segment in the codec, signed to the auditor (the owner too: its
-   own row went through the codec like every other). An owner cannot know which piece will be checked while it aggregates.
+   own row went through the codec like every other). An owner cannot know which piece will be
+   checked while it aggregates.
 3. **Check** (:func:`judge`, the same code on the auditor and the coordinator). The rows must be
    the committed ones and the aggregate of the committed rows must be the committed aggregate.
    A failure names one member with what it signed itself: an owner whose aggregate is not the

@@ -12,8 +12,9 @@ rank ``c`` owns segment ``c``:
    sender and nobody else.
 2. **Aggregate.** The owner decodes the ``world - 1`` rows of piece ``j`` it received and its
    own row through the same codec (every row is what its sender encoded: an auditor then checks
-   the owner's in the codec's bytes too), shows each other member's to ``inspect``, and aggregates them with
-   :func:`~.robust.aggregate` (a row that is not finite is dropped by every aggregator). It
+   the owner's in the codec's bytes too), shows each other member's to ``inspect``, and
+   aggregates them with :func:`~.robust.aggregate` (a row that is not finite is dropped by every
+   aggregator). It
    encodes the aggregate once and adopts the decoded value itself. The rows of members that
    sit the round out (``absent``: their own checks failed, and the coordinator told every
    member) are left out, so the result averages the contributors only; such a member must
