@@ -177,3 +177,20 @@ def test_a_ring_that_cannot_be_built_fails_one_epoch_and_the_step_is_redone(monk
     assert sum("no ring for outer step 2 in epoch 1" in ln for ln in lines) == 2, lines
     history = one_history([m for _, m in x.records] for x in inners)  # (fails on two hashes for one step)
     assert sorted(history) == [1, 2, 3, 4]
+
+
+def test_every_state_transport_takes_what_the_node_loop_passes_it() -> None:
+    """The in-process transports stand in for the socket one (``parts.Transport``): each
+    ``serve`` and ``receive`` takes the same parameters, or a joiner in a test run crashes its
+    donor (the local one lacked ``cancelled`` and did, when a CI run's timing made a node join)."""
+    import inspect
+
+    from intellect_jax.diloco import parts, transfer
+    from intellect_jax.testing import local, sim_parts
+
+    for cls in (transfer.NetTransport, local._Endpoint, sim_parts._Transport):
+        for name in ("serve", "receive"):
+            want = [n for n in inspect.signature(getattr(parts.Transport, name)).parameters if n != "self"]
+            have = [p for n, p in inspect.signature(getattr(cls, name)).parameters.items() if n != "self"]
+            assert [p.name for p in have[:len(want)]] == want, (cls, name)  # what the loop passes, in order
+            assert all(p.default is not inspect.Parameter.empty for p in have[len(want):]), (cls, name)

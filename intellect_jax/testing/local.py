@@ -176,11 +176,15 @@ class _Endpoint:
     def __init__(self, hub: LocalTransport, node_id: str) -> None:
         self.hub, self.node_id = hub, node_id
 
-    def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any]) -> Any:
+    def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any],
+              cancelled: Callable[[], bool]) -> Any:
+        """``parts.Transport.serve``: the copy is handed over at once, unless the joiner is no
+        longer admitted (``cancelled()``)."""
         done = threading.Event()
-        with self.hub._cond:
-            self.hub._boxes[(joiner_id, meta["outer_step"])] = (dict(meta), copy.deepcopy(snapshot))
-            self.hub._cond.notify_all()
+        if not cancelled():
+            with self.hub._cond:
+                self.hub._boxes[(joiner_id, meta["outer_step"])] = (dict(meta), copy.deepcopy(snapshot))
+                self.hub._cond.notify_all()
         done.set()
         return done
 
