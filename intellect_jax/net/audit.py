@@ -10,9 +10,9 @@ piece per link:
    :func:`commitment` (the run, outer step, epoch and call, the plan, the codec, the aggregator,
    the members sitting out, and two roots): the digest (BLAKE3) of each aggregate's wire bytes, and for
    each piece the *row list*: every member's piece as the owner received it (its digest and its
-   sender's signature; for the owner's own row, which it never sent, its digest and zeros). Every member gets
-   the aggregates' digests and the signature; the segment's auditor (:func:`auditor_of`, a
-   different member every call) also gets the row lists.
+   sender's signature; for the owner's own row, which it never sent, its digest and zeros).
+   Every member gets the aggregates' digests and the signature; the segment's auditor
+   (:func:`auditor_of`, a different member every call) also gets the row lists.
 2. **Challenge.** Only then does the auditor draw one piece ``j`` at random and ask every member
    for its own piece ``j`` of the segment in the codec, signed to the auditor (the owner too: its
    own row went through the codec like every other). An owner cannot know which piece will be
