@@ -16,7 +16,7 @@ from intellect_jax.net.audit import ENTRY, Case, judge
 from intellect_jax.net.errors import AuditFailed, FrameError
 from intellect_jax.net.evidence import digest
 from intellect_jax.net.frames import MsgType
-from intellect_jax.net.plan import make_plan
+from intellect_jax.net.plan import butterfly_plan
 from intellect_jax.testing.audit_cases import sign, signed_case, verifier
 from intellect_jax.testing.identities import credentials
 from tests.helpers import forging_owner
@@ -89,7 +89,7 @@ def test_an_owner_forging_one_piece_is_caught_only_when_that_piece_is_drawn(monk
     another."""
     world, n, bad = 3, 6000, 0
     xs = _inputs(world, n, seed=5)
-    p = make_plan(n, world, 64, 512)
+    p = butterfly_plan(n, world, 64, 512)
     a, b = p.piece(bad, 0)
     ref = butterfly.simulate(xs, "int8", 64, 512, "clip")
     for drawn, seen in ((0, True), (1, False)):
@@ -305,7 +305,7 @@ def test_an_owner_s_own_row_is_inspected_by_its_auditor_and_is_evidence_against_
 
     world, n, bad = 4, 9000, 1
     xs = _inputs(world, n, seed=6)
-    p = make_plan(n, world, 64, 512)
+    p = butterfly_plan(n, world, 64, 512)
     for j in range(p.pieces):  # a NaN in every piece of its own segment: whatever piece is drawn
         a, _ = p.piece(bad, j)
         xs[bad][a] = np.nan
@@ -379,7 +379,7 @@ def test_the_audit_frames_go_out_between_the_aggregates_as_soon_as_they_are_read
     _, outs, errs = _butterfly(world, xs, CFG)
     assert errs == [None] * world
     assert all(_same_bits(o, butterfly.simulate(xs, "int8", 64, 512, "clip")) for o in outs)
-    pieces = make_plan(9000, world, 64, 512).pieces
+    pieces = butterfly_plan(9000, world, 64, 512).pieces
     assert pieces > 2 and all(s == ["commitment"] + ["aggregate"] * pieces for s in seen.values()), seen
 
 

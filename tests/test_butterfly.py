@@ -15,7 +15,7 @@ from intellect_jax.coordinator.schema import Evidence
 from intellect_jax.net import ConfigMismatch, RingConfig, butterfly
 from intellect_jax.net.evidence import SAT_OUT, verdict
 from intellect_jax.net.frames import HEADER_LEN
-from intellect_jax.net.plan import make_plan
+from intellect_jax.net.plan import butterfly_plan, make_plan
 from intellect_jax.testing.identities import credentials
 from intellect_jax.testing.local_ring import LocalGroup, ring_bytes
 from tests.test_net_ring import _inputs, _members, _nodes, _run, _same_bits
@@ -63,13 +63,45 @@ def test_bit_identical_on_every_rank_and_equal_to_the_fake(world: int, mode: str
         assert np.linalg.norm(outs[0] - true) / np.linalg.norm(true) <= tol
 
 
+@pytest.mark.parametrize("n", [2_000_000, 25_000_000])
 @pytest.mark.parametrize("world", [4, 8, 16])
-def test_bytes_per_node_within_ten_percent_of_the_ring(world: int) -> None:
-    """What each rank sends, signatures included, against the ring's, for a 25M-value vector."""
-    n = 25_000_000
-    ring, fly = RingConfig(), RingConfig(exchange="butterfly")
+def test_bytes_per_node_within_ten_percent_of_the_ring(world: int, n: int) -> None:
+    """What each rank sends, signatures and audits included, against the ring's, for a vector
+    the size of the debug model's (its segments get 16 pieces, so one audited piece per link is
+    cheap) and a 25M-value one."""
+    ring, fly = RingConfig(), RingConfig(exchange="butterfly", robust="cclip")
     for r in range(world):
         assert abs(ring_bytes(n, world, r, fly) / ring_bytes(n, world, r, ring) - 1) < 0.10
+
+
+@pytest.mark.parametrize(("numel", "world"), [(2_000_000, 4), (2_000_000, 16), (100_000, 4), (25_000_000, 4),
+                                              (10_007, 5), (4_000_000, 2)])
+def test_the_butterfly_plan_keeps_sixteen_pieces_per_segment_while_they_keep_4096_values(numel: int,
+                                                                                         world: int) -> None:
+    ring, fly = make_plan(numel, world, 64, 1 << 18), butterfly_plan(numel, world, 64, 1 << 18)
+    assert fly.seg_bounds == ring.seg_bounds and fly.pieces >= ring.pieces
+    sizes = [b - a for c in range(world) for j in range(fly.pieces) for a, b in [fly.piece(c, j)]]
+    assert sum(sizes) == numel and max(sizes) <= 1 << 18
+    if fly.pieces > ring.pieces:  # the floor added pieces: never below 4096 values, and no more than 16
+        assert fly.pieces <= 16 and min(sizes) >= 4096
+    if min(b - a for a, b in zip(ring.seg_bounds, ring.seg_bounds[1:])) >= 16 * 4096:
+        assert fly.pieces >= 16
+
+
+def test_a_small_vector_is_cut_into_sixteen_audited_pieces_per_segment_over_sockets() -> None:
+    """The debug model's scale in miniature: one piece per segment by size, sixteen by the
+    floor; every rank gets the fake's bits and sends what the fake counts."""
+    world, n = 4, 16 * 4096 * 4 + 333
+    cfg = RingConfig(mode="int8", deadline=30, exchange="butterfly", robust="cclip")
+    assert butterfly_plan(n, world, 64, cfg.piece_numel).pieces == 16
+    xs = _inputs(world, n)
+    comms, outs, errs = _butterfly(world, xs, cfg)
+    assert errs == [None] * world
+    ref = butterfly.simulate(xs, "int8", 64, cfg.piece_numel, "cclip")
+    for r in range(world):
+        assert _same_bits(outs[r], ref), f"rank {r} differs"
+        extra = comms[r].last_stats.bytes_sent - ring_bytes(n, world, r, cfg)
+        assert (world - 1) * HEADER_LEN < extra < (world - 1) * (HEADER_LEN + 4096)
 
 
 def test_nan_far_from_the_first_piece_is_evidence_against_its_sender_and_dropped() -> None:
@@ -79,7 +111,7 @@ def test_nan_far_from_the_first_piece_is_evidence_against_its_sender_and_dropped
     bit-identical, and nothing else changes."""
     world, n = 4, 8000
     cfg = RingConfig(mode="int8", piece_numel=256, deadline=30, exchange="butterfly")
-    p = make_plan(n, world, 64, 256)
+    p = butterfly_plan(n, world, 64, 256)
     a, b = p.piece(1, p.pieces - 1)
     xs = _inputs(world, n, seed=3)
     xs[2][b - 1] = np.nan

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 # 8: the last average's verdict in the state hash and the transfer header, 11: audits of the
 # butterfly's owners in the all-reduce header and the barrier report, 12: whose pieces a failed
 # butterfly call lacked, in the retry's report; BLAKE3 digests in signed pieces and audits,
-# 13: an owner's own row in an audit case or as evidence is in the call's codec, not float32)
-PROTOCOL = 13
+# 13: an owner's own row in an audit case or as evidence is in the call's codec, not float32,
+# 14: the butterfly cuts each segment into at least 16 pieces where they keep 4,096 values)
+PROTOCOL = 14
 
 
 class CoordinatorError(Exception):

@@ -47,7 +47,7 @@ import numpy as np
 
 from intellect_jax.net import quant, robust
 from intellect_jax.net.evidence import MAX_EVIDENCE_BYTES, SIG_BYTES, digest, hasher, piece_statement
-from intellect_jax.net.plan import make_plan
+from intellect_jax.net.plan import butterfly_plan
 
 DIGEST = 32
 ENTRY = DIGEST + SIG_BYTES  # a row list entry: the row's digest, its sender's signature to the owner
@@ -122,7 +122,7 @@ class Case:
         world = len(self.ids)
         if not 0 <= self.owner < world or not 0 <= self.auditor < world or self.owner == self.auditor:
             raise ValueError(f"owner {self.owner} and auditor {self.auditor} are not two ranks of {world}")
-        plan = make_plan(self.numel, world, self.block, self.piece_numel)
+        plan = butterfly_plan(self.numel, world, self.block, self.piece_numel)
         if len(self.aggregates) != plan.pieces or len(self.row_roots) != plan.pieces or not \
                 0 <= self.piece < plan.pieces:
             raise ValueError(f"piece {self.piece} of {len(self.aggregates)} digests: the plan has {plan.pieces} pieces")
@@ -245,7 +245,7 @@ class Ledger:
         self.ctx, self.rank, self.world = ctx, rank, len(ctx.ids)
         self.numel, self.piece_numel, self.mode, self.block, self.how = numel, piece_numel, mode, block, how
         self.absent = tuple(sorted(absent))
-        self.plan = make_plan(numel, self.world, block, piece_numel)
+        self.plan = butterfly_plan(numel, self.world, block, piece_numel)
         P, W = self.plan.pieces, self.world
         self.entries = [[b""] * W for _ in range(P)]  # ours as owner: per piece, per sender
         self.agg_digests: list[bytes | None] = [None] * P

@@ -2,7 +2,7 @@
 
 The ring sums contributions as they travel, so no rank but a sender's successor ever sees one
 unsummed, and that successor sees only 1/N of it. Here (hivemind's butterfly layout) the flat
-vector is cut into ``world`` segments (:func:`~.plan.make_plan`, pipeline pieces included) and
+vector is cut into ``world`` segments (:func:`~.plan.butterfly_plan`, pipeline pieces included) and
 rank ``c`` owns segment ``c``:
 
 1. **Scatter.** Every rank sends its own piece ``j`` of segment ``c`` to rank ``c``, encoded once
@@ -58,7 +58,7 @@ from intellect_jax.net.audit_frames import AuditFrames
 from intellect_jax.net.errors import FrameError
 from intellect_jax.net.evidence import SAT_OUT
 from intellect_jax.net.frames import MsgType
-from intellect_jax.net.plan import RingPlan, make_plan
+from intellect_jax.net.plan import RingPlan, butterfly_plan
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
 
 RING_MODES = ("fp32", "bf16", "int8", "int4")  # codecs whose contributions can be cut into segments
@@ -93,7 +93,7 @@ def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: i
     world, numel = len(inputs), inputs[0].shape[0]
     if world == 1:
         return np.zeros(numel, np.float32) if absent else np.array(inputs[0], np.float32, copy=True)
-    p = make_plan(numel, world, block, piece_numel)
+    p = butterfly_plan(numel, world, block, piece_numel)
     out = np.empty(numel, np.float32)
     for c in range(world):
         for j in range(p.pieces):
@@ -117,7 +117,7 @@ class _ButterflyRun(AuditFrames, Pipeline):
         self.x, self.out, self.rank, self.world = x, out, rank, world
         self.mode, self.block, self.how = mode, block, how
         self.inspect, self.mseal = inspect, seal
-        self.plan: RingPlan = make_plan(x.shape[0], world, block, piece_numel)
+        self.plan: RingPlan = butterfly_plan(x.shape[0], world, block, piece_numel)
         self.rows: list[list[np.ndarray | None]] = [[None] * world for _ in range(self.plan.pieces)]
         self.agg: list[np.ndarray | None] = [None] * self.plan.pieces
         self.findings: list[tuple[int, Finding]] = []  # (sender rank, its bad piece), first per sender

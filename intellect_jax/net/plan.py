@@ -57,16 +57,30 @@ class RingPlan:
         )
 
 
-def make_plan(numel: int, world: int, block: int, piece_numel: int) -> RingPlan:
-    """Balanced, block-aligned segments and pieces of at most ~``piece_numel`` elements."""
-    if world < 1 or numel < 0 or block < 1 or piece_numel < 1:
+def make_plan(numel: int, world: int, block: int, piece_numel: int, min_pieces: int = 1,
+              min_piece_numel: int = 1) -> RingPlan:
+    """Balanced, block-aligned segments and pieces of at most ~``piece_numel`` elements; at
+    least ``min_pieces`` pieces per segment as long as each keeps ``min_piece_numel`` elements."""
+    if world < 1 or numel < 0 or block < 1 or piece_numel < 1 or min_pieces < 1 or min_piece_numel < 1:
         raise ValueError(f"bad ring plan arguments numel={numel} world={world} block={block}")
     nblk = -(-numel // block)
     bounds = tuple(min(numel, (c * nblk // world) * block) for c in range(world + 1))
     seg_blocks = -(-nblk // world)
     piece_blocks = max(1, piece_numel // block)
-    pieces = max(1, -(-seg_blocks // piece_blocks))
+    floor = min(min_pieces, (nblk // world) // -(-min_piece_numel // block))  # the smallest segment's blocks
+    pieces = max(1, -(-seg_blocks // piece_blocks), floor)
     return RingPlan(numel, world, block, pieces, bounds)
+
+
+BUTTERFLY_PIECES = 16  # butterfly: pieces per segment at least (an audit costs ~1/(2P) of the exchange's bytes)
+BUTTERFLY_MIN_PIECE = 1 << 12  # ... while each keeps this many values (robust aggregation is per piece)
+
+
+def butterfly_plan(numel: int, world: int, block: int, piece_numel: int) -> RingPlan:
+    """The butterfly exchange's plan: the ring's, with at least :data:`BUTTERFLY_PIECES` pieces
+    per segment where they stay :data:`BUTTERFLY_MIN_PIECE` values or more. Every rank, the
+    audits' judge and the in-process fake cut with it."""
+    return make_plan(numel, world, block, piece_numel, BUTTERFLY_PIECES, BUTTERFLY_MIN_PIECE)
 
 
 def piece_rng(seed: int | None, call: int, seg: int, j: int, step: int) -> np.random.Generator | None:

@@ -21,7 +21,7 @@ from intellect_jax.net.comm import RingConfig, bucket_call
 from intellect_jax.net.evidence import digest
 from intellect_jax.net.evidence import der_signature, piece_statement, raw_signature
 from intellect_jax.net.identity import verify
-from intellect_jax.net.plan import make_plan
+from intellect_jax.net.plan import butterfly_plan
 from intellect_jax.net.robust import aggregate_piece
 from intellect_jax.testing.identities import credentials
 
@@ -39,7 +39,7 @@ def signed_case(xs: Sequence[np.ndarray], ids: Sequence[str], *, owner: int, aud
     """The case auditor ``auditor`` holds on piece ``piece`` of segment ``owner`` when the members
     (``ids``, rank order) contributed the flat vectors ``xs`` (``forge``: the owner's forgery)."""
     world, n = len(xs), xs[0].shape[0]
-    p = make_plan(n, world, block, piece_numel)
+    p = butterfly_plan(n, world, block, piece_numel)
 
     def wires(j: int) -> tuple[int, int, list[bytes]]:
         a, b = p.piece(owner, j)
@@ -91,7 +91,7 @@ def fake_audit(trees: Sequence[Any], ids: Sequence[str], rank: int, forged: set[
         target = audited_by(rank, len(ids), step, call)
         if target not in forged or not flats[0][bi].size:
             continue
-        p = make_plan(flats[0][bi].shape[0], len(ids), cfg.block_size, cfg.piece_numel)
+        p = butterfly_plan(flats[0][bi].shape[0], len(ids), cfg.block_size, cfg.piece_numel)
         case = signed_case([f[bi] for f in flats], ids, owner=target, auditor=rank, piece=(step + rank) % p.pieces,
                            run_id=run_id, step=step, epoch=epoch, call=call, mode=cfg.mode, block=cfg.block_size,
                            piece_numel=cfg.piece_numel, how=cfg.robust, absent=absent, forge=lambda j, v: -v)

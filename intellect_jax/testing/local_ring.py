@@ -38,7 +38,8 @@ def ring_bytes(numel: int, world: int, rank: int, cfg: RingConfig) -> int:
         one = sum(HEADER_LEN + encoded_nbytes(b - a, cfg.mode, cfg.block_size)
                   for a, b in (p.piece(0, j) for j in range(p.pieces)))
         return (world - 1) * one + p.pieces * (HEADER_LEN + SIG_BYTES)
-    p = plan.make_plan(numel, world, cfg.block_size, cfg.piece_numel)
+    p = (plan.butterfly_plan if cfg.exchange == "butterfly" else plan.make_plan)(numel, world, cfg.block_size,
+                                                                                cfg.piece_numel)
     if cfg.exchange == "butterfly":  # our pieces of every other segment, signed; our aggregate to every other rank
 
         def seg(c: int) -> int:
@@ -95,7 +96,7 @@ def owner_pieces(tree: Any, world: int, owner: int, cfg: RingConfig) -> Iterator
     sizes = [x.size for x in leaves]
     for bi, idx in enumerate(treelib.make_buckets(sizes, cfg.bucket_numel)):
         flat = np.concatenate([np.asarray(leaves[i], np.float32).reshape(-1) for i in idx])
-        p = plan.make_plan(flat.shape[0], world, cfg.block_size, cfg.piece_numel)
+        p = plan.butterfly_plan(flat.shape[0], world, cfg.block_size, cfg.piece_numel)
         for j in range(p.pieces):
             a, b = p.piece(owner, j)
             if b > a:
