@@ -11,7 +11,8 @@ from dataclasses import dataclass
 # butterfly's owners in the all-reduce header and the barrier report, 12: whose pieces a failed
 # butterfly call lacked, in the retry's report; BLAKE3 digests in signed pieces and audits,
 # 13: an owner's own row in an audit case or as evidence is in the call's codec, not float32,
-# 14: the butterfly cuts each segment into at least 16 pieces where they keep 4,096 values)
+# 14: the butterfly cuts each segment into at least 16 pieces where they keep 4,096 values;
+# clip and cclip take float32 norms, cclip one step: a judge of 13 would see other bits)
 PROTOCOL = 14
 
 
