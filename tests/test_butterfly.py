@@ -75,7 +75,7 @@ def test_bytes_per_node_within_ten_percent_of_the_ring(world: int, n: int) -> No
 
 
 @pytest.mark.parametrize(("numel", "world"), [(2_000_000, 4), (2_000_000, 16), (100_000, 4), (25_000_000, 4),
-                                              (10_007, 5), (4_000_000, 2)])
+                                              (10_007, 5), (4_000_000, 2), (262_081, 4)])
 def test_the_butterfly_plan_keeps_sixteen_pieces_per_segment_while_they_keep_4096_values(numel: int,
                                                                                          world: int) -> None:
     ring, fly = make_plan(numel, world, 64, 1 << 18), butterfly_plan(numel, world, 64, 1 << 18)

@@ -67,7 +67,8 @@ def make_plan(numel: int, world: int, block: int, piece_numel: int, min_pieces: 
     bounds = tuple(min(numel, (c * nblk // world) * block) for c in range(world + 1))
     seg_blocks = -(-nblk // world)
     piece_blocks = max(1, piece_numel // block)
-    floor = min(min_pieces, (nblk // world) // -(-min_piece_numel // block))  # the smallest segment's blocks
+    whole = min((b - a) // block for a, b in zip(bounds, bounds[1:]))  # the smallest segment's whole blocks
+    floor = min(min_pieces, whole // -(-min_piece_numel // block))
     pieces = max(1, -(-seg_blocks // piece_blocks), floor)
     return RingPlan(numel, world, block, pieces, bounds)
 
