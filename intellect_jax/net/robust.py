@@ -75,15 +75,10 @@ def _row(scratch: Scratch, name: str, n: int, dtype: type = np.float32) -> np.nd
     return scratch(f"robust.{name}", n, dtype)[:n]
 
 
-def norm(x: np.ndarray, scratch: Scratch | None = None) -> float:
-    """L2 norm as a float64 pairwise sum (the same bits on any CPU; inf if not finite); with
-    ``scratch``, of a flat row, without a fresh float64 copy."""
-    x = np.asarray(x, np.float32)
-    if scratch is None or x.ndim != 1:
-        a64 = x.astype(np.float64)
-    else:
-        a64 = _row(scratch, "norm", x.shape[0], np.float64)
-        np.copyto(a64, x)
+def norm(x: np.ndarray) -> float:
+    """L2 norm as a float64 pairwise sum (the same bits on any CPU; inf if not finite): for
+    checks outside the aggregators, which take :func:`_norm32`."""
+    a64 = np.asarray(x, np.float32).astype(np.float64)
     return math.sqrt(float(np.add.reduce(np.square(a64, out=a64))))
 
 
