@@ -31,6 +31,13 @@ def _owner(monkeypatch: pytest.MonkeyPatch, bad: int, pieces: set[int] | None = 
     return forging_owner(monkeypatch, lambda run: run.rank == bad, pieces)
 
 
+def _auditor(monkeypatch: pytest.MonkeyPatch, bad: int, world: int) -> int:
+    """Fix every call's pairing at offset 1 (rank r audits segment r - 1; the draw from the
+    members' nonces picks it otherwise) and say who audits ``bad``."""
+    monkeypatch.setattr(audit, "rotation", lambda draw, world: 1)
+    return audit.auditor_of(bad, world, 1)
+
+
 def _weigh(ev: dict[str, Any], ids: list[str], accuser: str, certs: dict[str, str] | None = None,
            **over: Any) -> tuple[str | None, str, bool]:
     """The coordinator's check, against the certificates the members presented to it."""
@@ -49,6 +56,71 @@ def test_an_honest_run_is_audited_and_shows_nobody() -> None:
     assert [c.audited for c in comms] == [None] * world
 
 
+def test_the_pairing_is_drawn_anew_in_every_bucket_from_the_members_nonces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nobody knows who audits whom until every owner has committed: the draw comes from every
+    member's nonce of the bucket (a hash chain bound in the call's header, an empty bucket's
+    link skipped), every rank draws the same in each bucket, and the draws differ from bucket
+    to bucket (12 buckets of 4 ranks: one offset of 3 throughout would be a 1-in-177,147 fluke)."""
+    world, got = 4, []
+    spy = audit.rotation
+    monkeypatch.setattr(audit, "rotation", lambda d, w: got.append((d, spy(d, w))) or got[-1][1])
+    rng = np.random.default_rng(11)
+    trees = [{"a0": np.zeros(0, np.float32), **{f"b{i:02d}": rng.standard_normal(4000).astype(np.float32)
+                                                 for i in range(12)}} for _ in range(world)]
+    cfg = dataclasses.replace(CFG, bucket_numel=4000)
+    comms, outs, errs = _butterfly(world, trees, cfg)
+    assert errs == [None] * world and [c.audited for c in comms] == [None] * world
+    assert all(_same_bits(outs[r][k], outs[0][k]) for r in range(world) for k in outs[0])
+    by_draw: dict[bytes, list[int]] = {}
+    for d, offset in got:
+        by_draw.setdefault(d, []).append(offset)
+    assert len(by_draw) == 12 and all(len(v) == world and len(set(v)) == 1 for v in by_draw.values())
+    assert len({v[0] for v in by_draw.values()}) > 1
+
+
+def test_a_nonce_other_than_its_header_bound_fails_the_call_and_names_its_sender(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2 reveals a nonce its header's chain does not hash to (it would choose the draw
+    after seeing the others'): the first member to get it fails the call on it, naming rank 2
+    (the others then see their links close), and nobody completes."""
+    world, bad = 4, 2
+    send = butterfly._ButterflyRun._audit_frame
+
+    def lying(self: Any, conn: Any, payload: bytes) -> bool:
+        if self.rank == bad and self.ledger is not None and payload == self.ledger.ctx.nonce:
+            payload = digest(payload)  # the next link of the chain: the wrong one
+        return send(self, conn, payload)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_audit_frame", lying)
+    comms, _, errs = _butterfly(world, _inputs(world, 9000, seed=12), CFG)
+    assert all(e is not None for e in errs), errs
+    named = [e for r, e in enumerate(errs) if r != bad and isinstance(e, FrameError)]
+    assert named and all(f"rank {bad} sent a nonce that is not the one its header committed to" in str(e)
+                         for e in named), errs
+
+
+def test_a_challenge_drawn_from_another_pairing_fails_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member shown other nonces than the rest (by a rank that equivocates) would audit by
+    another pairing and leave some segment unaudited: every challenge carries the auditor's draw,
+    and a member whose draw differs fails the call for the others instead (the first to see it
+    names it; the rest see their links close)."""
+    world, bad = 4, 3
+    send = butterfly._ButterflyRun._audit_frame
+
+    def other(self: Any, conn: Any, payload: bytes) -> bool:
+        led = self.ledger
+        if self.rank == bad and led is not None and led.drawn is not None and len(payload) == 4 + audit.DIGEST \
+                and payload[4:] == led.drawn:
+            payload = payload[:4] + digest(led.drawn)
+        return send(self, conn, payload)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_audit_frame", other)
+    comms, _, errs = _butterfly(world, _inputs(world, 9000, seed=13), CFG)
+    assert all(e is not None for e in errs), errs
+    named = [e for r, e in enumerate(errs) if r != bad and isinstance(e, FrameError)]
+    assert named and all(f"rank {bad} audits by another draw of the pairing than ours" in str(e) for e in named), errs
+
+
 def test_an_owner_that_forges_its_aggregate_fails_the_call_and_is_caught_with_evidence(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 negates every aggregate it sends back, the same bytes to every member, so no check
@@ -58,9 +130,9 @@ def test_an_owner_that_forges_its_aggregate_fails_the_call_and_is_caught_with_ev
     convicts the owner by the coordinator's check; altered in any part, it does not hold."""
     world, n, bad = 4, 9000, 1
     xs = _inputs(world, n, seed=3)
+    auditor = _auditor(monkeypatch, bad, world)
     with _owner(monkeypatch, bad):
         comms, outs, errs = _butterfly(world, xs, CFG)
-    auditor = audit.auditor_of(bad, world, 0, 0)
     assert all(e is not None for e in errs) and isinstance(errs[auditor], AuditFailed), errs
     assert [r for r, c in enumerate(comms) if c.audited is not None] == [auditor]
     ids = [c.ids[c.rank] for c in comms]
@@ -92,12 +164,13 @@ def test_an_owner_forging_one_piece_is_caught_only_when_that_piece_is_drawn(monk
     p = butterfly_plan(n, world, 64, 512)
     a, b = p.piece(bad, 0)
     ref = butterfly.simulate(xs, "int8", 64, 512, "clip")
+    auditor = _auditor(monkeypatch, bad, world)
     for drawn, seen in ((0, True), (1, False)):
         with monkeypatch.context() as m:
             m.setattr(commlib.secrets, "randbelow", lambda k, d=drawn: d % k)
             with _owner(m, bad, pieces={0}):
                 comms, outs, errs = _butterfly(world, xs, CFG)
-        verdict = comms[audit.auditor_of(bad, world, 0, 0)].audited
+        verdict = comms[auditor].audited
         assert (verdict is not None and verdict[0] == bad) == seen
         assert all(e is not None for e in errs) if seen else errs == [None] * world
         if not seen:
@@ -237,10 +310,10 @@ def test_an_owner_that_sends_one_member_other_aggregates_is_caught_by_the_echoes
     commitment on to its auditor, which holds both versions under the owner's signature, fails
     the call (nobody applies either) and keeps the pair as the case that convicts the owner."""
     world, bad, victim = 4, 1, 3
-    assert audit.auditor_of(bad, world, 0, 0) != victim
+    auditor = _auditor(monkeypatch, bad, world)
+    assert auditor != victim
     _wrap_link(monkeypatch, world, bad, victim, _Equivocating)
     comms, _, errs = _butterfly(world, _inputs(world, 9000, seed=9), CFG)
-    auditor = audit.auditor_of(bad, world, 0, 0)
     assert all(e is not None for e in errs) and isinstance(errs[auditor], AuditFailed), errs
     guilty, why, ev = comms[auditor].audited  # type: ignore[misc]
     assert guilty == bad and "signed two different commitments" in why and ev["other"] is not None
@@ -288,14 +361,15 @@ def test_an_owner_answering_its_audit_with_an_unsigned_piece_fails_the_call(monk
         return True
 
     monkeypatch.setattr(butterfly._ButterflyRun, "_answer", garbled)
+    auditor = _auditor(monkeypatch, bad, world)
     with _owner(monkeypatch, bad):
         comms, _, errs = _butterfly(world, _inputs(world, 9000, seed=4), CFG)
-    auditor = audit.auditor_of(bad, world, 0, 0)
     assert all(e is not None for e in errs), errs
     assert "the signature of its answer to our audit does not verify" in str(errs[auditor]), errs
 
 
-def test_an_owner_s_own_row_is_inspected_by_its_auditor_and_is_evidence_against_it() -> None:
+def test_an_owner_s_own_row_is_inspected_by_its_auditor_and_is_evidence_against_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """An owner's own row never travels in the scatter, so no other member saw it: its auditor
     now checks the piece it draws like every other row, and a NaN there is evidence against the
     owner, in the codec under the owner's signature to the auditor, which the coordinator's check
@@ -309,9 +383,9 @@ def test_an_owner_s_own_row_is_inspected_by_its_auditor_and_is_evidence_against_
     for j in range(p.pieces):  # a NaN in every piece of its own segment: whatever piece is drawn
         a, _ = p.piece(bad, j)
         xs[bad][a] = np.nan
+    auditor = _auditor(monkeypatch, bad, world)
     comms, outs, errs = _butterfly(world, xs, CFG)
     assert errs == [None] * world  # every aggregator drops a row that is not finite
-    auditor = audit.auditor_of(bad, world, 0, 0)
     suspect = comms[auditor].suspect
     assert suspect is not None and suspect[0] == bad and suspect[1] == "non-finite values", suspect
     ev = Evidence.model_validate(suspect[2])

@@ -43,9 +43,9 @@ def _comm(rank: int, world: int = 2) -> SocketCommunicator:
 def _ring_meta(comm: SocketCommunicator) -> dict[str, Any]:
     """The header ``all_reduce_mean`` sends for a first call on a 6-element tree."""
     cfg = {k: v for k, v in asdict(comm.config).items() if k != "deadline"}
-    return {"v": 5, "call": 0, "step": comm.step, "epoch": comm.epoch, "world": comm.world_size,
+    return {"v": 6, "call": 0, "step": comm.step, "epoch": comm.epoch, "world": comm.world_size,
             "peers": comm._peers_hash, **cfg, "absent": [],
-            "sig": "0123456789abcdef", "buckets": [6]}
+            "sig": "0123456789abcdef", "buckets": [6], "nonce": ""}
 
 
 def test_a_ring_peer_meets_fuzzed_headers_with_net_errors_only() -> None:

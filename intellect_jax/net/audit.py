@@ -11,19 +11,28 @@ piece per link:
    the members sitting out, and two roots): the digest (BLAKE3) of each aggregate's wire bytes, and for
    each piece the *row list*: every member's piece as the owner received it (its digest and its
    sender's signature; for the owner's own row, which it never sent, its digest and zeros).
-   Every member gets the aggregates' digests and the signature; the segment's auditor
-   (:func:`auditor_of`, a different member every call) also gets the row lists.
-2. **Challenge.** Only then does the auditor draw one piece ``j`` at random and ask every member
+   Every member gets the aggregates' digests and the signature.
+2. **Pairing.** Who audits whom is drawn only once every owner is bound to its aggregates:
+   each rank's call header carries the head of a hash chain of nonces (:func:`nonce_chain`, one
+   per bucket), and each rank reveals its nonce of the bucket once it holds every owner's
+   commitment; the digest of all of them (:func:`draw`) picks the rotation (:func:`rotation`:
+   rank ``r`` audits segment ``r - offset``). So an owner cannot know while it commits whether
+   its auditor is an accomplice, and no member can choose the draw (its nonce was fixed before
+   any data moved; it can only withhold it, which stalls the call). The owner then sends its
+   auditor the row lists.
+3. **Challenge.** Only then does the auditor draw one piece ``j`` at random and ask every member
    for its own piece ``j`` of the segment in the codec, signed to the auditor (the owner too: its
    own row went through the codec like every other). An owner cannot know which piece will be
-   checked while it aggregates.
-3. **Check** (:func:`judge`, the same code on the auditor and the coordinator). The rows must be
+   checked while it aggregates. The challenge carries the pairing's draw: a member shown other
+   nonces than the rest (a rank that equivocates) fails the call rather than leave a segment
+   unaudited.
+4. **Check** (:func:`judge`, the same code on the auditor and the coordinator). The rows must be
    the committed ones and the aggregate of the committed rows must be the committed aggregate.
    A failure names one member with what it signed itself: an owner whose aggregate is not the
    aggregate of its rows; a member that signed two different pieces for one place (one to the
    owner, another to the auditor). A row or answer whose signature does not verify names nobody
    (an owner's forgery and a sender's trick cannot be told apart): the case shows nothing.
-4. **Echo.** Every member checks the aggregates it gets against the commitment it got, and passes
+5. **Echo.** Every member checks the aggregates it gets against the commitment it got, and passes
    that commitment on to the owner's auditor: an owner that sends some members other aggregates
    must sign another commitment for them, and the auditor then holds both under its signature.
 
@@ -32,7 +41,8 @@ case shows a fault: no rank completes without that piece, so nobody applies a fo
 case goes to the coordinator with the retry. An owner that withholds its row stalls the whole
 call the same way, never just its auditor. What an audit cannot see: an owner that forges ``f``
 of its ``P`` pieces is caught with probability ``f / P`` per call (the others are applied), and
-an owner whose auditor is its accomplice (the pairing turns every call).
+an owner the draw pairs with an accomplice (with ``k`` colluders, ``(k - 1) / (N - 1)`` of its
+calls: a forgery it commits to is applied then, and caught otherwise).
 """
 
 from __future__ import annotations
@@ -57,15 +67,41 @@ MAX_CASE_RANKS = 64  # members a reported case may hold
 MAX_CASE_BYTES = 12 << 20  # a case larger than this as JSON is logged, not reported (coordinator MAX_MSG)
 
 
-def auditor_of(segment: int, world: int, step: int, call: int) -> int:
-    """The rank that audits segment ``segment`` in this call (never its owner; every rank
-    audits exactly one segment; the pairing turns with the outer step and the call)."""
-    return (segment + 1 + (step + call) % (world - 1)) % world
+def rotation(draw: bytes, world: int) -> int:
+    """The pairing's offset, ``1 .. world - 1``, from a draw (a digest): rank ``r`` audits
+    segment ``r - offset`` (never its own; every rank audits exactly one)."""
+    return 1 + int.from_bytes(draw[:8], "big") % (world - 1)
 
 
-def audited_by(rank: int, world: int, step: int, call: int) -> int:
-    """The segment that ``rank`` audits in this call."""
-    return (rank - 1 - (step + call) % (world - 1)) % world
+def auditor_of(segment: int, world: int, offset: int) -> int:
+    """The rank that audits segment ``segment`` under the pairing ``offset``."""
+    return (segment + offset) % world
+
+
+def audited_by(rank: int, world: int, offset: int) -> int:
+    """The segment that ``rank`` audits under the pairing ``offset``."""
+    return (rank - offset) % world
+
+
+def nonce_chain(secret: bytes, n: int) -> tuple[bytes, list[bytes]]:
+    """(head, nonces) of a hash chain for ``n`` calls: nonce ``b`` is ``digest^(n-1-b)(secret)``
+    and hashes to nonce ``b - 1`` (to the head for ``b`` = 0), so revealing one tells nothing of
+    the next. The head goes in the call's header; nonce ``b`` is revealed in bucket ``b``."""
+    chain = [secret]
+    for _ in range(max(0, n - 1)):
+        chain.append(digest(chain[-1]))
+    chain.reverse()
+    return digest(chain[0]), chain
+
+
+def draw(run_id: str, step: int, epoch: int, call: int, nonces: Sequence[bytes]) -> bytes:
+    """The pairing's draw from every member's nonce (rank order): nobody knows it before the
+    last nonce is revealed, and no member can choose it (each nonce was fixed in its header)."""
+    h = hasher()
+    h.update(f"intellect_jax audit pairing\nrun {run_id}\nouter step {step}\nepoch {epoch}\ncall {call}\n".encode())
+    for x in nonces:
+        h.update(x)
+    return h.digest()
 
 
 def root(parts: Sequence[bytes]) -> bytes:
@@ -225,6 +261,9 @@ class Auditing:
     sign: Callable[[bytes], bytes]
     verify: Verify
     choose: Callable[[int], int]
+    nonce: bytes  # ours for this call, revealed once we hold every owner's commitment
+    accepts: Callable[[int, bytes], bool]  # (rank, nonce): whether it is the one its header bound it to
+    revealed: Callable[[dict[int, bytes]], None]  # told every rank's nonce once all are in
 
 
 def signed_piece(ctx: Auditing, sender: int, receiver: int, segment: int, piece: int, numel: int, mode: str,
@@ -250,8 +289,11 @@ class Ledger:
         self.entries = [[b""] * W for _ in range(P)]  # ours as owner: per piece, per sender
         self.agg_digests: list[bytes | None] = [None] * P
         self.commit: tuple[bytes, bytes, list[bytes]] | None = None  # (digests, signature, row lists)
-        self.target = audited_by(rank, W, ctx.step, ctx.call)  # the segment we audit
-        self.auditor = auditor_of(rank, W, ctx.step, ctx.call)  # who audits ours
+        self.reveals: dict[int, bytes] = {rank: ctx.nonce}  # every rank's nonce, once revealed
+        self.drawn: bytes | None = None  # the pairing's draw, once every nonce is in
+        self.offset = 0  # the pairing (see rotation), once drawn
+        self.target = -1  # the segment we audit, once drawn
+        self.auditor = -1  # who audits ours, once drawn
         self.theirs: dict[int, list[bytes]] = {}  # owner -> its committed aggregate digests
         self.received_aggs: dict[int, list[bytes]] = {}  # owner -> digests of its aggregates so far
         self.audited: tuple[list[bytes], bytes, list[bytes]] | None = None  # the target's commitment
@@ -296,21 +338,44 @@ class Ledger:
                           self.piece_numel, self.mode, self.block, self.how, self.absent, root(digests), rows_root)
 
     # -- as member ---------------------------------------------------------------------
-    def committed(self, owner: int, head: bytes, signature: bytes, rows: list[bytes] | None) -> str | None:
-        """An owner's commitment arrived (``head``: its digests and rows' root; ``rows``: the
-        row lists, only when we audit it); why it is no commitment (None: it is)."""
+    def committed(self, owner: int, head: bytes, signature: bytes) -> str | None:
+        """An owner's commitment arrived (``head``: its digests and rows' root); why it is no
+        commitment (None: it is)."""
         ds = [head[i:i + DIGEST] for i in range(0, len(head) - DIGEST, DIGEST)]
-        rows_root = head[-DIGEST:]
-        if not self.ctx.verify(owner, self._said(owner, ds, rows_root), signature):
+        if not self.ctx.verify(owner, self._said(owner, ds, head[-DIGEST:]), signature):
             return "a commitment its signature does not cover"
-        if rows is not None:
-            row_roots = [digest(r) for r in rows]
-            if root(row_roots) != rows_root:
-                return "row lists that are not the ones it committed"
-            self.audited = (ds, signature, rows)
-            self.challenge = self.ctx.choose(self.plan.pieces)
         self.theirs[owner], self.heads[owner] = ds, (head, signature)
         return None if self._consistent(owner) else "a commitment to other aggregates than it sent"
+
+    def may_reveal(self) -> bool:
+        """Whether our nonce may go out: we hold every owner's commitment (ours included), so no
+        owner learns the pairing before it is bound to its aggregates."""
+        return self.commit is not None and len(self.heads) == self.world - 1
+
+    def revealed(self, rank: int, nonce: bytes) -> str | None:
+        """``rank``'s nonce arrived; why it is not the one its header bound it to (None: it is).
+        With every nonce in, the pairing is drawn."""
+        if len(nonce) != DIGEST or not self.ctx.accepts(rank, nonce):
+            return "a nonce that is not the one its header committed to"
+        self.reveals[rank] = nonce
+        if len(self.reveals) == self.world:
+            c = self.ctx
+            self.drawn = draw(c.run_id, c.step, c.epoch, c.call, [self.reveals[r] for r in range(self.world)])
+            self.offset = rotation(self.drawn, self.world)
+            self.target = audited_by(self.rank, self.world, self.offset)
+            self.auditor = auditor_of(self.rank, self.world, self.offset)
+            c.revealed(dict(self.reveals))
+        return None
+
+    def rows_of_target(self, rows: list[bytes]) -> str | None:
+        """Our target's row lists arrived (after the draw); why they are not the committed ones
+        (None: they are, and we draw the piece we check)."""
+        ds, sig = self.theirs[self.target], self.heads[self.target][1]
+        if root([digest(r) for r in rows]) != self.heads[self.target][0][-DIGEST:]:
+            return "row lists that are not the ones it committed"
+        self.audited = (ds, sig, rows)
+        self.challenge = self.ctx.choose(self.plan.pieces)
+        return None
 
     def got(self, owner: int, j: int, wire: np.ndarray) -> bool:
         """An owner's aggregate of piece ``j`` arrived (its commitment comes before its last);

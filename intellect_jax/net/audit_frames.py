@@ -34,20 +34,23 @@ class AuditFrames:
     audit_sent: dict[int, int]  # link to rank o -> how many of its audit steps went out
 
     def _audit_out(self, conn, o: int, wait: bool) -> bool:  # noqa: ANN001
-        """Send rank ``o`` the audit frames that are ready, in their order: our commitment (row
-        lists too if ``o`` audits us), our challenge, our piece that ``o`` asked for, and the
-        commitment we got from the owner ``o`` audits. With ``wait``, all of them, each waited
-        for (False: the call failed meanwhile)."""
+        """Send rank ``o`` the audit frames that are ready, in their order: our commitment, our
+        nonce (once we hold every owner's commitment), our row lists if the draw makes ``o`` our
+        auditor, our challenge, our piece that ``o`` asked for, and the commitment we got from
+        the owner ``o`` audits. With ``wait``, all of them, each waited for (False: the call
+        failed meanwhile)."""
         led = self.ledger
         assert led is not None
-        t = audited_by(o, self.world, led.ctx.step, led.ctx.call)
-        steps = [(lambda: led.commit is not None, "our commitment", lambda: self._commit_to(conn, o)),
-                 (lambda: led.challenge is not None, f"the commitment of rank {led.target}",
-                  lambda: self._audit_frame(conn, np.uint32(led.challenge).tobytes())),
-                 (lambda: o in led.asked, f"rank {o}'s challenge", lambda: self._answer(conn, o))]
-        if t != self.rank:  # the commitment we got from o's target, so that o sees any other version
-            steps.append((lambda: t in led.heads, f"the commitment of rank {t}",
-                          lambda: all(self._audit_frame(conn, f) for f in led.heads[t])))
+        drawn = lambda: led.drawn is not None  # noqa: E731
+        steps = [(lambda: led.commit is not None, "our commitment", lambda: self._commit_to(conn)),
+                 (led.may_reveal, "every owner's commitment", lambda: self._audit_frame(conn, led.ctx.nonce)),
+                 (drawn, "every member's nonce", lambda: self._rows_to(conn, o)),
+                 (lambda: led.challenge is not None, "the row lists of the segment we audit",
+                  lambda: self._audit_frame(conn, np.uint32(led.challenge).tobytes() + led.drawn)),
+                 (lambda: o in led.asked, f"rank {o}'s challenge", lambda: self._answer(conn, o)),
+                 (lambda: drawn() and (audited_by(o, self.world, led.offset) in led.heads
+                                       or audited_by(o, self.world, led.offset) == self.rank),
+                  "the commitment of the segment it audits", lambda: self._echo_to(conn, o))]
         done = self.audit_sent.setdefault(o, 0)
         for ready, what, send in steps[done:]:
             if wait:
@@ -79,20 +82,32 @@ class AuditFrames:
         conn.send(MsgType.AUDIT, payload, deadline=self.deadline)
         return True
 
-    def _commit_to(self, conn, o: int) -> bool:  # noqa: ANN001
+    def _commit_to(self, conn) -> bool:  # noqa: ANN001
         led = self.ledger
         assert led is not None and led.commit is not None
-        head, sig, rows = led.commit
-        for frame in (head, sig, *(rows if o == led.auditor else ())):
-            self._audit_frame(conn, frame)
-        return True
+        head, sig, _ = led.commit
+        return self._audit_frame(conn, head) and self._audit_frame(conn, sig)
+
+    def _rows_to(self, conn, o: int) -> bool:  # noqa: ANN001
+        """Our row lists, if the draw makes ``o`` our auditor."""
+        led = self.ledger
+        assert led is not None and led.commit is not None
+        return all(self._audit_frame(conn, r) for r in (led.commit[2] if o == led.auditor else ()))
+
+    def _echo_to(self, conn, o: int) -> bool:  # noqa: ANN001
+        """The commitment we got from the owner ``o`` audits, so that ``o`` sees any other
+        version (nothing if that owner is us)."""
+        led = self.ledger
+        assert led is not None
+        t = audited_by(o, self.world, led.offset)
+        return t == self.rank or all(self._audit_frame(conn, f) for f in led.heads[t])
 
     def _answer(self, conn, o: int) -> bool:  # noqa: ANN001
         """Our piece that auditor ``o`` asked for, signed to it (our own row too, if ``o`` audits
         our segment: we encoded it like every other)."""
         led = self.ledger
         assert led is not None
-        seg, j = audited_by(o, self.world, led.ctx.step, led.ctx.call), led.asked[o]
+        seg, j = audited_by(o, self.world, led.offset), led.asked[o]
         a, b = self.plan.piece(seg, j)
         wire = self._encode(seg, j)
         payload = wire.tobytes()
@@ -103,25 +118,42 @@ class AuditFrames:
         return True
 
     def _audit_in(self, o: int) -> Generator[int, bytes, None]:
-        """Rank ``o``'s audit frames, in their order: its commitment, its challenge (what it
-        audits), its piece for our audit and (unless ``o`` is the owner we audit) the commitment
-        it got from that owner. Yields the length of the next frame (:data:`ANSWER`: an answer's)
-        and is sent its payload."""
+        """Rank ``o``'s audit frames, in their order: its commitment, its nonce, its row lists
+        if the draw makes it the owner we audit, its challenge (with the draw it made), its
+        piece for our audit and (unless ``o`` is the owner we audit) the commitment it got from
+        that owner. Yields the length of the next frame (:data:`ANSWER`: an answer's) and is
+        sent its payload; stops early if the call fails while it waits for the draw."""
         led, P = self.ledger, self.plan.pieces
         assert led is not None
         head = yield P * DIGEST + DIGEST
         sig = yield SIG_BYTES
-        rows = None
+        with self.cond:
+            bad = led.committed(o, head, sig)
+            self.cond.notify_all()
+        if bad:
+            raise FrameError(f"rank {o} sent {bad}")
+        nonce = yield DIGEST
+        with self.cond:
+            bad = led.revealed(o, nonce)
+            self.cond.notify_all()
+        if bad:
+            raise FrameError(f"rank {o} sent {bad}")
+        if not self.wait_for(lambda: led.drawn is not None, "every member's nonce"):
+            return
         if o == led.target:
             rows = []
             for _ in range(P):
                 rows.append((yield self.world * ENTRY))
-        with self.cond:
-            bad = led.committed(o, head, sig, rows)
-            self.cond.notify_all()
-        if bad:
-            raise FrameError(f"rank {o} sent {bad}")
-        j = int(np.frombuffer((yield 4), np.uint32)[0])
+            with self.cond:
+                bad = led.rows_of_target(rows)
+                self.cond.notify_all()
+            if bad:
+                raise FrameError(f"rank {o} sent {bad}")
+        asked = yield 4 + DIGEST
+        j = int(np.frombuffer(asked[:4], np.uint32)[0])
+        if asked[4:] != led.drawn:  # a member showed different nonces (or headers) to different members
+            raise FrameError(f"rank {o} audits by another draw of the pairing than ours: the members were "
+                             "shown different nonces")
         if j >= P:
             raise FrameError(f"rank {o} asks for piece {j} of {P}")
         with self.cond:

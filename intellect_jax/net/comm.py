@@ -312,6 +312,7 @@ class RingMeta(Wire):
     absent: Annotated[list[Nat], Field(max_length=1 << 20)]  # the ranks sitting the round out
     sig: Short
     buckets: Annotated[list[Nat], Field(max_length=1 << 16)]
+    nonce: Annotated[str, Field(pattern=r"^([0-9a-f]{64})?$")]  # audits: the head of its nonce chain (not compared)
 
 
 class SocketCommunicator:
@@ -351,6 +352,7 @@ class SocketCommunicator:
         # our segment of the first bucket did not all reach us, link or header failures included (net.mesh)
         self.missing: tuple[int, ...] = ()
         self._dead: dict[int, NetError] = {}  # rank -> why its link to or from us failed (butterfly)
+        self._heads: dict[int, bytes] = {}  # rank -> the head of its nonce chain in this call's header (audits)
         self._opening: list[Connection] = []  # the mesh's links opened so far, while _mesh runs
         self._links: Links | None = None
         self._workspace = Workspace()
@@ -426,7 +428,7 @@ class SocketCommunicator:
         n, me, last = self.world_size, self.rank, self._links  # (the last call's links, reused; not the new ones)
         ranks = [peer_of(me, n, k) for k in range(n - 1)]
         ours = RingMeta.model_validate(meta).model_dump()  # ours must parse too: a new field goes in RingMeta
-        self._opening = []
+        self._opening, self._heads = [], {}
 
         def out(k: int) -> Callable[[], Connection]:
             to, ch = ranks[k], self._channel(me, ranks[k], 0)
@@ -447,7 +449,8 @@ class SocketCommunicator:
 
             def check(conn: Connection) -> None:
                 theirs = recv_model(conn, RingMeta, "all-reduce header", deadline, max_len=1 << 16).model_dump()
-                diff = [key for key in ours if ours[key] != theirs[key]]
+                self._heads[frm] = bytes.fromhex(theirs["nonce"])
+                diff = [key for key in ours if key != "nonce" and ours[key] != theirs[key]]
                 if diff:
                     detail = ", ".join(f"{key}: theirs={repr(theirs[key])[:40]} ours={repr(ours[key])[:40]}"
                                        for key in diff)
@@ -525,9 +528,12 @@ class SocketCommunicator:
 
             def before(info: dict[str, Any]) -> None:
                 nonlocal links
-                meta = {"v": 5, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
-                        "peers": self._peers_hash, **asdict(cfg), "absent": sorted(self.absent), **info}
+                meta = {"v": 6, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
+                        "peers": self._peers_hash, **asdict(cfg), "absent": sorted(self.absent), **info, "nonce": ""}
                 meta.pop("deadline")
+                if meshed and cfg.audit:  # a nonce per bucket for the audits' pairing, bound here (audit.draw)
+                    head, chain[:] = audit.nonce_chain(secrets.token_bytes(32), len(info["buckets"]))
+                    meta["nonce"] = head.hex()
                 if meshed:
                     links = self._mesh(meta, opening)
                 else:
@@ -535,6 +541,8 @@ class SocketCommunicator:
 
             findings: list[tuple[int, int, Finding]] = []  # (call, sender rank, its bad piece)
             prv = (self.rank - 1) % self.world_size
+            chain: list[bytes] = []  # our nonce of each bucket (audits)
+            last: dict[int, tuple[int, bytes]] = {}  # rank -> (bucket, its nonce there): the latest revealed
 
             def flat_reduce(flat: np.ndarray, bi: int, o: np.ndarray | None, d: np.ndarray | None) -> np.ndarray:
                 found: list[Finding] = []
@@ -547,7 +555,8 @@ class SocketCommunicator:
                                                     deadline=deadline, how=cfg.robust, out=o, inspect=self.inspect,
                                                     findings=by, seal=self._mesh_seal(c, links),
                                                     workspace=self._workspace, absent=self.absent,
-                                                    auditing=self._auditing(c, links) if cfg.audit else None,
+                                                    auditing=self._auditing(c, links, chain[bi], bi, last)
+                                                    if cfg.audit else None,
                                                     verdicts=verdicts, gaps=gaps if bi == 0 else None)
                     if codecs.gathered(cfg.mode):
                         return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
@@ -627,16 +636,28 @@ class SocketCommunicator:
 
         return MeshSeal(sign, check)
 
-    def _auditing(self, call: int, links: Links) -> Auditing:
-        """Audits of call ``call`` (:mod:`.audit`): statements signed with our key, a peer's
-        checked with the certificate its connection presented."""
+    def _auditing(self, call: int, links: Links, nonce: bytes, bucket: int,
+                  last: dict[int, tuple[int, bytes]]) -> Auditing:
+        """Audits of call ``call``, bucket ``bucket`` (:mod:`.audit`): statements signed with our
+        key, a peer's checked with the certificate its connection presented; our ``nonce`` of
+        the bucket, and a peer's accepted if it hashes to the latest one it revealed (``last``,
+        updated here as the bucket's nonces come in) or to its header's chain head."""
         def check(rank: int, data: bytes, sig: bytes) -> bool:
             cert = self._cert(links, rank)
             return cert is not None and verify(cert, data, evidence.der_signature(sig))
 
+        def accepts(rank: int, x: bytes) -> bool:
+            k, want = last.get(rank, (-1, self._heads.get(rank)))
+            for _ in range(bucket - k):
+                x = evidence.digest(x)
+            return want is not None and x == want
+
+        def revealed(nonces: dict[int, bytes]) -> None:
+            last.update((r, (bucket, x)) for r, x in nonces.items())
+
         return Auditing(self.node.cfg.run_id, self.step, self.epoch, call, tuple(self.ids),
                         lambda data: evidence.raw_signature(self.node.cfg.identity.sign(data)), check,
-                        secrets.randbelow)
+                        secrets.randbelow, nonce, accepts, revealed)
 
     def _cert(self, links: Links, rank: int) -> bytes | None:
         """``rank``'s certificate (DER): ours, or the one its connection to us presented (asked

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from intellect_jax.net import quant, tree as treelib
-from intellect_jax.net.audit import NO_SIG, Case, audited_by, judge, to_wire
+from intellect_jax.net.audit import NO_SIG, Case, audited_by, draw, judge, rotation, to_wire
 from intellect_jax.net.comm import RingConfig, bucket_call
 from intellect_jax.net.evidence import digest
 from intellect_jax.net.evidence import der_signature, piece_statement, raw_signature
@@ -84,11 +84,14 @@ def fake_audit(trees: Sequence[Any], ids: Sequence[str], rank: int, forged: set[
     """What rank ``rank``'s audits find in one all-reduce of the members' ``trees`` (rank order)
     whose owners ``forged`` negate their aggregates: (guilty, why, the case as reported) for the
     first bucket whose audited segment is forged, by the same judge and with the same signatures
-    as over sockets (the drawn piece turns with the step: any piece of a forged segment shows)."""
+    as over sockets (the drawn piece turns with the step: any piece of a forged segment shows;
+    the pairing is drawn from the step and call here, as over sockets from the members' nonces:
+    the same for every rank, a different one every call)."""
     flats = [_bucket_flats(t, cfg) for t in trees]
     for bi in range(len(flats[0])):
         call = bucket_call(0, bi)
-        target = audited_by(rank, len(ids), step, call)
+        nonces = [digest(f"{run_id} {step} {epoch} {call} {i}".encode()) for i in ids]
+        target = audited_by(rank, len(ids), rotation(draw(run_id, step, epoch, call, nonces), len(ids)))
         if target not in forged or not flats[0][bi].size:
             continue
         p = butterfly_plan(flats[0][bi].shape[0], len(ids), cfg.block_size, cfg.piece_numel)

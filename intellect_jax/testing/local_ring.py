@@ -59,16 +59,18 @@ def ring_bytes(numel: int, world: int, rank: int, cfg: RingConfig) -> int:
 
 def audit_bytes(p: plan.RingPlan, rank: int, cfg: RingConfig) -> int:
     """What one rank sends for the butterfly's audits (net.audit), to within a block per peer:
-    its commitment to every other rank and its row lists to its auditor, its challenge to every
-    other rank, the commitment it got from each auditor's target, and its piece to each auditor
-    (each answer counted at the size of its segment's first piece)."""
+    its commitment and its nonce to every other rank and its row lists to its auditor, its
+    challenge (the piece and the draw) to every other rank, the commitment it got from each
+    auditor's target, and its piece to each auditor (each answer counted at the size of its
+    segment's first piece)."""
     world, n = p.world, p.piece(rank, 0)[1] - p.piece(rank, 0)[0]
     head = HEADER_LEN + p.pieces * audit.DIGEST + audit.DIGEST + HEADER_LEN + SIG_BYTES
     rows = p.pieces * (HEADER_LEN + world * audit.ENTRY)
     answers = (world - 1) * (HEADER_LEN + encoded_nbytes(n, cfg.mode, cfg.block_size))
     echoes = (world - 2) * head  # the target's commitment, to every auditor but the target's own
     tails = (world - 1) * HEADER_LEN  # the last aggregate piece in two frames
-    return (world - 1) * (head + HEADER_LEN + 4 + HEADER_LEN + SIG_BYTES) + rows + answers + echoes + tails
+    nonce, challenge = HEADER_LEN + audit.DIGEST, HEADER_LEN + 4 + audit.DIGEST
+    return (world - 1) * (head + nonce + challenge + HEADER_LEN + SIG_BYTES) + rows + answers + echoes + tails
 
 
 def ring_view(tree: Any, world: int, sender: int, cfg: RingConfig) -> np.ndarray:
