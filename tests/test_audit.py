@@ -17,6 +17,7 @@ from intellect_jax.net.errors import AuditFailed, FrameError
 from intellect_jax.net.evidence import digest
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import butterfly_plan
+from intellect_jax.net.tree import make_buckets
 from intellect_jax.testing.audit_cases import sign, signed_case, verifier
 from intellect_jax.testing.identities import credentials
 from tests.helpers import forging_owner
@@ -58,23 +59,25 @@ def test_an_honest_run_is_audited_and_shows_nobody() -> None:
 
 def test_the_pairing_is_drawn_anew_in_every_bucket_from_the_members_nonces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nobody knows who audits whom until every owner has committed: the draw comes from every
-    member's nonce of the bucket (a hash chain bound in the call's header, an empty bucket's
-    link skipped), every rank draws the same in each bucket, and the draws differ from bucket
-    to bucket (12 buckets of 4 ranks: one offset of 3 throughout would be a 1-in-177,147 fluke)."""
+    member's nonce of the bucket (a hash chain bound in the call's header; the empty first
+    bucket's link is skipped), every rank draws the same in each bucket, and the draws differ
+    from bucket to bucket (13 buckets of 4 ranks: one offset of 3 throughout would be a
+    1-in-531,441 fluke)."""
     world, got = 4, []
     spy = audit.rotation
     monkeypatch.setattr(audit, "rotation", lambda d, w: got.append((d, spy(d, w))) or got[-1][1])
     rng = np.random.default_rng(11)
-    trees = [{"a0": np.zeros(0, np.float32), **{f"b{i:02d}": rng.standard_normal(4000).astype(np.float32)
-                                                 for i in range(12)}} for _ in range(world)]
-    cfg = dataclasses.replace(CFG, bucket_numel=4000)
+    trees = [{"a0": np.zeros(0, np.float32), "a1": rng.standard_normal(5000).astype(np.float32),
+              **{f"b{i:02d}": rng.standard_normal(4000).astype(np.float32) for i in range(12)}} for _ in range(world)]
+    cfg = dataclasses.replace(CFG, bucket_numel=4000)  # buckets: [a0] (empty), [a1], [b00], ... [b11]
+    assert make_buckets([0, 5000] + [4000] * 12, 4000)[0] == [0]
     comms, outs, errs = _butterfly(world, trees, cfg)
     assert errs == [None] * world and [c.audited for c in comms] == [None] * world
     assert all(_same_bits(outs[r][k], outs[0][k]) for r in range(world) for k in outs[0])
     by_draw: dict[bytes, list[int]] = {}
     for d, offset in got:
         by_draw.setdefault(d, []).append(offset)
-    assert len(by_draw) == 12 and all(len(v) == world and len(set(v)) == 1 for v in by_draw.values())
+    assert len(by_draw) == 13 and all(len(v) == world and len(set(v)) == 1 for v in by_draw.values())
     assert len({v[0] for v in by_draw.values()}) > 1
 
 

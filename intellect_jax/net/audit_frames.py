@@ -3,7 +3,7 @@ for them on the mesh's links, and the auditor's verdict before its last bytes le
 
 They are :attr:`~.frames.MsgType.AUDIT` frames, sent between a rank's aggregates as soon as
 each is ready (:meth:`AuditFrames._audit_out`), so the audit's round trips (commitment, then
-challenge, then answers) overlap the gather rather than follow it; those not out by the last
+nonces, then challenge, then answers) overlap the gather rather than follow it; those not out by the last
 aggregate go before its tail, and every one must be in before that tail is read.
 
 A mixin of :class:`~.butterfly._ButterflyRun`, whose sender and receiver threads call these

@@ -192,8 +192,9 @@ class _ButterflyRun(AuditFrames, Pipeline):
 
     def sender(self, k: int) -> None:
         """To the owner of segment ``o``: our own pieces of it, signed; then our aggregates, and
-        when auditing, between them, our commitment, our challenge and our answer to o's (the
-        last piece's tail waits for our own audit: without it nobody completes)."""
+        when auditing, between them, our audit frames (:mod:`.audit_frames`: commitment, nonce,
+        row lists, challenge, answer, echo; the last piece's tail waits for our own audit:
+        without it nobody completes)."""
         self._link(0, k, self._scatter_to, self._gather_to)
 
     def _link(self, side: int, k: int, step1: Callable[[int], None], step3: Callable[[int], None]) -> None:

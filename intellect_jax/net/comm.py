@@ -641,7 +641,7 @@ class SocketCommunicator:
         """Audits of call ``call``, bucket ``bucket`` (:mod:`.audit`): statements signed with our
         key, a peer's checked with the certificate its connection presented; our ``nonce`` of
         the bucket, and a peer's accepted if it hashes to the latest one it revealed (``last``,
-        updated here as the bucket's nonces come in) or to its header's chain head."""
+        updated here once all of the bucket's nonces are in) or to its header's chain head."""
         def check(rank: int, data: bytes, sig: bytes) -> bool:
             cert = self._cert(links, rank)
             return cert is not None and verify(cert, data, evidence.der_signature(sig))

@@ -249,8 +249,9 @@ class Connection:
         """Queue at most about ``nbytes`` unsent in the kernel (``TCP_NOTSENT_LOWAT``; None: the
         kernel's bound, megabytes). A bulk sender then no longer queues megabytes ahead of its next
         small frame (an audit step), which would wait behind them for their time on the wire; data
-        in flight is not bounded, so neither is throughput. Only for a link that its peer reads all
-        along: a send now blocks as soon as that much waits and the peer's window is full."""
+        in flight is not bounded, so neither is throughput. For a link that its peer reads all along,
+        or nearly (a butterfly receiver pauses between a peer's nonce and the audit's draw): a
+        send now blocks as soon as that much waits and the peer's window is full."""
         if nbytes is not None and hasattr(socket, "TCP_NOTSENT_LOWAT"):
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, nbytes)
 
