@@ -13,8 +13,9 @@ from dataclasses import dataclass
 # 13: an owner's own row in an audit case or as evidence is in the call's codec, not float32,
 # 14: the butterfly cuts each segment into at least 16 pieces where they keep 4,096 values;
 # clip and cclip take float32 norms, cclip one step: a judge of 13 would see other bits,
-# 15: the butterfly's audit pairing drawn from nonces bound in the call's header)
-PROTOCOL = 15
+# 15: the butterfly's audit pairing drawn from nonces bound in the call's header,
+# 16: cclip back to three steps, its norms float32 still)
+PROTOCOL = 16
 
 
 class CoordinatorError(Exception):
