@@ -11,7 +11,7 @@ import pytest
 
 from intellect_jax.coordinator.policing import weigh_audit
 from intellect_jax.coordinator.schema import Audit
-from intellect_jax.net import RingConfig, audit, butterfly, comm as commlib, quant
+from intellect_jax.net import RingConfig, audit, butterfly, comm as commlib, pairing, quant
 from intellect_jax.net.audit import ENTRY, Case, judge
 from intellect_jax.net.errors import AuditFailed, FrameError
 from intellect_jax.net.evidence import digest
@@ -35,8 +35,8 @@ def _owner(monkeypatch: pytest.MonkeyPatch, bad: int, pieces: set[int] | None = 
 def _auditor(monkeypatch: pytest.MonkeyPatch, bad: int, world: int) -> int:
     """Fix every call's pairing at offset 1 (rank r audits segment r - 1; the draw from the
     members' nonces picks it otherwise) and say who audits ``bad``."""
-    monkeypatch.setattr(audit, "rotation", lambda draw, world: 1)
-    return audit.auditor_of(bad, world, 1)
+    monkeypatch.setattr(pairing, "rotation", lambda draw, world: 1)
+    return pairing.auditor_of(bad, world, 1)
 
 
 def _weigh(ev: dict[str, Any], ids: list[str], accuser: str, certs: dict[str, str] | None = None,
@@ -57,6 +57,19 @@ def test_an_honest_run_is_audited_and_shows_nobody() -> None:
     assert [c.audited for c in comms] == [None] * world
 
 
+def test_a_nonce_chain_reveals_nothing_of_the_next_bucket_and_every_rank_audits_one_segment() -> None:
+    head, chain = pairing.nonce_chain(bytes(range(32)), 5)
+    assert len(chain) == 5 and digest(chain[0]) == head and all(digest(chain[b]) == chain[b - 1] for b in range(1, 5))
+    assert len(set(chain)) == 5  # (nonce b + 1 is a preimage of nonce b: not computable from it)
+    for world in (2, 3, 4, 16):
+        for d in (bytes(32), b"\xff" * 32, digest(b"x")):
+            k = pairing.rotation(d, world)
+            assert 1 <= k < world
+            assert sorted(pairing.audited_by(r, world, k) for r in range(world)) == list(range(world))
+            assert all(pairing.auditor_of(pairing.audited_by(r, world, k), world, k) == r != pairing.audited_by(
+                r, world, k) for r in range(world))
+
+
 def test_the_pairing_is_drawn_anew_in_every_bucket_from_the_members_nonces(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nobody knows who audits whom until every owner has committed: the draw comes from every
     member's nonce of the bucket (a hash chain bound in the call's header; the empty first
@@ -64,8 +77,8 @@ def test_the_pairing_is_drawn_anew_in_every_bucket_from_the_members_nonces(monke
     from bucket to bucket (13 buckets of 4 ranks: one offset of 3 throughout would be a
     1-in-531,441 fluke)."""
     world, got = 4, []
-    spy = audit.rotation
-    monkeypatch.setattr(audit, "rotation", lambda d, w: got.append((d, spy(d, w))) or got[-1][1])
+    spy = pairing.rotation
+    monkeypatch.setattr(pairing, "rotation", lambda d, w: got.append((d, spy(d, w))) or got[-1][1])
     rng = np.random.default_rng(11)
     trees = [{"a0": np.zeros(0, np.float32), "a1": rng.standard_normal(5000).astype(np.float32),
               **{f"b{i:02d}": rng.standard_normal(4000).astype(np.float32) for i in range(12)}} for _ in range(world)]

@@ -13,9 +13,9 @@ piece per link:
    sender's signature; for the owner's own row, which it never sent, its digest and zeros).
    Every member gets the aggregates' digests and the signature.
 2. **Pairing.** Who audits whom is drawn only once every owner is bound to its aggregates:
-   each rank's call header carries the head of a hash chain of nonces (:func:`nonce_chain`, one
+   each rank's call header carries the head of a hash chain of nonces (:func:`~.pairing.nonce_chain`, one
    per bucket), and each rank reveals its nonce of the bucket once it holds every owner's
-   commitment; the digest of all of them (:func:`draw`) picks the rotation (:func:`rotation`:
+   commitment; the digest of all of them (:func:`~.pairing.draw`) picks the rotation (:func:`~.pairing.rotation`:
    rank ``r`` audits segment ``r - offset``). So an owner cannot know while it commits whether
    its auditor is an accomplice, and no member can choose the draw (its nonce was fixed before
    any data moved). But it can refuse it: a member that holds back its own nonce sees the draw
@@ -60,8 +60,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from intellect_jax.net import quant, robust
+from intellect_jax.net import pairing, quant, robust
 from intellect_jax.net.evidence import MAX_EVIDENCE_BYTES, SIG_BYTES, digest, hasher, piece_statement
+from intellect_jax.net.pairing import auditor_of, audited_by, draw
 from intellect_jax.net.plan import butterfly_plan
 
 DIGEST = 32
@@ -70,43 +71,6 @@ NO_SIG = bytes(SIG_BYTES)  # the owner's own row: never sent, so never signed
 MAX_PIECES = 1 << 16  # pieces per segment a case may list
 MAX_CASE_RANKS = 64  # members a reported case may hold
 MAX_CASE_BYTES = 12 << 20  # a case larger than this as JSON is logged, not reported (coordinator MAX_MSG)
-
-
-def rotation(draw: bytes, world: int) -> int:
-    """The pairing's offset, ``1 .. world - 1``, from a draw (a digest): rank ``r`` audits
-    segment ``r - offset`` (never its own; every rank audits exactly one)."""
-    return 1 + int.from_bytes(draw[:8], "big") % (world - 1)
-
-
-def auditor_of(segment: int, world: int, offset: int) -> int:
-    """The rank that audits segment ``segment`` under the pairing ``offset``."""
-    return (segment + offset) % world
-
-
-def audited_by(rank: int, world: int, offset: int) -> int:
-    """The segment that ``rank`` audits under the pairing ``offset``."""
-    return (rank - offset) % world
-
-
-def nonce_chain(secret: bytes, n: int) -> tuple[bytes, list[bytes]]:
-    """(head, nonces) of a hash chain for ``n`` calls: nonce ``b`` is ``digest^(n-1-b)(secret)``
-    and hashes to nonce ``b - 1`` (to the head for ``b`` = 0), so revealing one tells nothing of
-    the next. The head goes in the call's header; nonce ``b`` is revealed in bucket ``b``."""
-    chain = [secret]
-    for _ in range(max(0, n - 1)):
-        chain.append(digest(chain[-1]))
-    chain.reverse()
-    return digest(chain[0]), chain
-
-
-def draw(run_id: str, step: int, epoch: int, call: int, nonces: Sequence[bytes]) -> bytes:
-    """The pairing's draw from every member's nonce (rank order): nobody knows it before the
-    last nonce is revealed, and no member can choose it (each nonce was fixed in its header)."""
-    h = hasher()
-    h.update(f"intellect_jax audit pairing\nrun {run_id}\nouter step {step}\nepoch {epoch}\ncall {call}\n".encode())
-    for x in nonces:
-        h.update(x)
-    return h.digest()
 
 
 def root(parts: Sequence[bytes]) -> bytes:
@@ -366,7 +330,7 @@ class Ledger:
         if len(self.reveals) == self.world:
             c = self.ctx
             self.drawn = draw(c.run_id, c.step, c.epoch, c.call, [self.reveals[r] for r in range(self.world)])
-            self.offset = rotation(self.drawn, self.world)
+            self.offset = pairing.rotation(self.drawn, self.world)
             self.target = audited_by(self.rank, self.world, self.offset)
             self.auditor = auditor_of(self.rank, self.world, self.offset)
             c.revealed(dict(self.reveals))

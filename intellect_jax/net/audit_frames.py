@@ -18,7 +18,8 @@ from collections.abc import Generator
 import numpy as np
 
 from intellect_jax.net import quant
-from intellect_jax.net.audit import DIGEST, ENTRY, audited_by, judge, signed_piece
+from intellect_jax.net.audit import DIGEST, ENTRY, judge, signed_piece
+from intellect_jax.net.pairing import audited_by
 from intellect_jax.net.errors import AuditFailed, FrameError
 from intellect_jax.net.evidence import SAT_OUT, SIG_BYTES, digest
 from intellect_jax.net.frames import MsgType

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Callable, Protocol, Sequence, TypeVar, runtim
 import numpy as np
 from pydantic import Field
 
-from intellect_jax.net import audit, codecs, evidence, mesh, quant, robust, tree as treelib
+from intellect_jax.net import audit, codecs, evidence, mesh, pairing, quant, robust, tree as treelib
 from intellect_jax.net.audit import Auditing, Case
 from intellect_jax.net.butterfly import RING_MODES, MeshSeal, butterfly_all_reduce, peer_of
 from intellect_jax.net.errors import AuditFailed, ConfigMismatch, NetError, PeerTimeout, RingClosed
@@ -531,8 +531,8 @@ class SocketCommunicator:
                 meta = {"v": 6, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
                         "peers": self._peers_hash, **asdict(cfg), "absent": sorted(self.absent), **info, "nonce": ""}
                 meta.pop("deadline")
-                if meshed and cfg.audit:  # a nonce per bucket for the audits' pairing, bound here (audit.draw)
-                    head, chain[:] = audit.nonce_chain(secrets.token_bytes(32), len(info["buckets"]))
+                if meshed and cfg.audit:  # a nonce per bucket for the audits' pairing, bound here (pairing.draw)
+                    head, chain[:] = pairing.nonce_chain(secrets.token_bytes(32), len(info["buckets"]))
                     meta["nonce"] = head.hex()
                 if meshed:
                     links = self._mesh(meta, opening)

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from intellect_jax.net import quant, tree as treelib
-from intellect_jax.net.audit import NO_SIG, Case, audited_by, draw, judge, rotation, to_wire
+from intellect_jax.net.audit import NO_SIG, Case, judge, to_wire
+from intellect_jax.net.pairing import audited_by, draw, rotation
 from intellect_jax.net.comm import RingConfig, bucket_call
 from intellect_jax.net.evidence import digest
 from intellect_jax.net.evidence import der_signature, piece_statement, raw_signature
