@@ -16,6 +16,12 @@ bit. No sane contribution moves the weights by many times their own size in one 
 the data (a scale from recent averages would not do: with heterogeneous data the average is far
 smaller than any one contribution). The state hash commits to both numbers (:func:`seal`), so
 the coordinator checks them against the hash the run recorded for that outer step.
+
+A butterfly owner, which holds every member's own piece of its segment, has a second scale: the
+other rows of the same piece. A row far above their median (:func:`outsized`: a sign flip
+x(N - 1), a push several times the honest norm) is no heuristic against the weights but a member
+pulling the average its way; shown with every row of the piece, each signed by its sender
+(:func:`outsize_evidence`), it lets the coordinator evict a member that most others show so.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ SIG_BYTES = 64  # a P-256 signature as r || s, 32 bytes each
 SUSPECT_FACTOR = 10.0  # a piece whose RMS is this many times the outer params' RMS is bad
 SAT_OUT = "values though it sits the round out"  # the butterfly's verdict on a sitter's non-zero piece
 MAX_EVIDENCE_BYTES = 1 << 20  # a piece larger than this on the wire cannot be shown (piece_numel caps it)
+OUTSIZE = 2.5  # a row whose norm is this many times its piece's median row norm is outsized (outsized)
 
 
 def digest(data: Any) -> bytes:
@@ -113,6 +120,31 @@ def verdict(theirs: np.ndarray, ref: float | None, factor: float = SUSPECT_FACTO
     return None
 
 
+def row_norm(x: np.ndarray) -> float:
+    """A decoded row's L2 norm as :func:`outsized` takes it: its float32 dot with itself (BLAS,
+    one pass; inf if the squares overflow, nan if a value is not finite). Another machine may
+    sum in another order: the coordinator's re-weighing allows for it (``policing.LENIENCY``)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return math.sqrt(float(np.dot(x, x)))
+
+
+def outsized(norms: dict[int, float], accused: int) -> float | None:
+    """How many times its piece's median row norm ``accused``'s row norm is (``norms``: rank ->
+    :func:`row_norm` of every row an owner may show: not its own, none of a member sitting the
+    round out), or None when there is no median to go by (fewer than three finite rows, or a
+    median of zero). The median is the high one (the upper middle of an even count), so members
+    sending tiny rows cannot pull it below every honest row while they are at most half of
+    those rows: an honest row is then at most the honest rows' spread above it. A steering row
+    (the issue's sign flip x(N - 1), a push 5-9x the honest norm, x1000) is N - 1 to 1000x."""
+    vals = sorted(v for v in norms.values() if not math.isnan(v))
+    if accused not in norms or math.isnan(norms[accused]) or len(vals) < 3:
+        return None
+    med = vals[len(vals) // 2]
+    if not math.isfinite(med) or med <= 0:
+        return None
+    return norms[accused] / med
+
+
 def clear_cut(why: str) -> bool:
     """Whether a verdict holds whatever the scale: values no honest node sends (not finite, not
     decodable, or any value from a member that sits the round out), unlike the magnitude
@@ -128,6 +160,17 @@ def evidence(*, step: int, epoch: int, call: int, segment: int, piece: int, nume
     return {"step": step, "epoch": epoch, "call": call, "segment": segment, "piece": piece, "numel": numel,
             "mode": mode, "block": block, "payload": base64.b64encode(payload).decode(),
             "signature": None if signature is None else signature.hex(), "cert": None if cert is None else cert.hex()}
+
+
+def outsize_evidence(*, step: int, epoch: int, call: int, segment: int, piece: int, numel: int, mode: str,
+                     block: int, ratio: float, payloads: Any, signatures: Any) -> dict[str, Any]:
+    """An outsized row (:func:`outsized`) as a report carries it: every row of the piece its
+    owner (the reporter, rank ``segment``) may show, by rank (None: its own, a sitter's), each
+    with its sender's signature to the owner."""
+    return {"step": step, "epoch": epoch, "call": call, "segment": segment, "piece": piece, "numel": numel,
+            "mode": mode, "block": block, "ratio": ratio,
+            "payloads": [None if p is None else base64.b64encode(p).decode() for p in payloads],
+            "signatures": [None if s is None else s.hex() for s in signatures]}
 
 
 def unsigned_evidence(theirs: np.ndarray, inspect: Callable[[np.ndarray], str | None], *, step: int, epoch: int,
