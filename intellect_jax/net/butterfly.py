@@ -56,7 +56,7 @@ from intellect_jax.net.robust import aggregate_piece
 from intellect_jax.net.audit import Auditing, Case, Ledger
 from intellect_jax.net.audit_frames import AuditFrames
 from intellect_jax.net.errors import FrameError
-from intellect_jax.net.evidence import SAT_OUT
+from intellect_jax.net.evidence import OUTSIZE, SAT_OUT, outsized, row_norm
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import RingPlan, butterfly_plan
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
@@ -65,6 +65,19 @@ RING_MODES = ("fp32", "bf16", "int8", "int4")  # codecs whose contributions can 
 WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
 PACE_HOLD = 0.5  # seconds a link waits before the slowest counts as stuck (a peer that does not read)
 TAIL = 4  # bytes of an auditor's last aggregate piece held back until its audit passed (no rank completes without)
+
+
+@dataclass(frozen=True)
+class Outsize:
+    """A piece of our segment in which a sender's row was outsized (:func:`~.evidence.outsized`):
+    every row we may show of it as it arrived (``payloads``, by rank; None for ours and a
+    sitter's) with its sender's signature to us, and how many times the median its row was."""
+
+    piece: int
+    numel: int
+    ratio: float
+    payloads: tuple[bytes | None, ...]
+    signatures: tuple[bytes | None, ...]
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,10 @@ class _ButterflyRun(AuditFrames, Pipeline):
         self.moved = [time.monotonic()] * (world - 1)  # when step 1 last moved on each link (see _after_step1)
         self.unpaced = (time.monotonic() + deadline) / 2  # from then on step 1 goes unpaced (see _pace)
         self.over = [[False] * (world - 1), [False] * (world - 1)]  # step 1 over on each out and inn link
+        # signed calls: each sender's own piece as it came with its signature, until aggregated (_weigh)
+        self.wires: list[list[tuple[np.ndarray, bytes] | None]] = [[None] * world for _ in range(self.plan.pieces)]
+        self.norms = [[0.0] * world for _ in range(self.plan.pieces)]  # of the rows kept in wires (row_norm)
+        self.outsize: dict[int, list] = {}  # sender -> [pieces its row was outsized in, the first one's Outsize]
         if auditing is not None and seal is None:
             raise ValueError("auditing owners needs signed pieces (a seal)")
         self.ledger = None if auditing is None else Ledger(auditing, rank, x.shape[0], piece_numel, mode, block, how,
@@ -151,6 +168,42 @@ class _ButterflyRun(AuditFrames, Pipeline):
             np.copyto(buf.view(np.float32), self.x[a:b])
             return buf
         return quant.encode(self.x[a:b], self.mode, self.block, buf)
+
+    def _weigh(self, j: int) -> None:
+        """Count the senders whose row of piece ``j`` is outsized against the others we may show
+        (:func:`~.evidence.outsized`: not ours, none of a sitter's), keeping each one's first such
+        piece as signed evidence (:class:`Outsize`); then the pieces go back to the pool."""
+        with self.cond:
+            wires, self.wires[j] = self.wires[j], [None] * self.world
+        try:
+            shown = [i for i, w in enumerate(wires) if w is not None]
+            if len(shown) < 3:
+                return
+            a, b = self.plan.piece(self.rank, j)
+            norms = {i: self.norms[j][i] for i in shown}
+            for i in shown:
+                ratio = outsized(norms, i)
+                if ratio is None or not ratio > OUTSIZE:
+                    continue
+                seen = self.outsize.setdefault(i, [0, None])
+                seen[0] += 1
+                if seen[1] is None:
+                    payloads = [None if w is None else w[0].tobytes() for w in wires]
+                    for k in shown:  # what we show must carry its sender's signature
+                        if not self.mseal.verify(k, self.rank, j, b - a, payloads[k], wires[k][1]):  # type: ignore
+                            raise FrameError(f"rank {k}: the signature of its own piece {j} of segment {self.rank} "
+                                             "does not verify")
+                    seen[1] = Outsize(j, b - a, ratio, tuple(payloads), tuple(None if w is None else w[1]
+                                                                               for w in wires))
+        finally:
+            for w in wires:
+                if w is not None:
+                    self.ws.release(w[0])
+
+    def steering(self) -> list[tuple[int, Outsize]]:
+        """The senders whose rows were outsized in most pieces of our segment, each with its
+        first such piece."""
+        return [(i, ev) for i, (n, ev) in sorted(self.outsize.items()) if 2 * n > self.plan.pieces]
 
     def _release_rows(self, rows: list[np.ndarray | None]) -> None:
         for r in rows:
@@ -178,6 +231,7 @@ class _ButterflyRun(AuditFrames, Pipeline):
             wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a), self.absent,
                                    self.ws.scratch)
             quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
+            self._weigh(j)
             if led is not None:
                 led.aggregated(j, wire)
             with self.cond:
@@ -324,9 +378,15 @@ class _ButterflyRun(AuditFrames, Pipeline):
                     self.inspect(row) if self.inspect is not None else None
             if why:
                 self._found(o, why, me, j, b - a, wire, sig)
-            self.ws.release(wire)
+            keep = self.signed and o not in self.absent  # (weighed against the other rows once all are in)
+            if keep:
+                self.norms[j][o] = row_norm(row)  # (here, on the link's thread, while the row is in cache)
+            else:
+                self.ws.release(wire)
             with self.cond:
                 self.rows[j][o] = row
+                if keep:
+                    self.wires[j][o] = (wire, sig)
                 self.got[o] += 1
                 self.cond.notify_all()
 
@@ -431,7 +491,8 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
                          seal: MeshSeal | None = None, workspace: Workspace | None = None,
                          absent: frozenset[int] = frozenset(), auditing: Auditing | None = None,
                          verdicts: list[tuple[int, str, Case]] | None = None,
-                         gaps: list[int] | None = None) -> np.ndarray:
+                         gaps: list[int] | None = None,
+                         steering: list[tuple[int, Outsize]] | None = None) -> np.ndarray:
     """Robust mean (``how``: a :mod:`.robust` aggregator) of ``x`` (flat float32) over the
     mesh ``links``, bit-identical on every rank. ``inspect(theirs)`` is shown every other
     member's own piece of our segment; the first bad one of each sender goes to ``findings`` as
@@ -440,7 +501,9 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
     ``auditing`` (needs ``seal``): owners commit to their aggregates and every rank audits one
     (:mod:`.audit`); a member our audit shows at fault goes to ``verdicts`` as (rank, why, case).
     When the call fails, ``gaps`` gets the ranks whose own pieces of our segment did not all
-    reach us (links in ``links`` may be :class:`~.mesh.DeadLink`: their threads fail at once)."""
+    reach us (links in ``links`` may be :class:`~.mesh.DeadLink`: their threads fail at once).
+    When it succeeds with ``seal``, ``steering`` gets (sender rank, :class:`Outsize`) for each
+    sender whose rows were outsized (:func:`~.evidence.outsized`) in most pieces of our segment."""
     if mode not in RING_MODES:
         raise ValueError(f"the butterfly exchange takes {', '.join(RING_MODES)}, not {mode}")
     robust.check_mode(how)
@@ -463,3 +526,5 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
             verdicts.append(run.verdict)
         if gaps is not None and run.error is not None:
             gaps.extend(run.gaps())
+        if steering is not None and run.error is None:
+            steering.extend(run.steering())

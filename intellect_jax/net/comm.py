@@ -21,7 +21,7 @@ from pydantic import Field
 
 from intellect_jax.net import audit, codecs, evidence, mesh, pairing, quant, robust, tree as treelib
 from intellect_jax.net.audit import Auditing, Case
-from intellect_jax.net.butterfly import RING_MODES, MeshSeal, butterfly_all_reduce, peer_of
+from intellect_jax.net.butterfly import RING_MODES, MeshSeal, Outsize, butterfly_all_reduce, peer_of
 from intellect_jax.net.errors import AuditFailed, ConfigMismatch, NetError, PeerTimeout, RingClosed
 from intellect_jax.net.identity import verify
 from intellect_jax.net.schema import Nat, Wire, recv_model
@@ -351,6 +351,9 @@ class SocketCommunicator:
         # after a butterfly call that failed (not aborted from outside): the ranks whose own pieces of
         # our segment of the first bucket did not all reach us, link or header failures included (net.mesh)
         self.missing: tuple[int, ...] = ()
+        # after a butterfly call that succeeded: (rank, evidence) for each member whose rows were
+        # outsized in most pieces of our segment (net.evidence.outsize_evidence, its first such piece)
+        self.steered: list[tuple[int, dict[str, Any]]] = []
         self._dead: dict[int, NetError] = {}  # rank -> why its link to or from us failed (butterfly)
         self._heads: dict[int, bytes] = {}  # rank -> the head of its nonce chain in this call's header (audits)
         self._opening: list[Connection] = []  # the mesh's links opened so far, while _mesh runs
@@ -540,6 +543,7 @@ class SocketCommunicator:
                     self._check_meta(links, meta, opening)
 
             findings: list[tuple[int, int, Finding]] = []  # (call, sender rank, its bad piece)
+            steering: dict[int, tuple[int, Outsize]] = {}  # sender rank -> (call, its first outsized piece)
             prv = (self.rank - 1) % self.world_size
             chain: list[bytes] = []  # our nonce of each bucket (audits)
             last: dict[int, tuple[int, bytes]] = {}  # rank -> (bucket, its nonce there): the latest revealed
@@ -547,6 +551,7 @@ class SocketCommunicator:
             def flat_reduce(flat: np.ndarray, bi: int, o: np.ndarray | None, d: np.ndarray | None) -> np.ndarray:
                 found: list[Finding] = []
                 by: list[tuple[int, Finding]] = []
+                outsized: list[tuple[int, Outsize]] = []
                 c = bucket_call(call, bi)
                 try:
                     if cfg.exchange == "butterfly":
@@ -557,7 +562,8 @@ class SocketCommunicator:
                                                     workspace=self._workspace, absent=self.absent,
                                                     auditing=self._auditing(c, links, chain[bi], bi, last)
                                                     if cfg.audit else None,
-                                                    verdicts=verdicts, gaps=gaps if bi == 0 else None)
+                                                    verdicts=verdicts, gaps=gaps if bi == 0 else None,
+                                                    steering=outsized)
                     if codecs.gathered(cfg.mode):
                         return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
@@ -571,8 +577,10 @@ class SocketCommunicator:
                 finally:
                     findings.extend((c, prv, f) for f in found)
                     findings.extend((c, r, f) for r, f in by)
+                    for r, ev in outsized:
+                        steering.setdefault(r, (c, ev))
 
-            self.suspect, self.audited = None, None
+            self.suspect, self.audited, self.steered = None, None, []
             result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out, dropped=dropped,
                                         encoded=enc is not None)
             if findings:
@@ -582,6 +590,10 @@ class SocketCommunicator:
                     step=self.step, epoch=self.epoch, call=c, segment=f.segment, piece=f.piece, numel=f.numel,
                     mode=cfg.mode, block=cfg.block_size, payload=f.payload, signature=f.signature,
                     cert=links.inn[k].cert))
+            self.steered = [(r, evidence.outsize_evidence(
+                step=self.step, epoch=self.epoch, call=c, segment=self.rank, piece=ev.piece, numel=ev.numel,
+                mode=cfg.mode, block=cfg.block_size, ratio=ev.ratio, payloads=ev.payloads, signatures=ev.signatures))
+                for r, (c, ev) in sorted(steering.items())]
         except BaseException as e:
             if verdicts:  # our audit failed the call: the case goes with our next sync
                 r, why, case = verdicts[0]
