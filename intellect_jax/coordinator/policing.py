@@ -1,6 +1,6 @@
 """Policing at a barrier: which members have to go for what they contributed.
 
-Five rules, counted per member across barriers on its :class:`~.roster.Node`: a member whose own
+Six rules, counted per member across barriers on its :class:`~.roster.Node`: a member whose own
 pseudo-gradient checks failed (it sat out, contributing zeros) at ``sit_out_limit`` barriers in
 a row is broken; a member shown to have sent a bad piece of its own contribution in ``strikes``
 rounds poisons the run; a member that an audit of a butterfly owner shows at fault by its own
@@ -8,7 +8,9 @@ signatures (a forged aggregate, two commitments for one call, two different piec
 one place: ``net.audit``) is evicted at once and banned, since no honest member ever signs
 such a thing; a member that accuses falsely ``strikes`` times is evicted; a member that withholds
 its own pieces (:meth:`Police._stalls`) is evicted once most of the others have said so after
-``stall_calls`` failed calls in a row.
+``stall_calls`` failed calls in a row; a member whose own rows most of the others show outsized
+against the rest of their pieces (:meth:`Police._steering`, each piece re-weighed on its rows'
+own signatures) is evicted at once.
 
 Absence cannot be signed, so the evidence of a stall is a quorum of witnesses. After a failed
 butterfly call every member reports whose own pieces never all reached it as a segment owner
@@ -45,10 +47,10 @@ import numpy as np
 
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Node
-from intellect_jax.coordinator.schema import Audit, Evidence
+from intellect_jax.coordinator.schema import Audit, Evidence, Steering
 from intellect_jax.net import audit, quant
-from intellect_jax.net.evidence import (SUSPECT_FACTOR, clear_cut, der_signature, reference_rms, seal, statement,
-                                        verdict)
+from intellect_jax.net.evidence import (OUTSIZE, SUSPECT_FACTOR, clear_cut, der_signature, digest, outsized,
+                                        piece_statement, reference_rms, row_norm, seal, statement, verdict)
 from intellect_jax.net.identity import vouched
 
 # the coordinator's verdict allows for float sums done in another order on the accuser's machine
@@ -131,6 +133,53 @@ def weigh_audit(ev: Audit, *, run_id: str, step: int, epoch_id: int, accuser: st
     return (ring[guilty], why, False) if guilty is not None else (None, why, right)
 
 
+def weigh_steering(ev: Steering, *, run_id: str, step: int, epoch_id: int, accuser: str, ring: tuple[str, ...],
+                   sat_out: tuple[str, ...], ca: bytes | None, certs: dict[str, str]) -> tuple[float | None, str, bool]:
+    """(ratio, "", False) when ``ev``, reported by ``accuser`` (the owner of its segment in outer
+    step ``step``'s all-reduce, epoch ``epoch_id``), shows the accused's row outsized
+    (``net.evidence.outsized``) against every other row it may show, each signed by its
+    sender; else (None, why not, whether that is the reporter's fault: rows that are not those of
+    its piece, or no outsized row in them). A row whose signature does not verify shows nothing
+    either way. In-process runs (``ca`` None) sign nothing: nothing holds."""
+    if ca is None:
+        return None, "an in-process run signs nothing to show", False
+    if (ev.step, ev.epoch) != (step, epoch_id):
+        return None, f"the rows are of outer step {ev.step} in epoch {ev.epoch}, not {step} in {epoch_id}", True
+    world = len(ring)
+    if accuser not in ring or ev.segment != ring.index(accuser) or ev.accused not in ring or ev.accused == accuser \
+            or len(ev.payloads) != world or len(ev.signatures) != world:
+        return None, f"the rows are not of {accuser}'s segment in the ring of epoch {epoch_id}", True
+    shown = [i for i in range(world) if i != ev.segment and ring[i] not in sat_out]
+    if [i for i in range(world) if ev.payloads[i] is not None] != shown:
+        return None, "the rows are not every member's but the owner's and the sitters'", True
+    try:
+        quant.check_mode(ev.mode, ev.block)
+        want = quant.encoded_nbytes(ev.numel, ev.mode, ev.block)
+    except ValueError as e:
+        return None, f"the rows' codec is not one ({e})", True
+    norms: dict[int, float] = {}
+    for i in shown:
+        try:
+            raw = base64.b64decode(ev.payloads[i], validate=True)  # type: ignore[arg-type]
+        except (binascii.Error, ValueError):
+            return None, f"{ring[i]}'s row is not base64", True
+        if len(raw) != want:
+            return None, f"{ring[i]}'s row is {len(raw)} bytes, not {ev.numel} values in {ev.mode}", True
+        cert, sig = certs.get(ring[i]), ev.signatures[i]
+        said = piece_statement(run_id, ev.step, ev.epoch, ev.call, ring[i], accuser, ev.segment, ev.piece, ev.numel,
+                               ev.mode, ev.block, digest(raw).hex())
+        if sig is None or cert is None or not vouched(ca, cert, ring[i], said, der_signature(bytes.fromhex(sig)).hex()):
+            return None, f"{ring[i]}'s row does not carry its signature", False
+        try:
+            norms[i] = row_norm(quant.decode(np.frombuffer(raw, np.uint8).copy(), ev.numel, ev.mode, ev.block))
+        except ValueError:
+            return None, f"{ring[i]}'s signed row does not decode", False
+    ratio = outsized(norms, ring.index(ev.accused))
+    if ratio is None or not ratio > OUTSIZE * LENIENCY:
+        return None, f"its row is not outsized ({ratio if ratio is None else round(ratio, 2)}x the median)", True
+    return ratio, "", False
+
+
 def average_skipped(members: list[Node]) -> bool:
     """Whether most of barrier k's members that report on the all-reduce of outer step k say its
     average failed its checks, so that every node skipped it (data leases: its units are trained
@@ -195,6 +244,7 @@ class Police:
                           f"(call {ev.call}) in outer step {step - 1}'s all-reduce, signed by {accused}: {guilty}")
         self.frauds = frauds = self._audits(step, reports, by_id, run_id)
         stalled = self._stalls(step, reports, set(by_id))
+        steered = self._steering(step, reports, run_id)
         keep: list[Node] = []
         evict: list[tuple[Node, str]] = []
         for n in members:
@@ -203,6 +253,8 @@ class Police:
             n.stalls = n.stalls + 1 if n.node_id in stalled else 0
             if n.node_id in frauds:
                 evict.append((n, f"shown at fault by an audit: {frauds[n.node_id]}"))
+            elif n.node_id in steered:
+                evict.append((n, f"steered the average: {steered[n.node_id]}"))
             elif n.stalls >= self.config.stall_calls:
                 evict.append((n, f"stalled the all-reduce: in {n.stalls} failed calls in a row most of the others "
                                  f"said its own pieces never reached them ({stalled[n.node_id]})"))
@@ -250,6 +302,42 @@ class Police:
                           f"outer step {ev.step}'s all-reduce (epoch {epoch_id}) shows {guilty} at fault by its own "
                           f"signature: {why}")
         return frauds
+
+    def _steering(self, step: int, reports: list, run_id: str) -> dict[str, str]:
+        """Members that most of the others show, at barrier ``step``, sending rows outsized in
+        most pieces of their segments (``Report.steering``, on the all-reduce of barrier ``step -
+        1``'s epoch), each by a piece whose rows carry their senders' signatures (member -> what
+        showed it). One owner's piece could be an honest member's odd one out, or one that a
+        lying owner picked; most of the others, each seeing it in most of its pieces, cannot be.
+        Evidence that is not the reporter's to show counts against it as a false accusation."""
+        epoch_id, ring, sat_out = self._rings.get(step - 1, (0, None, ()))
+        if ring is None:
+            return {}
+        shown: dict[str, dict[str, float]] = {}  # accused -> reporter -> ratio
+        for n, r in reports:
+            for ev in r.steering or ():
+                try:
+                    ratio, why, false = weigh_steering(ev, run_id=run_id, step=step - 1, epoch_id=epoch_id,
+                                                       accuser=n.node_id, ring=ring, sat_out=sat_out, ca=self.ca,
+                                                       certs=self.certs)
+                except Exception as e:  # noqa: BLE001 - whatever a peer sent, the barrier goes on
+                    ratio, why, false = None, f"it could not be checked ({type(e).__name__})", False
+                if ratio is None:
+                    if false:
+                        self._false(n, ev.accused, "outsized rows", f"its rows do not show it: {why}")
+                    elif self.ca is not None:
+                        self._say(f"WARNING {n.node_id}'s rows against {ev.accused} show nothing either way: {why}")
+                    continue
+                shown.setdefault(ev.accused, {})[n.node_id] = ratio
+        out: dict[str, str] = {}
+        for x, by in sorted(shown.items()):
+            self._say(f"WARNING outer step {step - 1}'s all-reduce (epoch {epoch_id}): {len(by)} of the "
+                      f"{len(ring) - 1} others ({', '.join(sorted(by))}) show {x}'s own pieces outsized, up to "
+                      f"{max(by.values()):.1f}x the median row, signed by their senders")
+            if 2 * len(by) > len(ring) - 1:
+                out[x] = (f"{len(by)} of the {len(ring) - 1} others showed its own pieces outsized in most of their "
+                          f"segments (up to {max(by.values()):.1f}x the median row, signed by it)")
+        return out
 
     def _stalls(self, step: int, reports: list, present: set[str]) -> dict[str, str]:
         """Members named, at this retry of barrier ``step``, by most of the other members of the

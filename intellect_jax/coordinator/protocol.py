@@ -14,8 +14,9 @@ from dataclasses import dataclass
 # 14: the butterfly cuts each segment into at least 16 pieces where they keep 4,096 values;
 # clip and cclip take float32 norms, cclip one step: a judge of 13 would see other bits,
 # 15: the butterfly's audit pairing drawn from nonces bound in the call's header,
-# 16: cclip back to three steps, its norms float32 still)
-PROTOCOL = 16
+# 16: cclip back to three steps, its norms float32 still, 17: rows outsized against the
+# others', shown by their owners in the report after a butterfly call that succeeded)
+PROTOCOL = 17
 
 
 class CoordinatorError(Exception):

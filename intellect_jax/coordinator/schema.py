@@ -140,6 +140,27 @@ class Audit(Msg):
                      Field(min_length=2, max_length=2)] | None = None
 
 
+class Steering(Msg):
+    """A member's rows outsized in most pieces of the reporter's butterfly segment
+    (``net.evidence.outsized``), shown by one such piece: every row the reporter (the owner of
+    segment ``segment``) may show of it, by rank (None: its own, a sitter's), each with its
+    sender's signature to the owner (``net.evidence.outsize_evidence``)."""
+
+    accused: NodeId
+    step: Count
+    epoch: Count
+    call: Count
+    segment: Annotated[int, Field(ge=0, lt=MAX_CASE_RANKS)]
+    piece: Annotated[int, Field(ge=0, lt=MAX_PIECES)]
+    numel: Annotated[int, Field(ge=1, le=1 << 20)]
+    mode: Mode
+    block: Annotated[int, Field(ge=1, le=1 << 16)]
+    ratio: Annotated[float, Field(ge=0, allow_inf_nan=True)]  # (the coordinator computes its own)
+    payloads: Annotated[list[Annotated[str, Field(max_length=-(-MAX_EVIDENCE_BYTES // 3) * 4)] | None],
+                        Field(min_length=3, max_length=MAX_CASE_RANKS)]
+    signatures: Annotated[list[Raw64 | None], Field(min_length=3, max_length=MAX_CASE_RANKS)]
+
+
 class Missing(Msg):
     """The members whose own pieces of a failed butterfly call never all reached the reporter
     (``net.butterfly``: it names them whatever else failed), in outer step ``step``'s epoch
@@ -154,13 +175,15 @@ class Report(Msg):
     """A node's word on its last all-reduce: did the average fail its checks, whom (its ring
     predecessor) it accuses of a bad contribution, with why and the evidence, and the piece its
     audit of a butterfly owner found at fault (``audit``); after a failed butterfly call, whose own
-    pieces never reached it (``missing``)."""
+    pieces never reached it (``missing``); after one that succeeded, the members whose own pieces
+    it found outsized against the others' (``steering``)."""
 
     avg_failed: bool = False
     accused: Annotated[list[Text], Field(min_length=2, max_length=2)] | None = None
     evidence: Evidence | None = None
     audit: Audit | None = None
     missing: Missing | None = None
+    steering: Annotated[list[Steering], Field(max_length=MAX_CASE_RANKS)] | None = None
 
 
 class Sync(Msg):

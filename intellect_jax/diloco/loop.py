@@ -33,6 +33,7 @@ from intellect_jax.diloco.overlap import Gate, Round
 from intellect_jax.diloco.parts import DilocoError, LoopConfig, NodeParts, Outcome, TransferFailed
 from intellect_jax.diloco.state import DilocoState, hash_opening, host_copy, nesterov_sgd, outer_step, state_hash
 from intellect_jax.diloco.transfer import vet_received
+from intellect_jax.net.audit import MAX_CASE_BYTES
 from intellect_jax.net.errors import NetError, PeerTimeout
 from intellect_jax.net.evidence import reference_rms, seal, verdict
 
@@ -374,7 +375,8 @@ class NodeLoop:
         else:
             pg, dropped = self._with_feedback(s, pg, sits_out)
             made = dropped
-        avg, ep, stats, tries, suspect, present = self._all_reduce(k, h, pg, sits_out, report, ref, dropped)
+        avg, ep, stats, tries, (suspect, steered), present = self._all_reduce(k, h, pg, sits_out, report, ref,
+                                                                              dropped)
         residual = s.residual if made is None else made
         if residual is not None and not (self.cfg.feedback and (_finite(residual) if finite is None else finite)):
             if self.cfg.feedback:
@@ -390,8 +392,17 @@ class NodeLoop:
         s = s._replace(residual=residual)
         if suspect:
             p.log(f"WARNING {ep.node_ids[suspect[0]]}'s contribution to outer step {k + 1} had {suspect[1]}")
+        for r, ev in steered:
+            p.log(f"WARNING {ep.node_ids[r]}'s own pieces of our segment in outer step {k + 1}'s all-reduce were "
+                  f"outsized in most pieces ({ev['ratio']:.1f}x the median row in piece {ev['piece']})")
         report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None,
                   "evidence": {**suspect[2], "opening": opening if ref is not None else None} if suspect else None}
+        if steered:  # (net.evidence.outsized: the coordinator evicts a member most of the others show so)
+            report["steering"] = shown = []
+            for r, ev in steered:  # as many as a sync carries (net.audit.MAX_CASE_BYTES); the rest logged only
+                if sum(len(x or "") for x in ev["payloads"]) + 200 * len(ev["payloads"]) + \
+                        sum(sum(len(x or "") for x in e["payloads"]) for e in shown) <= MAX_CASE_BYTES:
+                    shown.append({"accused": ep.node_ids[r], **ev})
         return OuterResult(s, ep, stats, tries, report, pg_norm, avg_norm, sits_out, skip, None if skip else avg)
 
     def _with_feedback(self, s: DilocoState, pg: Any, sits_out: str | None) -> tuple[Any, Any]:
@@ -482,7 +493,8 @@ class NodeLoop:
 
     def _all_reduce(self, k: int, h: str, pg: Any, sits_out: str | None, report: dict | None,
                     ref: float | None,
-                    dropped: Any = None) -> tuple[Any, Epoch, Any, int, tuple[int, str, dict] | None, bool]:
+                    dropped: Any = None) -> tuple[Any, Epoch, Any, int, tuple[tuple[int, str, dict] | None,
+                                                                          list[tuple[int, dict]]], bool]:
         p, cfg = self.p, self.cfg
         retry_of = None
         for attempt in range(cfg.max_retries + 1):
@@ -499,7 +511,8 @@ class NodeLoop:
             try:
                 with abort_when(p.clock, lambda: p.client.epoch_broken(ep.epoch_id), comm.abort, cfg.watch_interval):
                     avg = comm.all_reduce_mean(pg) if dropped is None else comm.all_reduce_mean(pg, dropped=dropped)
-                return avg, ep, comm.last_stats, attempt + 1, getattr(comm, "suspect", None), comm.over_present
+                return avg, ep, comm.last_stats, attempt + 1, (getattr(comm, "suspect", None),
+                                                                getattr(comm, "steered", [])), comm.over_present
             except NetError as e:
                 p.log(f"all-reduce of outer step {k + 1} failed in epoch {ep.epoch_id}: {e}; retrying")
                 retry_of = ep.epoch_id
