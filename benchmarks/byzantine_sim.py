@@ -41,9 +41,10 @@ ATTACKS = ("flip", "push", "ratchet", "late-nan", "x1000", "sitout", "owner", "s
 
 
 def run(nodes: int, attackers: list[int], value: str | None, robust: str, exchange: str, steps: int,
-        seed: int) -> dict:
+        seed: int, dim: int) -> dict:
     faults = {f"n{a}#0": attacker(value, steps) for a in attackers} if value else {}
-    p = SimParams(nodes=nodes, outer_steps=steps, outer_lr=1.0, outer_momentum=0.0, exchange=exchange, robust=robust)
+    p = SimParams(nodes=nodes, outer_steps=steps, outer_lr=1.0, outer_momentum=0.0, exchange=exchange, robust=robust,
+                  dim=dim)
     sim = Sim(seed, p, script=Script(faults=faults))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # NaN arithmetic on purpose
@@ -74,23 +75,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setups", default="4:1,8:1,8:2,16:1", help="nodes:attackers, comma-separated")
     ap.add_argument("--attacks", default=",".join(ATTACKS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dim", type=int, default=1024,
+                    help="the toy model's values: at least 32 per node, so that every owner's segment holds some")
     a = ap.parse_args(argv)
     attacks = a.attacks.split(",")
     if not set(attacks) <= set(ATTACKS):
         ap.error(f"--attacks: unknown {sorted(set(attacks) - set(ATTACKS))}; expected some of {ATTACKS}")
     t0 = time.time()
     print(json.dumps({"loadavg_before": round(os.getloadavg()[0], 2), "steps": a.steps, "seed": a.seed,
-                      "exchange": a.exchange}), flush=True)
+                      "exchange": a.exchange, "dim": a.dim}), flush=True)
     for setup in a.setups.split(","):
         nodes, k = (int(v) for v in setup.split(":"))
         attackers = [1 + 4 * i for i in range(k)]
         for robust in a.robust.split(","):
-            clean = run(nodes, [], None, robust, a.exchange, a.steps, a.seed)
+            clean = run(nodes, [], None, robust, a.exchange, a.steps, a.seed, a.dim)
             print(json.dumps({"nodes": nodes, "attackers": 0, "robust": robust, "ok": clean["ok"],
-                              "clean_min_cos": round(clean["min_cos"], 3), "final": round(clean["final"], 4)}),
+                              "clean_min_cos": round(clean["min_cos"], 3), "final": round(clean["final"], 4),
+                              "evicted": clean["evicted"]}),
                   flush=True)
             for attack in attacks:
-                r = run(nodes, attackers, attack, robust, a.exchange, a.steps, a.seed)
+                r = run(nodes, attackers, attack, robust, a.exchange, a.steps, a.seed, a.dim)
                 ratio = r["final"] / clean["final"] if r["final"] is not None else None
                 print(json.dumps({"nodes": nodes, "attackers": k, "attack": attack, "robust": robust, "ok": r["ok"],
                                   "min_cos": None if r["min_cos"] is None else round(r["min_cos"], 3),

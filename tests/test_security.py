@@ -228,9 +228,12 @@ def test_broken_and_poisoned_pseudo_gradients_never_reach_the_outer_state():
             assert "sitting out outer step" in log and "outer step 3 skipped" not in log, name
         if name.startswith("sent"):  # the ring's successor sees 1/N of it: the round is skipped, no more
             assert "skipped: the average has" in log, name
-        if name.startswith("butterfly"):  # the owners see all of it, signed: the rows are dropped or the
-            # average skipped, and two rounds of evidence evict n2
+        if name == "butterfly, sent NaN":  # the owners see all of it, signed: the rows are dropped, and
+            # two rounds of evidence evict n2
             assert "evicted n2: poisoned contributions: shown in 2 rounds with its own signed pieces" in log, name
+        if name == "butterfly, sent x1000":  # outsized against the others' rows in every owner's segment:
+            # its first round evicts it
+            assert "evicted n2: steered the average: 3 of the 3 others showed its own pieces outsized" in log, name
     assert "evicted n1: its own pseudo-gradient checks failed at 3 barriers in a row" in "\n".join(
         results["own Inf, 3 rounds in a row"][1]["log"])
 

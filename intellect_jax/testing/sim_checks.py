@@ -209,6 +209,20 @@ def withheld(coord_events: list[tuple[float, str]], procs: list[Proc], window: f
     return out
 
 
+def steered(coord_events: list[tuple[float, str]], procs: list[Proc]) -> list[str]:
+    """Members evicted for steering the average (most others showed their rows outsized) that
+    never sent a corrupted contribution: an honest member's rows are never outsized against the
+    others' (``net.evidence.outsized``)."""
+    out = []
+    for t, line in coord_events:
+        m = re.match(r"evicted (\S+): steered the average", line)
+        if m and not any(f.hook == "poison" and f.when == "wire" for q in procs if q.node_id == m.group(1)
+                         for f in q.faults):
+            out.append(f"{m.group(1)} evicted at {t:.1f}s for steering the average, though it never sent a "
+                       "corrupted contribution")
+    return out
+
+
 def late_ends(procs: list[Proc], completed_at: float | None, outside: list[Window], end_bound: float,
               log: list[str]) -> list[str]:
     """Processes that ended more than ``end_bound`` after the run completed and they could act

@@ -28,7 +28,7 @@ from intellect_jax.testing import sim_checks
 from intellect_jax.testing.local_coordinator import LocalCoordinator
 from intellect_jax.testing.sim_parts import SimInner, _Comm, _Disk, _Gated, _StallWire, _Transport
 from intellect_jax.testing.sim_plan import (Fault, Script, SimParams, draw_faults, draw_forgers, draw_frames, draw_schedule,
-                                           draw_withholder, unit_steps)
+                                           draw_steerers, draw_withholder, unit_steps)
 from intellect_jax.testing.sim_world import Killed, Proc, World
 
 __all__ = ["Sim"]
@@ -43,6 +43,7 @@ class Sim(World):
         self.script, self.verbose = script, verbose
         self.frame_rng = np.random.default_rng([seed, 21])  # its own stream: a seed's other draws stay put
         self.forge_rng = np.random.default_rng([seed, 22])  # likewise
+        self.steer_rng = np.random.default_rng([seed, 24])  # likewise
         self.withholder = draw_withholder(np.random.default_rng([seed, 23]), self.p)  # likewise
         p = self.p
         self.coord_cfg = CoordinatorConfig(heartbeat_timeout=p.heartbeat_timeout, boundary_timeout=60.0,
@@ -104,7 +105,8 @@ class Sim(World):
         if faults is None:
             faults = (list(self.script.faults.get(f"{node_id}#{number}", [])) if self.script
                       else draw_faults(self.rng, self.p, joining=start_from != "fresh" or self.clock.now() > 0)
-                      + draw_frames(self.frame_rng, self.p) + draw_forgers(self.forge_rng, self.p))
+                      + draw_frames(self.frame_rng, self.p) + draw_forgers(self.forge_rng, self.p)
+                      + draw_steerers(self.steer_rng, self.p))
             if self.script is None and self.withholder and self.withholder[0] == node_id:
                 faults += [Fault("withhold", s, "withhold") for s in range(self.withholder[1], self.p.outer_steps + 1)]
         proc = Proc(node_id, number, faults, disk, start_from, started_at=self.clock.now())
@@ -428,6 +430,7 @@ class Sim(World):
             problems += sim_checks.framed(self.coord_events, self.procs)
             problems += sim_checks.banned(self.coord_events, self.procs)
             problems += sim_checks.withheld(self.coord_events, self.procs, self.withheld_window())
+            problems += sim_checks.steered(self.coord_events, self.procs)
             problems += self.late_ends()
         if problems and not final:
             self.say("driver", "INVARIANT " + "; ".join(problems))

@@ -17,7 +17,8 @@ from intellect_jax.diloco.state import DilocoState, state_hash
 from intellect_jax.net.comm import CommStats, bucket_call
 from intellect_jax.net.errors import AuditFailed, PeerClosed, PeerTimeout
 from intellect_jax.net import quant
-from intellect_jax.net.evidence import SAT_OUT, evidence, raw_signature, statement, unsigned_evidence
+from intellect_jax.net.evidence import (OUTSIZE, SAT_OUT, evidence, outsize_evidence, outsized, raw_signature,
+                                        row_norm, statement, unsigned_evidence)
 from intellect_jax.testing.audit_cases import fake_audit
 from intellect_jax.testing.identities import credentials
 from intellect_jax.testing.local import NumpyInner
@@ -166,6 +167,7 @@ class _Comm:
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
         self.audited: tuple[int, str, dict[str, Any] | None] | None = None  # as SocketCommunicator.audited
         self.missing: tuple[int, ...] = ()  # as SocketCommunicator.missing: the ranks that never came
+        self.steered: list[tuple[int, dict[str, Any]]] = []  # as SocketCommunicator.steered
         self.absent: frozenset[int] = frozenset()  # set by the loop: the ranks that sit the round out
         self.node_ids = list(ep.node_ids)
 
@@ -235,6 +237,7 @@ class _Comm:
         self.proc.ring = (self.epoch, self.step - 1)
         if self.inspect is not None and self.world_size > 1 and self.over_present:
             self.suspect = self._butterfly_suspect(g)
+            self.steered = self._butterfly_steering(g)
         elif self.inspect is not None and self.world_size > 1:
             prev = (self.rank - 1) % self.world_size
             found = unsigned_evidence(ring_view(g.inputs[prev], self.world_size, prev, self.sim.ring_cfg), self.inspect,
@@ -281,6 +284,44 @@ class _Comm:
                                              piece=j, numel=numel, mode=cfg.mode, block=cfg.block_size, payload=payload,
                                              signature=raw_signature(key.sign(said)), cert=key.cert_der)
         return None
+
+    def _butterfly_steering(self, g: Group) -> list[tuple[int, dict[str, Any]]]:
+        """As a butterfly owner weighs them (``net.butterfly``): the senders whose rows are
+        outsized in most pieces of our segment of a bucket, each with its first such piece, every
+        row we may show of it signed by its sender under the run's test authority."""
+        cfg, n, me = self.sim.ring_cfg, self.world_size, self.rank
+        shown = [r for r in range(n) if r != me and r not in self.absent]
+        if len(shown) < 3:
+            return []
+        per = {r: list(owner_pieces(g.inputs[r], n, me, cfg)) for r in shown}
+        found: dict[tuple[int, int], dict[str, Any]] = {}  # (bucket, sender) -> its first outsized piece
+        counts: dict[tuple[int, int], int] = {}  # (bucket, sender) -> pieces outsized
+        pieces: dict[int, int] = {}  # bucket -> pieces of our segment
+        for at, (bi, j, _) in enumerate(per[shown[0]]):
+            pieces[bi] = pieces.get(bi, 0) + 1
+            wires = {r: quant.encode(np.ascontiguousarray(per[r][at][2]), cfg.mode, cfg.block_size) for r in shown}
+            numel = per[shown[0]][at][2].shape[0]
+            norms = {r: row_norm(quant.decode(w, numel, cfg.mode, cfg.block_size)) for r, w in wires.items()}
+            for r in shown:
+                ratio = outsized(norms, r)
+                if ratio is None or not ratio > OUTSIZE:
+                    continue
+                counts[bi, r] = counts.get((bi, r), 0) + 1
+                if (bi, r) not in found:
+                    call, mine = bucket_call(0, bi), self.node_ids[me]
+                    sigs = {k: raw_signature(credentials(self.node_ids[k]).sign(statement(
+                        self.sim.run_id, self.step - 1, self.epoch, call, self.node_ids[k], mine, me, j, numel,
+                        cfg.mode, cfg.block_size, w.tobytes()))) for k, w in wires.items()}
+                    found[bi, r] = outsize_evidence(
+                        step=self.step - 1, epoch=self.epoch, call=call, segment=me, piece=j, numel=numel,
+                        mode=cfg.mode, block=cfg.block_size, ratio=ratio,
+                        payloads=[wires[k].tobytes() if k in wires else None for k in range(n)],
+                        signatures=[sigs.get(k) for k in range(n)])
+        first: dict[int, dict[str, Any]] = {}  # sender -> its evidence of the first bucket it steered most of
+        for (bi, r), ev in sorted(found.items()):
+            if 2 * counts[bi, r] > pieces[bi]:
+                first.setdefault(r, ev)
+        return sorted(first.items())
 
     def abort(self) -> None:
         with self.sim.cond:

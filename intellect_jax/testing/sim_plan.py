@@ -58,6 +58,7 @@ class SimParams:
     robust: str = "mean"  # the butterfly owners' aggregator (net/robust.py)
     forge_prob: float = 0.1  # butterfly: chance that an incarnation forges its aggregates as owner (net/audit.py)
     withhold_prob: float = 0.3  # butterfly: chance that a seed has a node that withholds its pieces (draw_withholder)
+    steer_prob: float = 0.1  # butterfly: chance that an incarnation pushes 7x its norm as it sends (draw_steerers)
 
 
 
@@ -128,6 +129,16 @@ def draw_forgers(rng: np.random.Generator, p: SimParams) -> list[Fault]:
         return []
     first = int(rng.integers(1, p.outer_steps + 1))
     return [Fault("poison", s, "poison", "wire", value="owner") for s in range(first, p.outer_steps + 1)]
+
+
+def draw_steerers(rng: np.random.Generator, p: SimParams) -> list[Fault]:
+    """A member that from some outer step on sends 7x its norm in one fixed direction ("push":
+    :meth:`~.sim_world.World.poison`; its own stream, so the other draws of a seed stay as they
+    were); the owners that see its rows outsized show them, and the coordinator evicts it."""
+    if p.exchange != "butterfly" or rng.random() >= p.steer_prob:
+        return []
+    first = int(rng.integers(1, p.outer_steps + 1))
+    return [Fault("poison", s, "poison", "wire", value="push") for s in range(first, p.outer_steps + 1)]
 
 
 def attacker(value: str, steps: int) -> list[Fault]:
