@@ -5,6 +5,7 @@ attacker's own code patched to attack (the fault injector lives here, not in the
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Any
 
@@ -116,6 +117,9 @@ def test_the_attack_suite_in_real_runs(monkeypatch: pytest.MonkeyPatch, attack: 
     monkeypatch.setattr(SocketCommunicator, "all_reduce_mean", steer)
     r = socket_run(4, f"byz-{attack}", RING, outer_steps=STEPS, dim=4096, client_hook=lie)
     honest_ids = [0, 2, 3]
+    print(json.dumps({"attack": attack, "evictions": [(e["node_id"], e["outer_step"]) for e in r["evictions"]],
+                      "distance": [round(r["distance"][i], 3) for i in honest_ids],
+                      "shown": [e for e in r["events"] if "outsized" in e][:1]}))  # (docs/results.md, with -s)
     assert len({r["node_hashes"][i] for i in honest_ids}) == 1, r["node_hashes"]
     assert all(r["outcomes"][i] == Outcome.FINISHED for i in honest_ids), r["outcomes"]
     assert "false accusation" not in "\n".join(r["events"])
