@@ -47,7 +47,7 @@ def main() -> None:
                          if r != c and r not in absent}
                 stats["pieces"] += 1
                 for r in norms:
-                    q = outsized(norms, r)
+                    q = outsized(norms, r, world)
                     if q is None:
                         continue
                     stats["rows"] += 1

@@ -154,6 +154,49 @@ def test_a_sign_flip_does_not_reverse_a_robust_average(how: str) -> None:
     assert _cos(outs[0], honest) > 0.8 and all(_same_bits(o, outs[0]) for o in outs)
 
 
+@pytest.mark.parametrize("audit", [True, False])
+def test_every_other_owner_shows_a_flipped_sender_s_rows_outsized(monkeypatch: pytest.MonkeyPatch,
+                                                                  audit: bool) -> None:
+    """Rank 0 sends -3x its contribution among 4: each other owner finds its rows outsized in
+    most pieces of its segment and keeps one piece, every row of it signed to it, which the
+    coordinator's re-weighing upholds with that owner as the reporter (and with no other);
+    nobody shows an honest rank. Without audits nothing checks a row's signature as it arrives:
+    a steerer signing garbage then leaves nothing to show, and the call completes anyway."""
+    from intellect_jax.coordinator.policing import weigh_steering
+    from intellect_jax.coordinator.schema import Steering
+    from intellect_jax.net.comm import SocketCommunicator
+
+    world, n = 4, 20_000
+    rng = np.random.default_rng(5)
+    common = rng.standard_normal(n).astype(np.float32)
+    xs = [common + 0.5 * rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    xs[0] = -3 * xs[0]
+    cfg = RingConfig(mode="int8", piece_numel=1000, deadline=30, exchange="butterfly", robust="cclip", audit=audit)
+    if not audit:
+        seal = SocketCommunicator._mesh_seal
+
+        def garbage(self: Any, call: int, links: Any) -> butterfly.MeshSeal:
+            s = seal(self, call, links)
+            return s if self.rank else butterfly.MeshSeal(lambda *a: bytes(64), s.verify)
+
+        monkeypatch.setattr(SocketCommunicator, "_mesh_seal", garbage)
+    comms, outs, errs = _butterfly(world, xs, cfg, first=56, epoch=2, step=5)
+    assert errs == [None] * world and all(_same_bits(o, outs[0]) for o in outs)
+    if not audit:
+        assert all(c.steered == [] for c in comms)
+        return
+    ids = tuple(f"r{56 + i}" for i in range(world))
+    kw: dict[str, Any] = dict(run_id="ring-test", step=5, epoch_id=2, ring=ids, sat_out=(),
+                              ca=credentials("r56").ca_der, certs={i: credentials(i).cert_der.hex() for i in ids})
+    assert comms[0].steered == []
+    for r in range(1, world):
+        (accused, ev), = comms[r].steered
+        shown = Steering.model_validate({"accused": ids[accused], **ev})
+        ratio, why, _ = weigh_steering(shown, accuser=ids[r], **kw)
+        assert accused == 0 and ratio is not None and ratio > 2.5 and ratio == pytest.approx(ev["ratio"]), why
+        assert weigh_steering(shown, accuser=ids[r % 3 + 1], **kw)[0::2] == (None, True)  # not its segment
+
+
 def test_an_owner_with_another_aggregator_fails_every_rank_with_a_config_mismatch() -> None:
     world = 3
     nodes = _nodes(world, first=60)

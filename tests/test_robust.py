@@ -154,17 +154,22 @@ def test_names_and_factors_are_checked():
 def test_outsized_weighs_a_row_against_the_high_median_of_the_rows_shown() -> None:
     """The owner's measure of a steering row (net.evidence.outsized): its norm over the high
     median of the norms shown. A sign flip x3 among three honest rows is 3x; members sending
-    tiny rows cannot pull the median below every honest row while they are at most half of the
-    rows shown (the high median of an even count); fewer than three finite rows, or a zero
-    median, give no verdict; a row whose squares overflow is infinitely outsized."""
+    tiny rows cannot pull the median below every honest row while a minority of the ring
+    cannot fill the rows up to it, and when they could (members sitting out leave too few rows
+    shown) there is no verdict: at N = 6 with three honest members sitting out, two colluders'
+    tiny rows would make the one honest row shown to a sitting owner 1e9x. Fewer than three
+    rows, a NaN, or a zero median give no verdict; norms are summed in float64."""
     from intellect_jax.net.evidence import outsized, row_norm
 
-    assert outsized({1: 3.0, 2: 1.0, 3: 1.1}, 1) == pytest.approx(3 / 1.1)
-    assert outsized({1: 1.0, 2: 1e-9, 3: 1.2, 4: 1e-9}, 1) == pytest.approx(1 / 1.0)  # two liars of four
-    assert outsized({1: 1.0, 2: 1e-9, 3: 1e-9, 4: 1e-9}, 1) == pytest.approx(1 / 1e-9)  # three are a majority
-    assert outsized({1: 5.0, 2: 1.0}, 1) is None and outsized({1: 5.0, 2: 0.0, 3: 0.0}, 1) is None
-    assert outsized({1: 5.0, 2: 1.0, 3: float("nan")}, 1) is None and outsized({2: 1.0, 3: 1.0, 4: 1.0}, 1) is None
-    big = np.full(8, 3e38, np.float32)
-    assert row_norm(big) == float("inf") and outsized({1: row_norm(big), 2: 1.0, 3: 1.0}, 1) == float("inf")
+    assert outsized({1: 3.0, 2: 1.0, 3: 1.1}, 1, 4) == pytest.approx(3 / 1.1)
+    assert outsized({1: 1.0, 2: 1e-9, 3: 1.2, 4: 1e-9}, 1, 5) == pytest.approx(1 / 1.0)  # two liars of five
+    assert outsized({1: 1.0, 2: 1e-9, 3: 1e-9, 4: 1.1}, 1, 5) == pytest.approx(1 / 1.0)
+    assert outsized({0: 1.0, 4: 1e-9, 5: 1e-9}, 0, 6) is None  # (the review's case: a1..a3 sit out)
+    assert outsized({0: 1.0, 4: 1e-9, 5: 1e-9, 6: 1.1, 7: 1.2}, 0, 8) is None  # 5 shown of 8: 3 colluders fill 2
+    assert outsized({1: 5.0, 2: 1.0}, 1, 3) is None and outsized({1: 5.0, 2: 0.0, 3: 0.0}, 1, 4) is None
+    assert outsized({1: 5.0, 2: 1.0, 3: float("nan")}, 1, 4) is None and outsized({2: 1.0, 3: 1.0, 4: 1.0}, 1, 4) is None
+    big = np.full(8, 3e38, np.float32)  # squares past float32's range: float64 holds them
+    assert row_norm(big) == pytest.approx(3e38 * 8 ** 0.5, rel=1e-6)
+    assert row_norm(np.array([1.0, np.inf], np.float32)) == float("inf")
     x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
-    assert row_norm(x) == pytest.approx(float(np.linalg.norm(x.astype(np.float64))), rel=1e-6)
+    assert row_norm(x) == pytest.approx(float(np.linalg.norm(x.astype(np.float64))), rel=1e-12)

@@ -46,7 +46,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -78,6 +78,24 @@ class Outsize:
     ratio: float
     payloads: tuple[bytes | None, ...]
     signatures: tuple[bytes | None, ...]
+
+
+@dataclass
+class Weighing:
+    """One call's weighing of the senders' rows of our segment, added to by the butterfly of
+    every bucket that succeeds: ``pieces`` weighed, per sender the pieces its row was outsized in
+    (:func:`~.evidence.outsized`), and its first such piece whose rows all carry their senders'
+    signatures, with the ``call`` (``comm.bucket_call``) it was in (set before each bucket)."""
+
+    call: int = 0
+    pieces: int = 0
+    outsized: dict[int, int] = field(default_factory=dict)
+    first: dict[int, tuple[int, Outsize]] = field(default_factory=dict)
+
+    def steering(self) -> list[tuple[int, int, Outsize]]:
+        """(sender, call, its first outsized piece) for each sender outsized in most pieces."""
+        return [(i, *self.first[i]) for i, n in sorted(self.outsized.items())
+                if 2 * n > self.pieces and i in self.first]
 
 
 @dataclass(frozen=True)
@@ -143,7 +161,9 @@ class _ButterflyRun(AuditFrames, Pipeline):
         # signed calls: each sender's own piece as it came with its signature, until aggregated (_weigh)
         self.wires: list[list[tuple[np.ndarray, bytes] | None]] = [[None] * world for _ in range(self.plan.pieces)]
         self.norms = [[0.0] * world for _ in range(self.plan.pieces)]  # of the rows kept in wires (row_norm)
+        self.weighed = 0  # pieces of our segment weighed (_weigh)
         self.outsize: dict[int, list] = {}  # sender -> [pieces its row was outsized in, the first one's Outsize]
+        self.wide = [np.empty(0, np.float64) for _ in range(world - 1)]  # each link's row_norm scratch
         if auditing is not None and seal is None:
             raise ValueError("auditing owners needs signed pieces (a seal)")
         self.ledger = None if auditing is None else Ledger(auditing, rank, x.shape[0], piece_numel, mode, block, how,
@@ -176,34 +196,36 @@ class _ButterflyRun(AuditFrames, Pipeline):
         with self.cond:
             wires, self.wires[j] = self.wires[j], [None] * self.world
         try:
-            shown = [i for i, w in enumerate(wires) if w is not None]
-            if len(shown) < 3:
-                return
             a, b = self.plan.piece(self.rank, j)
+            if b <= a:
+                return
+            self.weighed += 1
+            shown = [i for i, w in enumerate(wires) if w is not None]
             norms = {i: self.norms[j][i] for i in shown}
             for i in shown:
-                ratio = outsized(norms, i)
+                ratio = outsized(norms, i, self.world)
                 if ratio is None or not ratio > OUTSIZE:
                     continue
                 seen = self.outsize.setdefault(i, [0, None])
                 seen[0] += 1
-                if seen[1] is None:
+                if seen[1] is None:  # (a piece whose rows do not all verify shows nothing: a later one may)
                     payloads = [None if w is None else w[0].tobytes() for w in wires]
-                    for k in shown:  # what we show must carry its sender's signature
-                        if not self.mseal.verify(k, self.rank, j, b - a, payloads[k], wires[k][1]):  # type: ignore
-                            raise FrameError(f"rank {k}: the signature of its own piece {j} of segment {self.rank} "
-                                             "does not verify")
-                    seen[1] = Outsize(j, b - a, ratio, tuple(payloads), tuple(None if w is None else w[1]
-                                                                               for w in wires))
+                    if all(self.mseal.verify(k, self.rank, j, b - a, payloads[k], wires[k][1])  # type: ignore
+                           for k in shown):
+                        seen[1] = Outsize(j, b - a, ratio, tuple(payloads),
+                                          tuple(None if w is None else w[1] for w in wires))
         finally:
             for w in wires:
                 if w is not None:
                     self.ws.release(w[0])
 
-    def steering(self) -> list[tuple[int, Outsize]]:
-        """The senders whose rows were outsized in most pieces of our segment, each with its
-        first such piece."""
-        return [(i, ev) for i, (n, ev) in sorted(self.outsize.items()) if 2 * n > self.plan.pieces]
+    def weigh_into(self, w: Weighing) -> None:
+        """Add this bucket's weighing to the call's."""
+        w.pieces += self.weighed
+        for i, (n, ev) in self.outsize.items():
+            w.outsized[i] = w.outsized.get(i, 0) + n
+            if ev is not None and i not in w.first:
+                w.first[i] = (w.call, ev)
 
     def _release_rows(self, rows: list[np.ndarray | None]) -> None:
         for r in rows:
@@ -379,8 +401,10 @@ class _ButterflyRun(AuditFrames, Pipeline):
             if why:
                 self._found(o, why, me, j, b - a, wire, sig)
             keep = self.signed and o not in self.absent  # (weighed against the other rows once all are in)
-            if keep:
-                self.norms[j][o] = row_norm(row)  # (here, on the link's thread, while the row is in cache)
+            if keep:  # (here, on the link's thread, while the row is in cache)
+                if self.wide[k].shape[0] < b - a:
+                    self.wide[k] = np.empty(b - a, np.float64)
+                self.norms[j][o] = row_norm(row, self.wide[k])
             else:
                 self.ws.release(wire)
             with self.cond:
@@ -491,8 +515,7 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
                          seal: MeshSeal | None = None, workspace: Workspace | None = None,
                          absent: frozenset[int] = frozenset(), auditing: Auditing | None = None,
                          verdicts: list[tuple[int, str, Case]] | None = None,
-                         gaps: list[int] | None = None,
-                         steering: list[tuple[int, Outsize]] | None = None) -> np.ndarray:
+                         gaps: list[int] | None = None, weighing: Weighing | None = None) -> np.ndarray:
     """Robust mean (``how``: a :mod:`.robust` aggregator) of ``x`` (flat float32) over the
     mesh ``links``, bit-identical on every rank. ``inspect(theirs)`` is shown every other
     member's own piece of our segment; the first bad one of each sender goes to ``findings`` as
@@ -502,8 +525,8 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
     (:mod:`.audit`); a member our audit shows at fault goes to ``verdicts`` as (rank, why, case).
     When the call fails, ``gaps`` gets the ranks whose own pieces of our segment did not all
     reach us (links in ``links`` may be :class:`~.mesh.DeadLink`: their threads fail at once).
-    When it succeeds with ``seal``, ``steering`` gets (sender rank, :class:`Outsize`) for each
-    sender whose rows were outsized (:func:`~.evidence.outsized`) in most pieces of our segment."""
+    When it succeeds with ``seal``, what weighing the rows of our segment against each other
+    found (:func:`~.evidence.outsized`) is added to ``weighing``."""
     if mode not in RING_MODES:
         raise ValueError(f"the butterfly exchange takes {', '.join(RING_MODES)}, not {mode}")
     robust.check_mode(how)
@@ -526,5 +549,5 @@ def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, 
             verdicts.append(run.verdict)
         if gaps is not None and run.error is not None:
             gaps.extend(run.gaps())
-        if steering is not None and run.error is None:
-            steering.extend(run.steering())
+        if weighing is not None and run.error is None:
+            run.weigh_into(weighing)

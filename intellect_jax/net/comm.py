@@ -21,7 +21,7 @@ from pydantic import Field
 
 from intellect_jax.net import audit, codecs, evidence, mesh, pairing, quant, robust, tree as treelib
 from intellect_jax.net.audit import Auditing, Case
-from intellect_jax.net.butterfly import RING_MODES, MeshSeal, Outsize, butterfly_all_reduce, peer_of
+from intellect_jax.net.butterfly import RING_MODES, MeshSeal, Weighing, butterfly_all_reduce, peer_of
 from intellect_jax.net.errors import AuditFailed, ConfigMismatch, NetError, PeerTimeout, RingClosed
 from intellect_jax.net.identity import verify
 from intellect_jax.net.schema import Nat, Wire, recv_model
@@ -543,7 +543,7 @@ class SocketCommunicator:
                     self._check_meta(links, meta, opening)
 
             findings: list[tuple[int, int, Finding]] = []  # (call, sender rank, its bad piece)
-            steering: dict[int, tuple[int, Outsize]] = {}  # sender rank -> (call, its first outsized piece)
+            weighing = Weighing()  # the owners' weighing of the rows of our segment, every bucket's
             prv = (self.rank - 1) % self.world_size
             chain: list[bytes] = []  # our nonce of each bucket (audits)
             last: dict[int, tuple[int, bytes]] = {}  # rank -> (bucket, its nonce there): the latest revealed
@@ -551,10 +551,10 @@ class SocketCommunicator:
             def flat_reduce(flat: np.ndarray, bi: int, o: np.ndarray | None, d: np.ndarray | None) -> np.ndarray:
                 found: list[Finding] = []
                 by: list[tuple[int, Finding]] = []
-                outsized: list[tuple[int, Outsize]] = []
                 c = bucket_call(call, bi)
                 try:
                     if cfg.exchange == "butterfly":
+                        weighing.call = c
                         return butterfly_all_reduce(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
                                                     deadline=deadline, how=cfg.robust, out=o, inspect=self.inspect,
@@ -563,7 +563,7 @@ class SocketCommunicator:
                                                     auditing=self._auditing(c, links, chain[bi], bi, last)
                                                     if cfg.audit else None,
                                                     verdicts=verdicts, gaps=gaps if bi == 0 else None,
-                                                    steering=outsized)
+                                                    weighing=weighing)
                     if codecs.gathered(cfg.mode):
                         return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
@@ -577,8 +577,6 @@ class SocketCommunicator:
                 finally:
                     findings.extend((c, prv, f) for f in found)
                     findings.extend((c, r, f) for r, f in by)
-                    for r, ev in outsized:
-                        steering.setdefault(r, (c, ev))
 
             self.suspect, self.audited, self.steered = None, None, []
             result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out, dropped=dropped,
@@ -593,7 +591,7 @@ class SocketCommunicator:
             self.steered = [(r, evidence.outsize_evidence(
                 step=self.step, epoch=self.epoch, call=c, segment=self.rank, piece=ev.piece, numel=ev.numel,
                 mode=cfg.mode, block=cfg.block_size, ratio=ev.ratio, payloads=ev.payloads, signatures=ev.signatures))
-                for r, (c, ev) in sorted(steering.items())]
+                for r, c, ev in weighing.steering()]
         except BaseException as e:
             if verdicts:  # our audit failed the call: the case goes with our next sync
                 r, why, case = verdicts[0]

@@ -120,24 +120,31 @@ def verdict(theirs: np.ndarray, ref: float | None, factor: float = SUSPECT_FACTO
     return None
 
 
-def row_norm(x: np.ndarray) -> float:
-    """A decoded row's L2 norm as :func:`outsized` takes it: its float32 dot with itself (BLAS,
-    one pass; inf if the squares overflow, nan if a value is not finite). Another machine may
-    sum in another order: the coordinator's re-weighing allows for it (``policing.LENIENCY``)."""
+def row_norm(x: np.ndarray, scratch: np.ndarray | None = None) -> float:
+    """A decoded row's L2 norm as :func:`outsized` takes it: its squares summed in float64 (a
+    BLAS dot of the row widened to float64, so that any machine's order of summation agrees far
+    within ``policing.LENIENCY``; inf for an infinite value, nan for a NaN). ``scratch``: a
+    float64 buffer of at least the row's size (else one is allocated)."""
+    wide = np.empty(x.shape[0], np.float64) if scratch is None else scratch[:x.shape[0]]
+    np.copyto(wide, x)
     with np.errstate(over="ignore", invalid="ignore"):
-        return math.sqrt(float(np.dot(x, x)))
+        return math.sqrt(float(np.dot(wide, wide)))
 
 
-def outsized(norms: dict[int, float], accused: int) -> float | None:
+def outsized(norms: dict[int, float], accused: int, world: int) -> float | None:
     """How many times its piece's median row norm ``accused``'s row norm is (``norms``: rank ->
-    :func:`row_norm` of every row an owner may show: not its own, none of a member sitting the
-    round out), or None when there is no median to go by (fewer than three finite rows, or a
-    median of zero). The median is the high one (the upper middle of an even count), so members
-    sending tiny rows cannot pull it below every honest row while they are at most half of
-    those rows: an honest row is then at most the honest rows' spread above it. A steering row
-    (the issue's sign flip x(N - 1), a push 5-9x the honest norm, x1000) is N - 1 to 1000x."""
+    :func:`row_norm` of every row an owner may show, in a ring of ``world``: not its own, none
+    of a member sitting the round out), or None when there is no median to go by. The median is
+    the high one (the upper middle of an even count), and there is one only when a minority of
+    the ring (at most ``ceil(world / 2) - 1`` members) cannot fill the rows up to it: then
+    members sending tiny rows cannot pull it below every honest row, and an honest row is at
+    most the honest rows' spread above it. So no verdict with fewer than three rows, with too
+    many members sitting out (at N = 8 three or more, at N = 16 two or more), or with a median
+    of zero. A steering row (the issue's sign flip x(N - 1), a push 5-9x the honest norm, x1000)
+    is N - 1 to 1000x."""
     vals = sorted(v for v in norms.values() if not math.isnan(v))
-    if accused not in norms or math.isnan(norms[accused]) or len(vals) < 3:
+    if accused not in norms or math.isnan(norms[accused]) or len(vals) < 3 or \
+            len(vals) // 2 < -(-world // 2) - 1:
         return None
     med = vals[len(vals) // 2]
     if not math.isfinite(med) or med <= 0:

@@ -286,42 +286,36 @@ class _Comm:
         return None
 
     def _butterfly_steering(self, g: Group) -> list[tuple[int, dict[str, Any]]]:
-        """As a butterfly owner weighs them (``net.butterfly``): the senders whose rows are
-        outsized in most pieces of our segment of a bucket, each with its first such piece, every
-        row we may show of it signed by its sender under the run's test authority."""
+        """As a butterfly owner weighs them (``net.butterfly.Weighing``): the senders whose rows
+        are outsized in most pieces of our segments over the call's buckets, each with its first
+        such piece, every row we may show of it signed by its sender under the run's test
+        authority."""
         cfg, n, me = self.sim.ring_cfg, self.world_size, self.rank
         shown = [r for r in range(n) if r != me and r not in self.absent]
-        if len(shown) < 3:
-            return []
         per = {r: list(owner_pieces(g.inputs[r], n, me, cfg)) for r in shown}
-        found: dict[tuple[int, int], dict[str, Any]] = {}  # (bucket, sender) -> its first outsized piece
-        counts: dict[tuple[int, int], int] = {}  # (bucket, sender) -> pieces outsized
-        pieces: dict[int, int] = {}  # bucket -> pieces of our segment
-        for at, (bi, j, _) in enumerate(per[shown[0]]):
-            pieces[bi] = pieces.get(bi, 0) + 1
+        first: dict[int, dict[str, Any]] = {}  # sender -> its first outsized piece
+        counts: dict[int, int] = {}  # sender -> pieces outsized
+        pieces = len(per[shown[0]]) if shown else 0
+        for at, (bi, j, values) in enumerate(per[shown[0]] if shown else ()):
             wires = {r: quant.encode(np.ascontiguousarray(per[r][at][2]), cfg.mode, cfg.block_size) for r in shown}
-            numel = per[shown[0]][at][2].shape[0]
+            numel = values.shape[0]
             norms = {r: row_norm(quant.decode(w, numel, cfg.mode, cfg.block_size)) for r, w in wires.items()}
             for r in shown:
-                ratio = outsized(norms, r)
+                ratio = outsized(norms, r, n)
                 if ratio is None or not ratio > OUTSIZE:
                     continue
-                counts[bi, r] = counts.get((bi, r), 0) + 1
-                if (bi, r) not in found:
+                counts[r] = counts.get(r, 0) + 1
+                if r not in first:
                     call, mine = bucket_call(0, bi), self.node_ids[me]
                     sigs = {k: raw_signature(credentials(self.node_ids[k]).sign(statement(
                         self.sim.run_id, self.step - 1, self.epoch, call, self.node_ids[k], mine, me, j, numel,
                         cfg.mode, cfg.block_size, w.tobytes()))) for k, w in wires.items()}
-                    found[bi, r] = outsize_evidence(
+                    first[r] = outsize_evidence(
                         step=self.step - 1, epoch=self.epoch, call=call, segment=me, piece=j, numel=numel,
                         mode=cfg.mode, block=cfg.block_size, ratio=ratio,
                         payloads=[wires[k].tobytes() if k in wires else None for k in range(n)],
                         signatures=[sigs.get(k) for k in range(n)])
-        first: dict[int, dict[str, Any]] = {}  # sender -> its evidence of the first bucket it steered most of
-        for (bi, r), ev in sorted(found.items()):
-            if 2 * counts[bi, r] > pieces[bi]:
-                first.setdefault(r, ev)
-        return sorted(first.items())
+        return [(r, ev) for r, ev in sorted(first.items()) if 2 * counts[r] > pieces]
 
     def abort(self) -> None:
         with self.sim.cond:
