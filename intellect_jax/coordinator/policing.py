@@ -157,26 +157,29 @@ def weigh_steering(ev: Steering, *, run_id: str, step: int, epoch_id: int, accus
         want = quant.encoded_nbytes(ev.numel, ev.mode, ev.block)
     except ValueError as e:
         return None, f"the rows' codec is not one ({e})", True
-    norms: dict[int, float] = {}
+    rows: dict[int, bytes] = {}
     for i in shown:
         try:
-            raw = base64.b64decode(ev.payloads[i], validate=True)  # type: ignore[arg-type]
+            rows[i] = base64.b64decode(ev.payloads[i], validate=True)  # type: ignore[arg-type]
         except (binascii.Error, ValueError):
             return None, f"{ring[i]}'s row is not base64", True
-        if len(raw) != want:
-            return None, f"{ring[i]}'s row is {len(raw)} bytes, not {ev.numel} values in {ev.mode}", True
+        if len(rows[i]) != want:
+            return None, f"{ring[i]}'s row is {len(rows[i])} bytes, not {ev.numel} values in {ev.mode}", True
+    norms: dict[int, float] = {}
+    for i, raw in rows.items():  # (the weighing first: rows that show nothing cost no signature check)
+        try:
+            norms[i] = row_norm(quant.decode(np.frombuffer(raw, np.uint8).copy(), ev.numel, ev.mode, ev.block))
+        except ValueError:  # signed (checked below) yet no payload of its codec: the owner could not weigh it
+            norms[i] = float("nan")
+    ratio = outsized(norms, ring.index(ev.accused), world)
+    if ratio is None or not ratio > OUTSIZE * LENIENCY:
+        return None, f"its row is not outsized ({ratio if ratio is None else round(ratio, 2)}x the median)", True
+    for i, raw in rows.items():
         cert, sig = certs.get(ring[i]), ev.signatures[i]
         said = piece_statement(run_id, ev.step, ev.epoch, ev.call, ring[i], accuser, ev.segment, ev.piece, ev.numel,
                                ev.mode, ev.block, digest(raw).hex())
         if sig is None or cert is None or not vouched(ca, cert, ring[i], said, der_signature(bytes.fromhex(sig)).hex()):
             return None, f"{ring[i]}'s row does not carry its signature", False
-        try:
-            norms[i] = row_norm(quant.decode(np.frombuffer(raw, np.uint8).copy(), ev.numel, ev.mode, ev.block))
-        except ValueError:
-            return None, f"{ring[i]}'s signed row does not decode", False
-    ratio = outsized(norms, ring.index(ev.accused))
-    if ratio is None or not ratio > OUTSIZE * LENIENCY:
-        return None, f"its row is not outsized ({ratio if ratio is None else round(ratio, 2)}x the median)", True
     return ratio, "", False
 
 
@@ -304,18 +307,24 @@ class Police:
         return frauds
 
     def _steering(self, step: int, reports: list, run_id: str) -> dict[str, str]:
-        """Members that most of the others show, at barrier ``step``, sending rows outsized in
-        most pieces of their segments (``Report.steering``, on the all-reduce of barrier ``step -
-        1``'s epoch), each by a piece whose rows carry their senders' signatures (member -> what
-        showed it). One owner's piece could be an honest member's odd one out, or one that a
-        lying owner picked; most of the others, each seeing it in most of its pieces, cannot be.
-        Evidence that is not the reporter's to show counts against it as a false accusation."""
+        """Members that more than half of the others show, at barrier ``step``, sending rows
+        outsized in most pieces of their segments (``Report.steering``, on the all-reduce of
+        barrier ``step - 1``'s epoch), each by one piece whose rows carry their senders'
+        signatures (member -> what showed it). One owner's piece could be an honest member's odd
+        one out, or one that a lying owner picked: the majority needs at least one honest owner,
+        which reports only a member outsized in most of the pieces it weighed. One piece per
+        accused and at most half the ring's worth of accused per reporter are weighed. Evidence
+        that is not the reporter's to show counts against it as a false accusation."""
         epoch_id, ring, sat_out = self._rings.get(step - 1, (0, None, ()))
         if ring is None:
             return {}
         shown: dict[str, dict[str, float]] = {}  # accused -> reporter -> ratio
         for n, r in reports:
+            seen: set[str] = set()
             for ev in r.steering or ():
+                if ev.accused in seen or len(seen) >= len(ring) // 2:  # a minority steers: one piece each
+                    continue
+                seen.add(ev.accused)
                 try:
                     ratio, why, false = weigh_steering(ev, run_id=run_id, step=step - 1, epoch_id=epoch_id,
                                                        accuser=n.node_id, ring=ring, sat_out=sat_out, ca=self.ca,

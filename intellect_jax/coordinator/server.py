@@ -37,7 +37,8 @@ from intellect_jax.net import (
 )
 
 CHANNEL = "coordinator"
-MAX_MSG = 16 << 20  # a sync carries one piece of evidence and one audited piece (net.audit.MAX_CASE_BYTES)
+MAX_MSG = 16 << 20  # a sync carries one piece of evidence and one audited piece or the rows that show
+# members steering (net.audit.MAX_CASE_BYTES each; a report has the first only after a failed call)
 log = logging.getLogger("intellect_jax.coordinator")
 
 

@@ -216,8 +216,8 @@ def steered(coord_events: list[tuple[float, str]], procs: list[Proc]) -> list[st
     out = []
     for t, line in coord_events:
         m = re.match(r"evicted (\S+): steered the average", line)
-        if m and not any(f.hook == "poison" and f.when == "wire" for q in procs if q.node_id == m.group(1)
-                         for f in q.faults):
+        if m and not any(f.hook == "poison" and f.when == "wire" and f.value not in ("owner", "sitout")
+                         for q in procs if q.node_id == m.group(1) for f in q.faults):
             out.append(f"{m.group(1)} evicted at {t:.1f}s for steering the average, though it never sent a "
                        "corrupted contribution")
     return out
