@@ -160,8 +160,10 @@ def test_every_other_owner_shows_a_flipped_sender_s_rows_outsized(monkeypatch: p
     """Rank 0 sends -3x its contribution among 4: each other owner finds its rows outsized in
     most pieces of its segment and keeps one piece, every row of it signed to it, which the
     coordinator's re-weighing upholds with that owner as the reporter (and with no other);
-    nobody shows an honest rank. Without audits nothing checks a row's signature as it arrives:
-    a steerer signing garbage then leaves nothing to show, and the call completes anyway."""
+    nobody shows an honest rank. Without audits each row kept to be weighed has its signature
+    checked as it arrives all the same: a steerer (or an accomplice) signing garbage would
+    otherwise leave nothing to show; its owners fail the call at its first piece and name it as
+    the member whose pieces did not reach them, as with audits."""
     from intellect_jax.coordinator.policing import weigh_steering
     from intellect_jax.coordinator.schema import Steering
     from intellect_jax.net.comm import SocketCommunicator
@@ -181,10 +183,11 @@ def test_every_other_owner_shows_a_flipped_sender_s_rows_outsized(monkeypatch: p
 
         monkeypatch.setattr(SocketCommunicator, "_mesh_seal", garbage)
     comms, outs, errs = _butterfly(world, xs, cfg, first=56, epoch=2, step=5)
-    assert errs == [None] * world and all(_same_bits(o, outs[0]) for o in outs)
     if not audit:
+        assert all(e is not None for e in errs[1:]) and [c.missing for c in comms[1:]] == [(0,)] * 3, errs
         assert all(c.steered == [] for c in comms)
         return
+    assert errs == [None] * world and all(_same_bits(o, outs[0]) for o in outs)
     ids = tuple(f"r{56 + i}" for i in range(world))
     kw: dict[str, Any] = dict(run_id="ring-test", step=5, epoch_id=2, ring=ids, sat_out=(),
                               ca=credentials("r56").ca_der, certs={i: credentials(i).cert_der.hex() for i in ids})

@@ -33,7 +33,7 @@ from intellect_jax.diloco.overlap import Gate, Round
 from intellect_jax.diloco.parts import DilocoError, LoopConfig, NodeParts, Outcome, TransferFailed
 from intellect_jax.diloco.state import DilocoState, hash_opening, host_copy, nesterov_sgd, outer_step, state_hash
 from intellect_jax.diloco.transfer import vet_received
-from intellect_jax.net.audit import MAX_CASE_BYTES, MAX_CASE_RANKS
+from intellect_jax.net.audit import MAX_CASE_BYTES, MAX_CASE_RANKS, MAX_PIECES
 from intellect_jax.net.errors import NetError, PeerTimeout
 from intellect_jax.net.evidence import MAX_EVIDENCE_BYTES, reference_rms, seal, verdict
 
@@ -403,6 +403,7 @@ class NodeLoop:
             for r, ev in steered:  # as many as a sync carries (net.audit.MAX_CASE_BYTES); the rest logged only
                 size += sum(len(x or "") + 200 for x in ev["payloads"])
                 if size <= MAX_CASE_BYTES and len(ev["payloads"]) <= MAX_CASE_RANKS and ev["numel"] <= 1 << 20 and \
+                        ev["piece"] < MAX_PIECES and \
                         all(x is None or len(x) <= -(-MAX_EVIDENCE_BYTES // 3) * 4 for x in ev["payloads"]):
                     shown.append({"accused": ep.node_ids[r], **ev})
         return OuterResult(s, ep, stats, tries, report, pg_norm, avg_norm, sits_out, skip, None if skip else avg)

@@ -208,12 +208,9 @@ class _ButterflyRun(AuditFrames, Pipeline):
                     continue
                 seen = self.outsize.setdefault(i, [0, None])
                 seen[0] += 1
-                if seen[1] is None:  # (a piece whose rows do not all verify shows nothing: a later one may)
-                    payloads = [None if w is None else w[0].tobytes() for w in wires]
-                    if all(self.mseal.verify(k, self.rank, j, b - a, payloads[k], wires[k][1])  # type: ignore
-                           for k in shown):
-                        seen[1] = Outsize(j, b - a, ratio, tuple(payloads),
-                                          tuple(None if w is None else w[1] for w in wires))
+                if seen[1] is None:  # (every row kept was checked as it arrived: _scatter_from)
+                    seen[1] = Outsize(j, b - a, ratio, tuple(None if w is None else w[0].tobytes() for w in wires),
+                                      tuple(None if w is None else w[1] for w in wires))
         finally:
             for w in wires:
                 if w is not None:
@@ -388,7 +385,9 @@ class _ButterflyRun(AuditFrames, Pipeline):
             a, b = self.plan.piece(me, j)
             wire = self._recv(conn, b - a)
             sig = self.their_signature(conn)
-            if led is not None and not led.received(j, o, wire, sig):  # type: ignore[arg-type]
+            keep = self.signed and o not in self.absent  # (weighed against the other rows once all are in)
+            if led is not None and not led.received(j, o, wire, sig) or led is None and keep and \
+                    not self.mseal.verify(o, me, j, b - a, wire, sig):  # type: ignore[union-attr,arg-type]
                 raise FrameError(f"rank {o}: the signature of its own piece {j} of segment {me} does not verify")
             row = self._row(b - a)
             try:
@@ -400,7 +399,6 @@ class _ButterflyRun(AuditFrames, Pipeline):
                     self.inspect(row) if self.inspect is not None else None
             if why:
                 self._found(o, why, me, j, b - a, wire, sig)
-            keep = self.signed and o not in self.absent  # (weighed against the other rows once all are in)
             if keep:  # (here, on the link's thread, while the row is in cache)
                 if self.wide[k].shape[0] < b - a:
                     self.wide[k] = np.empty(b - a, np.float64)
