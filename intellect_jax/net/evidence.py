@@ -121,14 +121,17 @@ def verdict(theirs: np.ndarray, ref: float | None, factor: float = SUSPECT_FACTO
 
 
 def row_norm(x: np.ndarray, scratch: np.ndarray | None = None) -> float:
-    """A decoded row's L2 norm as :func:`outsized` takes it: its squares summed in float64 (a
-    BLAS dot of the row widened to float64, so that any machine's order of summation agrees far
-    within ``policing.LENIENCY``; inf for an infinite value, nan for a NaN). ``scratch``: a
-    float64 buffer of at least the row's size (else one is allocated)."""
+    """A decoded row's L2 norm as :func:`outsized` takes it: its squares summed in float64 (exact
+    squares of float32 values, summed pairwise, so that any machine agrees far within
+    ``policing.LENIENCY``; inf for an infinite value, nan for a NaN). Not a BLAS dot: OpenBLAS's
+    threads spin on after each call, and on a node's shared cores that cost every outer step
+    about a second (docs/results.md). ``scratch``: float64, at least the row's size (else one
+    is allocated)."""
     wide = np.empty(x.shape[0], np.float64) if scratch is None else scratch[:x.shape[0]]
     np.copyto(wide, x)
     with np.errstate(over="ignore", invalid="ignore"):
-        return math.sqrt(float(np.dot(wide, wide)))
+        np.square(wide, out=wide)
+        return math.sqrt(float(np.add.reduce(wide)))
 
 
 def outsized(norms: dict[int, float], accused: int, world: int) -> float | None:
