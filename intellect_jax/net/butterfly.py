@@ -84,8 +84,9 @@ class Outsize:
 class Weighing:
     """One call's weighing of the senders' rows of our segment, added to by the butterfly of
     every bucket that succeeds: ``pieces`` weighed, per sender the pieces its row was outsized in
-    (:func:`~.evidence.outsized`), and its first such piece whose rows all carry their senders'
-    signatures, with the ``call`` (``comm.bucket_call``) it was in (set before each bucket)."""
+    (:func:`~.evidence.outsized`), and its first such piece (every row of it signed, each
+    signature checked as it arrived), with the ``call`` (``comm.bucket_call``) it was in (set
+    before each bucket)."""
 
     call: int = 0
     pieces: int = 0
