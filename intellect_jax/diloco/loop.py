@@ -24,18 +24,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from pydantic import ValidationError
 
 from intellect_jax.coordinator.clock import abort_when
 from intellect_jax.coordinator.protocol import Admission, Epoch, Evicted, Resume, RunCompleted
+from intellect_jax.coordinator.schema import Steering
 from intellect_jax.diloco.device_codec import DeviceContribution
 from intellect_jax.diloco.guard import OwnGuard, check_average, remember
 from intellect_jax.diloco.overlap import Gate, Round
 from intellect_jax.diloco.parts import DilocoError, LoopConfig, NodeParts, Outcome, TransferFailed
 from intellect_jax.diloco.state import DilocoState, hash_opening, host_copy, nesterov_sgd, outer_step, state_hash
 from intellect_jax.diloco.transfer import vet_received
-from intellect_jax.net.audit import MAX_CASE_BYTES, MAX_CASE_RANKS, MAX_PIECES
+from intellect_jax.net.audit import MAX_CASE_BYTES
 from intellect_jax.net.errors import NetError, PeerTimeout
-from intellect_jax.net.evidence import MAX_EVIDENCE_BYTES, reference_rms, seal, verdict
+from intellect_jax.net.evidence import reference_rms, seal, verdict
 
 __all__ = ["NodeLoop", "OuterResult", "claim_of"]
 
@@ -400,12 +402,15 @@ class NodeLoop:
         if steered:  # (net.evidence.outsized: the coordinator evicts a member most of the others show so)
             report["steering"] = shown = []
             size = 0
-            for r, ev in steered:  # as many as a sync carries (net.audit.MAX_CASE_BYTES); the rest logged only
+            for r, ev in steered:  # what the coordinator's schema takes, as many as a sync carries; the rest logged
+                entry = {"accused": ep.node_ids[r], **ev}
+                try:
+                    Steering.model_validate(entry)
+                except ValidationError:
+                    continue
                 size += sum(len(x or "") + 200 for x in ev["payloads"])
-                if size <= MAX_CASE_BYTES and len(ev["payloads"]) <= MAX_CASE_RANKS and ev["numel"] <= 1 << 20 and \
-                        ev["piece"] < MAX_PIECES and \
-                        all(x is None or len(x) <= -(-MAX_EVIDENCE_BYTES // 3) * 4 for x in ev["payloads"]):
-                    shown.append({"accused": ep.node_ids[r], **ev})
+                if size <= MAX_CASE_BYTES:
+                    shown.append(entry)
         return OuterResult(s, ep, stats, tries, report, pg_norm, avg_norm, sits_out, skip, None if skip else avg)
 
     def _with_feedback(self, s: DilocoState, pg: Any, sits_out: str | None) -> tuple[Any, Any]:
