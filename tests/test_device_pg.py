@@ -160,7 +160,7 @@ def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
     top-1 of 4 and error feedback (as GPU nodes run by default): node 1 makes its pseudo-gradient by the device path (anchor, per-shard
     pieces, assembly; quantized by the host stand-in, which the test above holds equal to the
     kernel: the interpreter is too slow for whole models) and encodes on the host; node 0
-    encodes on its 8 devices (diloco/device_codec.py), residual and all, its encoding launched
+    encodes on its 4 devices (diloco/device_codec.py), residual and all, its encoding launched
     at the window before the next round's steps. One hash per outer
     step, loss falls, node 0's residual stays on its devices like its params (and in its
     checkpoint), and only the codec's bytes left them. With local feedback: each merge lands on
@@ -185,8 +185,8 @@ def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
     H, outer = 4, 4
     ring = RingConfig(mode="top1of4", block_size=4096)
     trainers = [Trainer(tiny_cfg(tmp_path / f"n{i}", cache_dir, run={"steps": H * outer, "log_every": 1}),
-                        node_rank=i, node_count=2, role=Role.INNER)
-                for i in range(2)]
+                        node_rank=i, node_count=2, role=Role.INNER, devices=jax.devices()[4 * i:4 * i + 4])
+                for i in range(2)]  # each on its own devices (see helpers.node_trainer)
     dpgs = [DevicePseudoGradient(BLOCK, host_quantize) for _ in trainers]
     enc = DeviceEncoder(ring.mode, ring.block_size, ring.bucket_numel, ring.piece_numel)
     stores = [MemoryStore(), MemoryStore()]

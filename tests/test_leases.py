@@ -311,6 +311,8 @@ def test_real_trainers_train_exactly_the_units_they_are_leased(tmp_path, cache_d
     """Two real trainers reading the one stream, each round's data leased: every inner step
     trains the next batch of the node's lease, in order, and the two nodes' units are disjoint
     and cover the stream's first units, with none twice."""
+    import jax
+
     from intellect_jax.data.pipeline import DataIterator, make_train_iter
     from intellect_jax.diloco.inner import TrainerInner
     from intellect_jax.diloco.parts import LoopConfig, Outcome
@@ -330,8 +332,9 @@ def test_real_trainers_train_exactly_the_units_they_are_leased(tmp_path, cache_d
         return batch
 
     monkeypatch.setattr(DataIterator, "__next__", recording)
-    trainers = [Trainer(tiny_cfg(tmp_path / f"n{i}", cache_dir, run={"steps": H * R}), role=Role.INNER)
-                for i in range(2)]
+    trainers = [Trainer(tiny_cfg(tmp_path / f"n{i}", cache_dir, run={"steps": H * R}), role=Role.INNER,
+                        devices=jax.devices()[4 * i:4 * i + 4])
+                for i in range(2)]  # each on its own devices (see helpers.node_trainer)
     leased: dict[int, list[tuple[int, list]]] = {0: [], 1: []}
 
     class Leased(TrainerInner):
