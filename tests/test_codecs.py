@@ -78,6 +78,18 @@ def test_huge_finite_values_stay_finite() -> None:
             assert np.isfinite(quant.decode(quant.encode(x, mode, block), 4096, mode, block)).all(), mode
 
 
+def test_subnormal_blocks_stay_finite_and_close() -> None:
+    """A block whose largest value is subnormal (1 / amax overflows float32) still encodes to
+    finite values near it: an honest contribution never decodes to NaN or inf."""
+    blocks = [np.r_[np.zeros(63), 1e-39], np.full(64, 2e-39), np.r_[np.full(63, 1e-41), 3e-39]]
+    x = np.concatenate(blocks + [np.linspace(-1, 1, 64)]).astype(np.float32)
+    for mode, block in CODECS:
+        y = quant.decode(quant.encode(x, mode, block), x.shape[0], mode, block)
+        assert np.isfinite(y).all(), mode
+        if mode in ("int4", "int2"):  # (blockwise: the subnormal blocks have scales of their own)
+            assert np.abs(y[:192]).max() <= 2 * np.abs(x[:192]).max(), mode
+
+
 def test_topk_keeps_largest_and_signs() -> None:
     x = np.zeros(4096, np.float32)
     x[[3, 700, 4000]] = [5.0, -4.0, 4.5]

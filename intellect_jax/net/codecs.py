@@ -131,13 +131,15 @@ def _unpack(raw: np.ndarray, n: int, bits: int) -> np.ndarray:
 
 
 def _rms(x: np.ndarray, block: int) -> np.ndarray:
-    """Per block ``amax * sqrt(mean((x / amax)^2))``: no overflow for any finite input."""
+    """Per block ``amax * sqrt(mean((x / amax)^2))``: no overflow for any finite input (a
+    division, not a product with ``1 / amax``, which overflows when ``amax`` is subnormal)."""
     n, amax = x.shape[0], _amax(x, block)
-    inv = np.zeros_like(amax)
-    np.divide(_F32(1), amax, out=inv, where=amax > 0)
+    per = _per_value(amax, n, block)
     full = (n // block) * block
     with np.errstate(invalid="ignore", over="ignore"):
-        sq = np.square(x * _per_value(inv, n, block))
+        sq = np.zeros(n, _F32)
+        np.divide(x, per, out=sq, where=per > 0)
+        np.square(sq, out=sq)
         parts = [sq[:full].reshape(-1, block).mean(axis=1, dtype=_F32)] if full else []
         if full < n:
             parts.append(sq[full:].mean(dtype=_F32, keepdims=True))
@@ -153,10 +155,10 @@ def _block_encode(x: np.ndarray, mode: str, block: int, out: np.ndarray) -> None
             np.divide(_amax(x, block), _F32(qmax), out=scales)
         else:
             scales[...] = _rms(x, block)
-    inv = np.zeros(nb, _F32)
-    np.divide(_F32(1), scales, out=inv, where=scales > 0)
+    per = _per_value(scales, n, block)
     with np.errstate(invalid="ignore", over="ignore"):
-        y = x * _per_value(inv, n, block)
+        y = np.zeros(n, _F32)  # x / scale (a product with 1 / scale overflows for a subnormal scale)
+        np.divide(x, per, out=y, where=per > 0)
         if mode == "int4":  # nearest of -7..7, stored + 8
             codes = np.clip(np.rint(y), -7, 7) + 8
         else:  # nearest of (c - 1.5), c in 0..3 (clipped); ties away from zero on both sides
