@@ -12,7 +12,7 @@ import pytest
 from intellect_jax.coordinator.policing import weigh
 from intellect_jax.coordinator.schema import Evidence
 from intellect_jax.net import NetNode, RingConfig, codecs, gather, quant
-from intellect_jax.net.evidence import verdict
+from intellect_jax.net.evidence import SAT_OUT, verdict
 from intellect_jax.net.frames import HEADER_LEN
 from intellect_jax.testing.identities import credentials, transport_config
 from intellect_jax.testing.local_ring import LocalGroup, ring_bytes
@@ -234,6 +234,36 @@ def test_socket_gather_inspects_the_whole_contribution_and_blames_its_sender() -
     finally:
         for n in nodes:
             n.close()
+
+
+def test_socket_gather_leaves_a_sitter_out_and_blames_one_that_sends() -> None:
+    """A rank sitting the round out adds nothing on any rank, whatever it sends (the loop then
+    rescales by N / n, as for the ring); one that sends values anyway is found by its successor,
+    with signed evidence the coordinator upholds against a declared sitter."""
+    world, n = 4, 9000
+    cfg = RingConfig(mode="top1of4", block_size=512, piece_numel=2048, deadline=30)
+    xs = [_x(n, s) for s in range(world)]  # rank 1 sits out, yet sends its values
+    nodes = _nodes(world)
+    try:
+        comms = [nd.ring([(m.name, m.address) for m in nodes], r, config=cfg) for r, nd in enumerate(nodes)]
+        for c in comms:
+            c.inspect = lambda theirs: verdict(theirs, None)
+            c.absent = frozenset({1})
+        outs, errs = _run(comms, xs, [None] * world)
+        assert errs == [None] * world
+        want = gather.simulate([x if r != 1 else np.zeros(n, np.float32) for r, x in enumerate(xs)],
+                               cfg.mode, cfg.block_size, cfg.piece_numel)
+        assert all(np.array_equal(o, want) for o in outs)  # bit-identical, rank 1's values left out
+        assert np.array_equal(LocalGroup(world, cfg).all_reduce_mean_all(xs, absent=frozenset({1}))[0], want)
+        assert [c.suspect is not None for c in comms] == [False, False, True, False]
+        prv, why, ev = comms[2].suspect
+        assert prv == 1 and why == SAT_OUT
+        found, note = weigh(Evidence.model_validate(ev), accused="g1", accuser="g2", step=0, epoch_id=0,
+                            run_id="gather-test", ca=credentials("g1").ca_der, recorded=None, sat_out=True)
+        assert found == SAT_OUT, note
+    finally:
+        for nd in nodes:
+            nd.close()
 
 
 def test_socket_gather_skips_an_undecodable_piece_and_blames_its_sender() -> None:

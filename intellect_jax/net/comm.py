@@ -105,8 +105,9 @@ class Communicator(Protocol):
 
     rank: int
     world_size: int
-    # ranks sitting the round out (set before a call): with the butterfly exchange their rows are
-    # left out (and must be zeros); ``over_present`` says whether results average the others only
+    # ranks sitting the round out (set before a call): the butterfly and the gathered codecs leave
+    # their contributions out (they must be zeros); ``over_present`` says whether results average
+    # the others only
     absent: frozenset[int]
 
     def all_reduce_mean(self, tree: T, *, out: T | None = None, dropped: T | None = None) -> T:
@@ -569,7 +570,8 @@ class SocketCommunicator:
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
                                                     deadline=deadline, out=o, dropped=d, inspect=self.inspect,
                                                     findings=found, seal=self._seal(c, links),
-                                                    own=None if enc is None else enc.payloads[bi])
+                                                    own=None if enc is None else enc.payloads[bi],
+                                                    absent=self.absent)
                     return ring_all_reduce(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                            block=cfg.block_size, piece_numel=cfg.piece_numel, seed=seed,
                                            call=c, deadline=deadline, out=o, workspace=self._workspace,

@@ -14,7 +14,9 @@ Schedule over the ring's links (the same connections as the ring all-reduce): a 
 its own at step 0 (each followed by its signature, as in the ring), then what its predecessor
 sent it the step before, verbatim. Each rank sends and receives ``(N - 1)`` contributions.
 Its predecessor's own pieces are shown to ``inspect`` whole, as they arrive; one that does not
-decode is evidence against its sender too, and adds nothing to the mean on any rank.
+decode is evidence against its sender too, and adds nothing to the mean on any rank. The
+contributions of ranks sitting the round out (``absent``, the same on every rank) add nothing
+either, and a sitter's piece that is not all zeros is evidence against it (:data:`~.evidence.SAT_OUT`).
 
 A rank may bring its contribution encoded already (:class:`Encoded`: a GPU node encodes on its
 devices, :mod:`intellect_jax.kernels.codecs_xla`); its payload pieces are then sent as they are,
@@ -31,6 +33,7 @@ import numpy as np
 
 from intellect_jax.net import codecs, quant
 from intellect_jax.net.errors import FrameError
+from intellect_jax.net.evidence import SAT_OUT
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import RingPlan, make_plan
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Seal
@@ -99,8 +102,10 @@ def encode_own(x: np.ndarray, p: RingPlan, mode: str, block: int, dropped: np.nd
 
 
 def combine(payloads: Sequence[Sequence[np.ndarray]], p: RingPlan, mode: str, block: int,
-            out: np.ndarray, skipped: list[tuple[int, int]] | None = None) -> np.ndarray:
-    """The mean of every rank's decoded contribution, summed in rank order, into ``out``.
+            out: np.ndarray, skipped: list[tuple[int, int]] | None = None,
+            absent: frozenset[int] = frozenset()) -> np.ndarray:
+    """The mean of every rank's decoded contribution, summed in rank order, into ``out`` (the
+    ranks in ``absent`` add nothing: zeros, whatever they sent; the division is still by N).
 
     A piece its codec rejects adds nothing (every rank holds the same bytes, so every rank
     skips the same pieces and the mean stays bit-identical); its (rank, piece) goes to
@@ -112,6 +117,8 @@ def combine(payloads: Sequence[Sequence[np.ndarray]], p: RingPlan, mode: str, bl
         acc = out[a:b]
         acc[...] = 0
         for r in range(world):
+            if r in absent:
+                continue
             try:
                 codecs.decode_add(payloads[r][j], b - a, mode, block, acc, scratch)
             except ValueError:
@@ -123,7 +130,8 @@ def combine(payloads: Sequence[Sequence[np.ndarray]], p: RingPlan, mode: str, bl
 
 def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: int,
              dropped: Sequence[np.ndarray | None] | None = None,
-             own: Sequence[Sequence[np.ndarray] | None] | None = None) -> np.ndarray:
+             own: Sequence[Sequence[np.ndarray] | None] | None = None,
+             absent: frozenset[int] = frozenset()) -> np.ndarray:
     """What :func:`ring_all_gather_mean` returns on every rank, in one process (and each rank's
     ``dropped``; ``own[r]``: rank r's payloads, encoded already)."""
     p = gather_plan(inputs[0].shape[0], block, piece_numel)
@@ -134,7 +142,7 @@ def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: i
             pays.append(list(own[r]))  # type: ignore[arg-type]
         else:
             pays.append(encode_own(x, p, mode, block, None if dropped is None else dropped[r]))
-    return combine(pays, p, mode, block, np.empty(inputs[0].shape[0], np.float32))
+    return combine(pays, p, mode, block, np.empty(inputs[0].shape[0], np.float32), absent=absent)
 
 
 class _GatherRun(Pipeline):
@@ -144,13 +152,14 @@ class _GatherRun(Pipeline):
 
     def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str,
                  block: int, piece_numel: int, deadline: float, dropped: np.ndarray | None,
-                 inspect: Inspect | None, seal: Seal | None, own: Sequence[np.ndarray] | None = None) -> None:
+                 inspect: Inspect | None, seal: Seal | None, own: Sequence[np.ndarray] | None = None,
+                 absent: frozenset[int] = frozenset()) -> None:
         super().__init__(links, deadline)
         self.x, self.out, self.rank, self.world = x, out, rank, world
         self.mode, self.block, self.dropped = mode, block, dropped
         self.inspect, self.seal = inspect, seal
         self.plan = gather_plan(x.shape[0], block, piece_numel)
-        self.own = own
+        self.own, self.absent = own, absent
         self.pays: list[list[np.ndarray | None]] = [[None] * self.plan.pieces for _ in range(world)]
         self.findings: list[Finding] = []
         self.skipped: list[tuple[int, int]] = []  # (rank, piece) that did not decode (combine)
@@ -204,7 +213,10 @@ class _GatherRun(Pipeline):
         a, b = self.plan.piece(0, j)
         try:
             theirs = quant.decode(wire, b - a, self.mode, self.block)
-            why = self.inspect(theirs) if self.inspect is not None else None
+            if (self.rank - 1) % self.world in self.absent:  # it sits the round out: it owes zeros
+                why = SAT_OUT if theirs.any() else None
+            else:
+                why = self.inspect(theirs) if self.inspect is not None else None
         except ValueError as e:  # every rank will skip it (combine); its signature blames its sender
             why = f"an undecodable payload ({e})"
         if not why:
@@ -217,19 +229,21 @@ class _GatherRun(Pipeline):
 
     def run(self) -> np.ndarray:
         self.spawn(self.encoder, self.sender, self.receiver)
-        return combine(self.pays, self.plan, self.mode, self.block, self.out, self.skipped)  # type: ignore[arg-type]
+        return combine(self.pays, self.plan, self.mode, self.block, self.out, self.skipped,  # type: ignore[arg-type]
+                       self.absent)
 
 
 def ring_all_gather_mean(links: Links, x: np.ndarray, rank: int, world: int, *, mode: str, block: int,
                          piece_numel: int, deadline: float, out: np.ndarray | None = None,
                          dropped: np.ndarray | None = None, inspect: Inspect | None = None,
                          findings: list[Finding] | None = None, seal: Seal | None = None,
-                         own: Sequence[np.ndarray] | None = None) -> np.ndarray:
+                         own: Sequence[np.ndarray] | None = None, absent: frozenset[int] = frozenset()) -> np.ndarray:
     """Mean of ``x`` (flat float32) over the ring by an all-gather of encoded contributions,
     bit-identical on every rank (``out``: flat float32, not overlapping ``x``). ``dropped``:
     receives ``x - decode(encode(x))``. ``own``: this rank's payload pieces, encoded already
     (then ``x`` only gives the length, and no ``dropped``). ``inspect``, ``findings``, ``seal``:
-    as the ring's."""
+    as the ring's. ``absent``: the ranks sitting the round out (their contributions add nothing;
+    the mean is still over N, as the ring's)."""
     if not codecs.gathered(mode):
         raise ValueError(f"{mode} is not a gathered codec")
     out = np.empty(x.shape[0], np.float32) if out is None else out
@@ -246,7 +260,8 @@ def ring_all_gather_mean(links: Links, x: np.ndarray, rank: int, world: int, *, 
         if dropped is not None:
             dropped[...] = 0
         return out
-    run = _GatherRun(links, x, out, rank, world, mode, block, piece_numel, deadline, dropped, inspect, seal, own)
+    run = _GatherRun(links, x, out, rank, world, mode, block, piece_numel, deadline, dropped, inspect, seal, own,
+                     frozenset(absent))
     try:
         return run.run()
     finally:

@@ -134,7 +134,8 @@ class LocalGroup:
                             absent: frozenset[int] = frozenset()) -> list[T]:
         """Every rank's result for every rank's input, computed in the calling thread
         (``dropped[r]``: rank r's error feedback, as ``Communicator.all_reduce_mean``'s;
-        ``absent``: the ranks sitting the round out, which the butterfly leaves out)."""
+        ``absent``: the ranks sitting the round out, which the butterfly and the gathered codecs
+        leave out)."""
         if len(trees) != self.world:
             raise ValueError(f"expected {self.world} trees, got {len(trees)}")
         call = self._calls
@@ -159,7 +160,7 @@ class LocalGroup:
                 res = np.empty(0, np.float32)
             elif codecs.gathered(cfg.mode) and (self.world > 1 or own[0] is not None):
                 ds = [None if d is None else np.empty(inputs[0].size, np.float32) for d in drops]
-                res = gather.simulate(inputs, cfg.mode, cfg.block_size, cfg.piece_numel, ds, own)
+                res = gather.simulate(inputs, cfg.mode, cfg.block_size, cfg.piece_numel, ds, own, absent)
                 for d_leaves, d in zip(drops, ds):
                     if d_leaves is not None:
                         for o, v in zip((d_leaves[i] for i in idx), treelib.scatter(d, leaves0, idx)):
@@ -242,8 +243,8 @@ class LocalCommunicator:
                 theirs = np.concatenate([w for _, _, w in owner_pieces(self.group.last_inputs[sender], n, self.rank,
                                                                        cfg)] or [np.empty(0, np.float32)]) \
                     if fly else ring_view(self.group.last_inputs[sender], n, sender, cfg)
-                look = (lambda v: SAT_OUT if v.any() else None) if sender in self.absent and self.over_present \
-                    else self.inspect
+                look = (lambda v: SAT_OUT if v.any() else None) if sender in self.absent and \
+                    (self.over_present or codecs.gathered(cfg.mode)) else self.inspect
                 found = unsigned_evidence(theirs, look, step=self.group.step, epoch=self.group.epoch,
                                           piece_numel=cfg.piece_numel)
                 if found:
