@@ -308,6 +308,43 @@ def test_socket_gather_skips_an_undecodable_piece_and_blames_its_sender() -> Non
             n.close()
 
 
+@pytest.mark.parametrize("trick", ["piece", "certificate"])
+def test_socket_gather_a_forwarder_cannot_change_what_it_passes_on(monkeypatch: Any, trick: str) -> None:
+    """Every forwarded piece carries its origin's signature, checked by every rank: rank 1,
+    altering one code of rank 0's piece it forwards (with a fresh frame tag) or forwarding its
+    own certificate as rank 0's, is named by rank 2, and no two ranks that complete the call
+    hold different results (unchecked, ranks 2 and 3 would have summed the altered piece)."""
+    world, n = 4, 6000
+    cfg = RingConfig(mode="top1of4", block_size=512, piece_numel=2048, deadline=10)
+    xs = [_x(n, s) for s in range(world)]
+    real_put = gather._GatherRun.put
+
+    def put(self: Any, m: int, *item: Any) -> None:
+        if self.rank == 1 and m >= self.plan.pieces and m % self.plan.pieces == 0:  # rank 0's first piece
+            wire, _, sig, cert = item
+            if trick == "piece":
+                wire = wire.copy()
+                wire[-1] ^= 0x03  # one value's 2-bit code: still decodes, to another value
+            else:
+                cert = credentials("g1").cert_der
+            item = (wire, None, sig, cert)
+        real_put(self, m, *item)
+
+    monkeypatch.setattr(gather._GatherRun, "put", put)
+    nodes = _nodes(world)
+    try:
+        comms = [nd.ring([(m.name, m.address) for m in nodes], r, config=cfg) for r, nd in enumerate(nodes)]
+        outs, errs = _run(comms, xs, [None] * world)
+        assert errs[2] is not None and str(errs[2]).startswith("rank 1 (g1 "), errs
+        assert ("does not carry rank 0's signature" if trick == "piece" else "forwarded a certificate") in str(errs[2])
+        done = [o for o in outs if o is not None]
+        want = gather.simulate(xs, cfg.mode, cfg.block_size, cfg.piece_numel)
+        assert all(np.array_equal(o, want) for o in done)
+    finally:
+        for nd in nodes:
+            nd.close()
+
+
 def test_dropped_needs_a_gathered_codec() -> None:
     group = LocalGroup(2, RingConfig(mode="int8"))
     with pytest.raises(ValueError, match="gathered codec"):

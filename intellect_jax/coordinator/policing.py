@@ -48,8 +48,8 @@ import numpy as np
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Node
 from intellect_jax.coordinator.schema import Audit, Evidence, Steering
-from intellect_jax.net import audit, quant
-from intellect_jax.net.evidence import (OUTSIZE, SUSPECT_FACTOR, clear_cut, der_signature, digest, outsized,
+from intellect_jax.net import audit, codecs, quant
+from intellect_jax.net.evidence import (EVERYONE, OUTSIZE, SUSPECT_FACTOR, clear_cut, der_signature, digest, outsized,
                                         piece_statement, reference_rms, row_norm, seal, statement, verdict)
 from intellect_jax.net.identity import vouched
 
@@ -85,7 +85,8 @@ def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser
     except ValueError as e:
         return None, f"the evidence's codec is not one ({e})"
     if ca is not None:
-        said = statement(run_id, ev.step, ev.epoch, ev.call, accused, accuser, ev.segment, ev.piece, ev.numel,
+        to = EVERYONE if codecs.gathered(ev.mode) else accuser  # (a gathered piece names no receiver)
+        said = statement(run_id, ev.step, ev.epoch, ev.call, accused, to, ev.segment, ev.piece, ev.numel,
                          ev.mode, ev.block, raw)
         if ev.signature is None or ev.cert is None or not vouched(
                 ca, ev.cert, accused, said, der_signature(bytes.fromhex(ev.signature)).hex()):

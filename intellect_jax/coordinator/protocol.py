@@ -15,8 +15,10 @@ from dataclasses import dataclass
 # clip and cclip take float32 norms, cclip one step: a judge of 13 would see other bits,
 # 15: the butterfly's audit pairing drawn from nonces bound in the call's header,
 # 16: cclip back to three steps, its norms float32 still, 17: rows outsized against the
-# others', shown by their owners in the report after a butterfly call that succeeded)
-PROTOCOL = 17
+# others', shown by their owners in the report after a butterfly call that succeeded,
+# 18: a gathered codec's pieces are signed to every rank, not to the successor: evidence of 17
+# would not verify)
+PROTOCOL = 18
 
 
 class CoordinatorError(Exception):

@@ -23,9 +23,9 @@ from intellect_jax.net import audit, codecs, evidence, mesh, pairing, quant, rob
 from intellect_jax.net.audit import Auditing, Case
 from intellect_jax.net.butterfly import RING_MODES, MeshSeal, Weighing, butterfly_all_reduce, peer_of
 from intellect_jax.net.errors import AuditFailed, ConfigMismatch, NetError, PeerTimeout, RingClosed
-from intellect_jax.net.identity import verify
+from intellect_jax.net.identity import issued, verify
 from intellect_jax.net.schema import Nat, Wire, recv_model
-from intellect_jax.net.gather import Encoded, check_own, combine, gather_plan, ring_all_gather_mean
+from intellect_jax.net.gather import Encoded, OriginSeal, check_own, combine, gather_plan, ring_all_gather_mean
 from intellect_jax.net.ring import Finding, Links, Seal, Workspace, ring_all_reduce
 from intellect_jax.net.listener import Listener
 from intellect_jax.net.transport import (
@@ -532,7 +532,7 @@ class SocketCommunicator:
 
             def before(info: dict[str, Any]) -> None:
                 nonlocal links
-                meta = {"v": 6, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
+                meta = {"v": 7, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
                         "peers": self._peers_hash, **asdict(cfg), "absent": sorted(self.absent), **info, "nonce": ""}
                 meta.pop("deadline")
                 if meshed and cfg.audit:  # a nonce per bucket for the audits' pairing, bound here (pairing.draw)
@@ -569,7 +569,7 @@ class SocketCommunicator:
                         return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
                                                     deadline=deadline, out=o, dropped=d, inspect=self.inspect,
-                                                    findings=found, seal=self._seal(c, links),
+                                                    findings=found, seal=self._origin_seal(c),
                                                     own=None if enc is None else enc.payloads[bi],
                                                     absent=self.absent)
                     return ring_all_reduce(links, flat, self.rank, self.world_size, mode=cfg.mode,
@@ -628,6 +628,28 @@ class SocketCommunicator:
             return verify(cert, said(prv, me, seg, j, n, payload), evidence.der_signature(sig))
 
         return Seal(sign, check)
+
+    def _origin_seal(self, call: int) -> OriginSeal:
+        """Signatures of call ``call`` in the all-gather (:mod:`.gather`): ours over our own
+        pieces, naming no receiver; any rank's checked with its certificate, which a forwarded
+        one must show the run authority issued to it (and did not revoke)."""
+        cfg, run_id, ids, ident = self.config, self.node.cfg.run_id, self.ids, self.node.cfg.identity
+
+        def said(origin: int, j: int, numel: int, payload: Any) -> bytes:
+            return evidence.statement(run_id, self.step, self.epoch, call, ids[origin], evidence.EVERYONE, 0, j,
+                                      numel, cfg.mode, cfg.block_size, payload)
+
+        def sign(j: int, numel: int, payload: Any) -> bytes:
+            return evidence.raw_signature(ident.sign(said(self.rank, j, numel, payload)))
+
+        def check(origin: int, cert: bytes, j: int, numel: int, payload: Any, sig: bytes) -> bool:
+            return verify(cert, said(origin, j, numel, payload), evidence.der_signature(sig))
+
+        def admit(origin: int, cert: bytes) -> bool:
+            serial = issued(ident.ca_der, cert, ids[origin])
+            return serial is not None and not ident.revocations.revoked(serial)
+
+        return OriginSeal(sign, check, admit, ident.cert_der)
 
     def _mesh_seal(self, call: int, links: Links) -> MeshSeal:
         """Signatures of call ``call`` in the butterfly: ours over our own pieces, to each

@@ -41,6 +41,7 @@ SUSPECT_FACTOR = 10.0  # a piece whose RMS is this many times the outer params' 
 SAT_OUT = "values though it sits the round out"  # the butterfly's verdict on a sitter's non-zero piece
 MAX_EVIDENCE_BYTES = 1 << 20  # a piece larger than this on the wire cannot be shown (piece_numel caps it)
 OUTSIZE = 2.5  # a row whose norm is this many times its piece's median row norm is outsized (outsized)
+EVERYONE = "*"  # the receiver a gathered codec's piece names: it travels to every rank (no identity is "*")
 
 
 def digest(data: Any) -> bytes:

@@ -11,8 +11,18 @@ as re-encoded partial sums.
 Schedule over the ring's links (the same connections as the ring all-reduce): a bucket of
 ``numel`` values is cut into ``P`` pieces (:func:`~.plan.make_plan` with one segment); at step
 ``s`` (``0 <= s < N - 1``) rank ``r`` sends the pieces of rank ``(r - s) mod N``'s contribution:
-its own at step 0 (each followed by its signature, as in the ring), then what its predecessor
-sent it the step before, verbatim. Each rank sends and receives ``(N - 1)`` contributions.
+its own at step 0, then what its predecessor sent it the step before, verbatim. Each rank sends
+and receives ``(N - 1)`` contributions.
+
+Signed (:class:`OriginSeal`), every piece is followed by its origin's signature, which travels
+with it at every hop, over a statement that names no receiver (:data:`~.evidence.EVERYONE`),
+and the first piece of each contribution by its origin's certificate (the predecessor's own: the
+one its connection presented; a forwarded one: issued by the run authority to that rank's
+identity and not revoked). Every rank checks every piece's signature before it forwards or sums
+it, and fails the call naming its predecessor at the first that does not verify: a rank that
+passes on another's contribution cannot change it, so no two ranks that complete a call ever
+sum different bytes (unsigned, a middle rank could alter what it forwards, and the ranks after
+it would part from the others with nobody to blame).
 Its predecessor's own pieces are shown to ``inspect`` whole, as they arrive; one that does not
 decode is evidence against its sender too, and adds nothing to the mean on any rank. The
 contributions of ranks sitting the round out (``absent``, the same on every rank) add nothing
@@ -27,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -36,7 +46,23 @@ from intellect_jax.net.errors import FrameError
 from intellect_jax.net.evidence import SAT_OUT
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import RingPlan, make_plan
-from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Seal
+from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline
+
+MAX_CERT = 8192  # bytes of a certificate (DER) a rank reads from its predecessor
+
+
+@dataclass(frozen=True)
+class OriginSeal:
+    """How a signed all-gather binds every piece to the rank that encoded it, wherever it comes
+    from: ``sign(piece, numel, payload)`` for our own pieces (a statement naming no receiver:
+    every rank gets them), ``verify(origin, cert, piece, numel, payload, signature)`` for any
+    rank's, with its certificate ``cert`` (DER); ``admit(origin, cert)``: whether the run
+    authority issued ``cert`` to ``origin``'s identity and has not revoked it; ``cert``: ours."""
+
+    sign: Callable[[int, int, bytes], bytes]
+    verify: Callable[[int, bytes, int, int, Any, bytes], bool]
+    admit: Callable[[int, bytes], bool]
+    cert: bytes
 
 
 @dataclass(frozen=True)
@@ -109,7 +135,8 @@ def combine(payloads: Sequence[Sequence[np.ndarray]], p: RingPlan, mode: str, bl
 
     A piece its codec rejects adds nothing (every rank holds the same bytes, so every rank
     skips the same pieces and the mean stays bit-identical); its (rank, piece) goes to
-    ``skipped``. The successor of its sender holds the sender's signature on it (:class:`Finding`)."""
+    ``skipped``. Every rank holds its sender's signature on it; its successor keeps it as
+    evidence (:class:`Finding`)."""
     world = len(payloads)
     scratch = np.empty(p.max_piece(), np.float32)
     for j in range(p.pieces):
@@ -152,13 +179,14 @@ class _GatherRun(Pipeline):
 
     def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str,
                  block: int, piece_numel: int, deadline: float, dropped: np.ndarray | None,
-                 inspect: Inspect | None, seal: Seal | None, own: Sequence[np.ndarray] | None = None,
+                 inspect: Inspect | None, seal: OriginSeal | None, own: Sequence[np.ndarray] | None = None,
                  absent: frozenset[int] = frozenset()) -> None:
         super().__init__(links, deadline)
         self.x, self.out, self.rank, self.world = x, out, rank, world
         self.mode, self.block, self.dropped = mode, block, dropped
-        self.inspect, self.seal = inspect, seal
+        self.inspect, self.oseal = inspect, seal
         self.plan = gather_plan(x.shape[0], block, piece_numel)
+        self.certs: dict[int, bytes] = {} if seal is None else {rank: seal.cert}  # origin -> its certificate
         self.own, self.absent = own, absent
         self.pays: list[list[np.ndarray | None]] = [[None] * self.plan.pieces for _ in range(world)]
         self.findings: list[Finding] = []
@@ -175,18 +203,30 @@ class _GatherRun(Pipeline):
             wire = self.own[j] if self.own is not None else \
                 encode_own(self.x, self.plan, self.mode, self.block, self.dropped, j)[0]
             self.pays[self.rank][j] = wire
-            self.put(j, wire, None)
+            self.put(j, wire, None, None, None)
+
+    @property
+    def signed(self) -> bool:
+        return self.oseal is not None
 
     def sender(self, k: int) -> None:
-        conn = self.links.out[k]
+        """Message ``m`` = piece ``j`` of step ``s``: (its origin's certificate first if ``j`` is 0;)
+        the piece; its origin's signature (ours made here, a forwarded one as it came)."""
+        conn, P, seal = self.links.out[k], self.plan.pieces, self.oseal
         for m in range(k, self.messages, self.streams):
             item = self.take(m)
             if item is None:
                 return
-            conn.send(MsgType.DATA, item[0], deadline=self.deadline, ptag=item[1])
-            if m < self.plan.pieces and self.seal is not None:  # our own piece: its signature follows
-                a, b = self.plan.piece(0, m)
-                conn.send(MsgType.DATA, self.seal.sign(0, m, b - a, item[0]), deadline=self.deadline)
+            wire, ptag, sig, cert = item
+            s, j = divmod(m, P)
+            if seal is not None and j == 0:
+                conn.send(MsgType.DATA, cert if s else seal.cert, deadline=self.deadline)
+            conn.send(MsgType.DATA, wire, deadline=self.deadline, ptag=ptag)
+            if seal is not None:
+                if not s:
+                    a, b = self.plan.piece(0, j)
+                    sig = seal.sign(j, b - a, wire)
+                conn.send(MsgType.DATA, sig, deadline=self.deadline)
 
     def receiver(self, k: int) -> None:
         conn, P = self.links.inn[k], self.plan.pieces
@@ -197,19 +237,46 @@ class _GatherRun(Pipeline):
             origin = (self.rank - 1 - s) % self.world
             a, b = self.plan.piece(0, j)
             nbytes = quant.encoded_nbytes(b - a, self.mode, self.block)
+            cert = self._cert(conn, s, origin) if self.signed and j == 0 else None
             hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=nbytes)
             wire = np.empty(nbytes, np.uint8)
             conn.recv_payload_into(hdr, wire, deadline=self.deadline)
+            sig = self.their_signature(conn)
+            if self.oseal is not None:
+                if not self.wait_for(lambda: origin in self.certs, f"rank {origin}'s certificate"):
+                    return
+                cert_of = self.certs[origin]
+                if not self.oseal.verify(origin, cert_of, j, b - a, wire, sig):  # type: ignore[arg-type]
+                    raise FrameError(f"{conn.peer}: piece {j} of rank {origin}'s contribution does not carry rank "
+                                     f"{origin}'s signature" + (" (it forwarded it)" if s else ""))
             if s == 0:
-                self._inspect(conn, wire, j)
+                self._inspect(conn, wire, j, sig)
             self.pays[origin][j] = wire
             if s < self.world - 2:
-                self.put(m + P, wire, hdr.ptag)
+                self.put(m + P, wire, hdr.ptag, sig, cert)
 
-    def _inspect(self, conn, wire: np.ndarray, j: int) -> None:  # noqa: ANN001
-        """The predecessor's own piece ``j``: read its signature, decode it and show it to
-        ``inspect``; keep it if found bad or undecodable (every rank skips an undecodable one)."""
-        sig = self.their_signature(conn)
+    def _cert(self, conn, s: int, origin: int) -> bytes:  # noqa: ANN001
+        """The certificate that comes before the first piece of ``origin``'s contribution: our
+        predecessor's own must be the one its connection presented; a forwarded one, issued by the
+        run authority to ``origin``'s identity and not revoked."""
+        hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, max_len=MAX_CERT)
+        buf = bytearray(hdr.length)
+        conn.recv_payload_into(hdr, buf, deadline=self.deadline)
+        cert = bytes(buf)
+        if s == 0 and cert != conn.cert:
+            raise FrameError(f"{conn.peer}: sent a certificate that is not the one it presented")
+        if s and not self.oseal.admit(origin, cert):  # type: ignore[union-attr]
+            raise FrameError(f"{conn.peer}: forwarded a certificate for rank {origin} that the run authority did "
+                             "not issue to it")
+        with self.cond:
+            self.certs[origin] = cert
+            self.cond.notify_all()
+        return cert
+
+    def _inspect(self, conn, wire: np.ndarray, j: int, sig: bytes | None) -> None:  # noqa: ANN001
+        """The predecessor's own piece ``j`` (its signature checked if signed): decode it and
+        show it to ``inspect``; keep it if found bad or undecodable (every rank skips an
+        undecodable one)."""
         a, b = self.plan.piece(0, j)
         try:
             theirs = quant.decode(wire, b - a, self.mode, self.block)
@@ -221,11 +288,8 @@ class _GatherRun(Pipeline):
             why = f"an undecodable payload ({e})"
         if not why:
             return
-        payload = wire.tobytes()
-        if self.seal is not None and not self.seal.verify(0, j, b - a, payload, sig):  # type: ignore[arg-type]
-            raise FrameError(f"{conn.peer}: its own piece {j} has {why}, and its signature does not verify")
         with self.cond:
-            self.findings.append(Finding(why, 0, j, b - a, payload, sig))
+            self.findings.append(Finding(why, 0, j, b - a, wire.tobytes(), sig))
 
     def run(self) -> np.ndarray:
         self.spawn(self.encoder, self.sender, self.receiver)
@@ -236,14 +300,15 @@ class _GatherRun(Pipeline):
 def ring_all_gather_mean(links: Links, x: np.ndarray, rank: int, world: int, *, mode: str, block: int,
                          piece_numel: int, deadline: float, out: np.ndarray | None = None,
                          dropped: np.ndarray | None = None, inspect: Inspect | None = None,
-                         findings: list[Finding] | None = None, seal: Seal | None = None,
+                         findings: list[Finding] | None = None, seal: OriginSeal | None = None,
                          own: Sequence[np.ndarray] | None = None, absent: frozenset[int] = frozenset()) -> np.ndarray:
     """Mean of ``x`` (flat float32) over the ring by an all-gather of encoded contributions,
     bit-identical on every rank (``out``: flat float32, not overlapping ``x``). ``dropped``:
     receives ``x - decode(encode(x))``. ``own``: this rank's payload pieces, encoded already
-    (then ``x`` only gives the length, and no ``dropped``). ``inspect``, ``findings``, ``seal``:
-    as the ring's. ``absent``: the ranks sitting the round out (their contributions add nothing;
-    the mean is still over N, as the ring's)."""
+    (then ``x`` only gives the length, and no ``dropped``). ``inspect``, ``findings``: as the
+    ring's; ``seal``: every piece signed by its origin and checked by every rank. ``absent``: the
+    ranks sitting the round out (their contributions add nothing; the mean is still over N, as
+    the ring's)."""
     if not codecs.gathered(mode):
         raise ValueError(f"{mode} is not a gathered codec")
     out = np.empty(x.shape[0], np.float32) if out is None else out

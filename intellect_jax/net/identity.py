@@ -324,6 +324,17 @@ def vouched(ca_der: bytes, cert_hex: str, name: str, data: bytes, signature_hex:
     return common_name(cert) == name and verify(bytes.fromhex(cert_hex), data, sig)
 
 
+def issued(ca_der: bytes, cert_der: bytes, name: str) -> int | None:
+    """The serial number of ``cert_der`` if the authority ``ca_der`` issued it to ``name`` (a
+    certificate a third party passed on), else None."""
+    try:
+        ca, cert = x509.load_der_x509_certificate(ca_der), x509.load_der_x509_certificate(cert_der)
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return None
+    return cert.serial_number if common_name(cert) == name else None
+
+
 def verify(cert_der: bytes, data: bytes, signature: bytes) -> bool:
     """Whether ``signature`` over ``data`` was made with the key of the certificate ``cert_der``."""
     try:
