@@ -147,11 +147,13 @@ def combine(payloads: Sequence[Sequence[np.ndarray]], p: RingPlan, mode: str, bl
             if r in absent:
                 continue
             try:
-                codecs.decode_add(payloads[r][j], b - a, mode, block, acc, scratch)
+                with np.errstate(invalid="ignore", over="ignore"):  # (a peer's inf, NaN: the checks see them)
+                    codecs.decode_add(payloads[r][j], b - a, mode, block, acc, scratch)
             except ValueError:
                 if skipped is not None:
                     skipped.append((r, j))
-        np.divide(acc, np.float32(world), out=acc)
+        with np.errstate(invalid="ignore", over="ignore"):
+            np.divide(acc, np.float32(world), out=acc)
     return out
 
 
