@@ -83,10 +83,13 @@ def check_data(node_id: str, data: DataPlan, nodes: dict[str, Node], rec: RunRec
 def admit(pending: list[Node], members: list[Node], step: int, epoch_id: int, seq: int,
           say: Callable[[str], None]) -> int:
     """Barrier ``step`` formed with ``members`` (ring order): give each pending joiner a donor,
-    round robin, for the state of outer step ``step + 1``; joiners take ring places after the
-    members in admission order (``seq``: the counter of such places; returns it advanced)."""
-    for i, j in enumerate(pending):
-        donor = members[i % len(members)]
+    round robin over every admission of the run (``seq``: its count so far), for the state of
+    outer step ``step + 1``; joiners take ring places after the members in admission order
+    (``seq`` also orders them; returns it advanced). So a joiner admitted again, after a
+    transfer that failed or a first barrier it did not pass, gets the next member as its donor:
+    one slow or lying donor cannot keep it out (nor stall every boundary by serving it)."""
+    for j in pending:
+        donor = members[seq % len(members)]
         seq += 1
         j.role, j.order, j.received = Role.ADMITTED, (1, seq), False
         j.admission = Admission(donor.node_id, donor.addr, step, step + 1, epoch_id)
