@@ -12,6 +12,7 @@ import pytest
 from intellect_jax.coordinator.policing import weigh
 from intellect_jax.coordinator.schema import Evidence
 from intellect_jax.net import NetNode, RingConfig, codecs, gather, quant
+from intellect_jax.net.comm import bucket_call
 from intellect_jax.net.evidence import SAT_OUT, verdict
 from intellect_jax.net.frames import HEADER_LEN
 from intellect_jax.testing.identities import credentials, transport_config
@@ -308,20 +309,29 @@ def test_socket_gather_skips_an_undecodable_piece_and_blames_its_sender() -> Non
             n.close()
 
 
-@pytest.mark.parametrize("trick", ["piece", "certificate"])
+@pytest.mark.parametrize("trick", ["piece", "certificate", "equivocation"])
 def test_socket_gather_a_forwarder_cannot_change_what_it_passes_on(monkeypatch: Any, trick: str) -> None:
     """Every forwarded piece carries its origin's signature, checked by every rank: rank 1,
     altering one code of rank 0's piece it forwards (with a fresh frame tag) or forwarding its
     own certificate as rank 0's, is named by rank 2, and no two ranks that complete the call
-    hold different results (unchecked, ranks 2 and 3 would have summed the altered piece)."""
+    hold different results (unchecked, ranks 2 and 3 would have summed the altered piece). Nor
+    when rank 0 signs a second version of that piece for rank 2 to pass on instead: rank 3 then
+    holds other bytes than ranks 0-2, and the signed digests each rank sends round before it
+    sums fail the call."""
     world, n = 4, 6000
     cfg = RingConfig(mode="top1of4", block_size=512, piece_numel=2048, deadline=10)
     xs = [_x(n, s) for s in range(world)]
     real_put = gather._GatherRun.put
 
     def put(self: Any, m: int, *item: Any) -> None:
-        if self.rank == 1 and m >= self.plan.pieces and m % self.plan.pieces == 0:  # rank 0's first piece
-            wire, _, sig, cert = item
+        if trick == "equivocation" and self.rank == 2 and m == 2 * self.plan.pieces:  # rank 0's first piece, to 3
+            wire, _, _, cert = item
+            wire = wire.copy()
+            wire[-1] ^= 0x03
+            a, b = self.plan.piece(0, 0)
+            item = (wire, None, comms[0]._origin_seal(bucket_call(0, 0)).sign(0, b - a, wire), cert)
+        elif trick != "equivocation" and self.rank == 1 and m >= self.plan.pieces and m % self.plan.pieces == 0:
+            wire, _, sig, cert = item  # rank 0's first piece, forwarded by rank 1
             if trick == "piece":
                 wire = wire.copy()
                 wire[-1] ^= 0x03  # one value's 2-bit code: still decodes, to another value
@@ -335,8 +345,12 @@ def test_socket_gather_a_forwarder_cannot_change_what_it_passes_on(monkeypatch: 
     try:
         comms = [nd.ring([(m.name, m.address) for m in nodes], r, config=cfg) for r, nd in enumerate(nodes)]
         outs, errs = _run(comms, xs, [None] * world)
-        assert errs[2] is not None and str(errs[2]).startswith("rank 1 (g1 "), errs
-        assert ("does not carry rank 0's signature" if trick == "piece" else "forwarded a certificate") in str(errs[2])
+        if trick == "equivocation":
+            assert any("holds other contributions than we do" in str(e) for e in errs), errs
+        else:
+            assert errs[2] is not None and str(errs[2]).startswith("rank 1 (g1 "), errs
+            assert ("does not carry rank 0's signature" if trick == "piece" else "forwarded a certificate") in \
+                str(errs[2])
         done = [o for o in outs if o is not None]
         want = gather.simulate(xs, cfg.mode, cfg.block_size, cfg.piece_numel)
         assert all(np.array_equal(o, want) for o in done)

@@ -649,7 +649,16 @@ class SocketCommunicator:
             serial = issued(ident.ca_der, cert, ids[origin])
             return serial is not None and not ident.revocations.revoked(serial)
 
-        return OriginSeal(sign, check, admit, ident.cert_der)
+        def holding(rank: int, d: bytes) -> bytes:
+            return evidence.holding_statement(run_id, self.step, self.epoch, call, ids[rank], d.hex())
+
+        def vouch(d: bytes) -> bytes:
+            return evidence.raw_signature(ident.sign(holding(self.rank, d)))
+
+        def vouched(rank: int, cert: bytes, d: bytes, sig: bytes) -> bool:
+            return verify(cert, holding(rank, d), evidence.der_signature(sig))
+
+        return OriginSeal(sign, check, admit, ident.cert_der, vouch, vouched)
 
     def _mesh_seal(self, call: int, links: Links) -> MeshSeal:
         """Signatures of call ``call`` in the butterfly: ours over our own pieces, to each

@@ -66,6 +66,13 @@ def statement(run_id: str, step: int, epoch: int, call: int, sender: str, receiv
                            digest(payload).hex())
 
 
+def holding_statement(run_id: str, step: int, epoch: int, call: int, holder: str, digest: str) -> bytes:
+    """What a rank of an all-gather signs once it holds every contribution: the digest (hex) of
+    the digests of every piece of every contribution, in rank order."""
+    return (f"intellect_jax holding\nrun {run_id}\nouter step {step}\nepoch {epoch}\ncall {call}\nrank {holder}\n"
+            f"blake3 {digest}").encode()
+
+
 def piece_statement(run_id: str, step: int, epoch: int, call: int, sender: str, receiver: str, segment: int,
                     piece: int, numel: int, mode: str, block: int, digest: str) -> bytes:
     """:func:`statement` of a piece known by its :func:`digest` (hex)."""

@@ -22,7 +22,10 @@ identity and not revoked). Every rank checks every piece's signature before it f
 it, and fails the call naming its predecessor at the first that does not verify: a rank that
 passes on another's contribution cannot change it, so no two ranks that complete a call ever
 sum different bytes (unsigned, a middle rank could alter what it forwards, and the ranks after
-it would part from the others with nobody to blame).
+it would part from the others with nobody to blame). An origin could still sign two versions of
+a piece and have an accomplice further on swap in the second; so before it sums, each rank
+signs the digest of every contribution as it holds it, the digests go once round the ring
+under their signatures, and a rank sums only if every one equals its own (:meth:`_GatherRun.agree`).
 Its predecessor's own pieces are shown to ``inspect`` whole, as they arrive; one that does not
 decode is evidence against its sender too, and adds nothing to the mean on any rank. The
 contributions of ranks sitting the round out (``absent``, the same on every rank) add nothing
@@ -43,7 +46,7 @@ import numpy as np
 
 from intellect_jax.net import codecs, quant
 from intellect_jax.net.errors import FrameError
-from intellect_jax.net.evidence import SAT_OUT
+from intellect_jax.net.evidence import SAT_OUT, SIG_BYTES, digest, hasher
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.plan import RingPlan, make_plan
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline
@@ -57,12 +60,16 @@ class OriginSeal:
     from: ``sign(piece, numel, payload)`` for our own pieces (a statement naming no receiver:
     every rank gets them), ``verify(origin, cert, piece, numel, payload, signature)`` for any
     rank's, with its certificate ``cert`` (DER); ``admit(origin, cert)``: whether the run
-    authority issued ``cert`` to ``origin``'s identity and has not revoked it; ``cert``: ours."""
+    authority issued ``cert`` to ``origin``'s identity and has not revoked it; ``cert``: ours;
+    ``vouch(digest)``, ``vouched(rank, cert, digest, signature)``: the signature of the digest
+    of every contribution as a rank holds it (:meth:`_GatherRun.agree`)."""
 
     sign: Callable[[int, int, bytes], bytes]
     verify: Callable[[int, bytes, int, int, Any, bytes], bool]
     admit: Callable[[int, bytes], bool]
     cert: bytes
+    vouch: Callable[[bytes], bytes]
+    vouched: Callable[[int, bytes, bytes, bytes], bool]
 
 
 @dataclass(frozen=True)
@@ -293,8 +300,35 @@ class _GatherRun(Pipeline):
         with self.cond:
             self.findings.append(Finding(why, 0, j, b - a, wire.tobytes(), sig))
 
+    def agree(self) -> None:
+        """Signed: our digest of every contribution as we hold it goes round the ring under our
+        signature, and every rank's comes to us the same way; each must equal ours (FrameError
+        otherwise: an origin signed two versions of a piece and ranks on either side of an
+        accomplice hold different ones). So no rank sums bytes another rank that completes does not."""
+        h = hasher()
+        for pieces in self.pays:
+            for w in pieces:
+                h.update(digest(w))  # type: ignore[arg-type]
+        mine, seal, out, inn = h.digest(), self.oseal, self.links.out[0], self.links.inn[0]
+        item = mine + seal.vouch(mine)  # type: ignore[union-attr]
+        for s in range(self.world - 1):
+            out.send(MsgType.DATA, item, deadline=self.deadline)
+            hdr = inn.recv_header(MsgType.DATA, deadline=self.deadline, length=len(item))
+            buf = bytearray(hdr.length)
+            inn.recv_payload_into(hdr, buf, deadline=self.deadline)
+            theirs, sig, origin = bytes(buf[:-SIG_BYTES]), bytes(buf[-SIG_BYTES:]), (self.rank - 1 - s) % self.world
+            if not seal.vouched(origin, self.certs[origin], theirs, sig):  # type: ignore[union-attr]
+                raise FrameError(f"{inn.peer}: rank {origin}'s digest of the contributions does not carry its "
+                                 "signature")
+            if theirs != mine:
+                raise FrameError(f"{inn.peer}: rank {origin} holds other contributions than we do (an origin "
+                                 "signed two versions of a piece)")
+            item = bytes(buf)
+
     def run(self) -> np.ndarray:
         self.spawn(self.encoder, self.sender, self.receiver)
+        if self.oseal is not None:
+            self.agree()
         return combine(self.pays, self.plan, self.mode, self.block, self.out, self.skipped,  # type: ignore[arg-type]
                        self.absent)
 

@@ -30,14 +30,15 @@ T = TypeVar("T")
 
 def ring_bytes(numel: int, world: int, rank: int, cfg: RingConfig) -> int:
     """Data-frame bytes (headers included) one rank sends in a socket ring all-reduce, the
-    signature frame after each of its own pieces included."""
+    signature frame after each of its own pieces included (the all-gather's: after each piece
+    it sends, and the digests of its last round; not its N - 1 certificates, about 0.5 KB each)."""
     if world == 1 or numel == 0:
         return 0
-    if codecs.gathered(cfg.mode):  # N - 1 whole contributions, our own pieces signed
+    if codecs.gathered(cfg.mode):  # N - 1 whole contributions, every piece signed by its origin
         p = gather.gather_plan(numel, cfg.block_size, cfg.piece_numel)
-        one = sum(HEADER_LEN + encoded_nbytes(b - a, cfg.mode, cfg.block_size)
+        one = sum(2 * HEADER_LEN + encoded_nbytes(b - a, cfg.mode, cfg.block_size) + SIG_BYTES
                   for a, b in (p.piece(0, j) for j in range(p.pieces)))
-        return (world - 1) * one + p.pieces * (HEADER_LEN + SIG_BYTES)
+        return (world - 1) * (one + HEADER_LEN + audit.DIGEST + SIG_BYTES)
     p = (plan.butterfly_plan if cfg.exchange == "butterfly" else plan.make_plan)(numel, world, cfg.block_size,
                                                                                 cfg.piece_numel)
     if cfg.exchange == "butterfly":  # our pieces of every other segment, signed; our aggregate to every other rank
