@@ -254,6 +254,32 @@ def test_rebuild_after_restart_keeps_epochs_monotonic_and_outer_step() -> None:
     assert not late.member and "in progress" in late.note
 
 
+def test_a_claim_ahead_of_the_journal_joins_and_evicts_nobody() -> None:
+    """A restarted coordinator with its journal takes no claim past the step after its newest
+    recorded one, nor an epoch it never made: such a node joins, and the members waiting at
+    the real boundary stay (an unsigned claim of outer step 10**6 with a huge epoch used to
+    evict them as behind and record the claimant's hash alone)."""
+    old = Run(min_nodes=2)
+    old.reg("a"), old.reg("b")
+    for k in range(3):
+        old.barrier(k, ["a", "b"], f"h{k}")
+    assert old.m.record.hwm_step == 2
+    r = Run(min_nodes=2, join_window=1.0, record=RunRecord.from_json(old.m.record.to_json()))
+    r.m.instance = "i2"
+    assert r.reg("a", resume=Resume(3, 1, 0, "h3")).member  # computed step 3, not yet recorded
+    r.arrive("a", 3, "h3")
+    far = r.reg("evil", resume=Resume(10**6, 1, 0, "x", ("evil",)))
+    assert not far.member and "ahead of the run's journal: state from outer step 1000000" in far.note
+    epoch = r.reg("evil2", resume=Resume(3, 2**53, 0, "h3", ("evil2",)))
+    assert not epoch.member and "ahead of the run's journal: epoch" in epoch.note
+    assert r.m.record.next_epoch < 10 and r.m.status(r.now)["evictions"] == []
+    assert r.reg("b", resume=Resume(3, 1, 1, "h3")).member
+    r.arrive("b", 3, "h3")
+    r.tick(1.1)
+    ep = r.result("a")
+    assert ep is not None and ep.outer_step == 3 and ep.node_ids == ["a", "b"] and r.m.record.hashes[3] == "h3"
+
+
 def test_rebuild_evicts_nodes_behind_and_demotes_fresh_founders() -> None:
     r = Run(min_nodes=3, join_window=1.0)
     r.reg("fresh"), r.reg("fresh2")  # registered first, as if the run were new
