@@ -92,6 +92,18 @@ def test_joiner_admitted_at_boundary_with_donor_then_member_next() -> None:
     assert r.m.status(r.now)["joiners"] == []
 
 
+def test_a_joiner_admitted_again_gets_the_next_donor() -> None:
+    """Donors rotate over the run's admissions: a joiner whose transfer failed is admitted at
+    the next boundary from another member, so one slow or lying donor cannot keep it out."""
+    r = Run(min_nodes=2)
+    r.reg("a"), r.reg("b"), r.barrier(0, ["a", "b"]), r.reg("j")
+    r.barrier(1, ["a", "b"])
+    assert r.m.admission_for("j", r.s["j"]).donor_id == "a"  # type: ignore[union-attr]
+    assert r.m.request_admission("j", r.s["j"], r.now, requeue=True) is None  # a's transfer failed
+    r.barrier(2, ["a", "b"])
+    assert r.m.admission_for("j", r.s["j"]).donor_id == "b"  # type: ignore[union-attr]
+
+
 def test_donor_death_requeues_joiner_with_new_donor() -> None:
     r = Run(min_nodes=2)
     r.reg("a"), r.reg("b"), r.barrier(0, ["a", "b"]), r.reg("j")
