@@ -359,6 +359,25 @@ def test_socket_gather_a_forwarder_cannot_change_what_it_passes_on(monkeypatch: 
             nd.close()
 
 
+def test_socket_gather_names_the_origin_of_a_revoked_certificate(monkeypatch: Any) -> None:
+    """A rank whose certificate another rank holds revoked fails that rank's call naming it, not
+    the honest rank that forwarded it."""
+    from cryptography import x509
+
+    world, n = 4, 3000  # (rank 2 has no link of its own with rank 0)
+    cfg = RingConfig(mode="top1of4", block_size=512, piece_numel=2048, deadline=10)
+    g0 = x509.load_der_x509_certificate(credentials("g0").cert_der).serial_number
+    monkeypatch.setattr(credentials("g2").revocations, "revoked", lambda serial: serial == g0)
+    nodes = _nodes(world)
+    try:
+        comms = [nd.ring([(m.name, m.address) for m in nodes], r, config=cfg) for r, nd in enumerate(nodes)]
+        outs, errs = _run(comms, [_x(n, s) for s in range(world)], [None] * world)
+        assert str(errs[2]).startswith("rank 0's certificate is revoked (forwarded by rank 1 (g1 "), errs
+    finally:
+        for nd in nodes:
+            nd.close()
+
+
 def test_dropped_needs_a_gathered_codec() -> None:
     group = LocalGroup(2, RingConfig(mode="int8"))
     with pytest.raises(ValueError, match="gathered codec"):

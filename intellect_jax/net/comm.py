@@ -645,9 +645,11 @@ class SocketCommunicator:
         def check(origin: int, cert: bytes, j: int, numel: int, payload: Any, sig: bytes) -> bool:
             return verify(cert, said(origin, j, numel, payload), evidence.der_signature(sig))
 
-        def admit(origin: int, cert: bytes) -> bool:
+        def admit(origin: int, cert: bytes) -> str | None:
             serial = issued(ident.ca_der, cert, ids[origin])
-            return serial is not None and not ident.revocations.revoked(serial)
+            if serial is None:
+                return "not issued to it by the run authority"
+            return "revoked" if ident.revocations.revoked(serial) else None
 
         def holding(rank: int, d: bytes) -> bytes:
             return evidence.holding_statement(run_id, self.step, self.epoch, call, ids[rank], d.hex())

@@ -59,14 +59,15 @@ class OriginSeal:
     """How a signed all-gather binds every piece to the rank that encoded it, wherever it comes
     from: ``sign(piece, numel, payload)`` for our own pieces (a statement naming no receiver:
     every rank gets them), ``verify(origin, cert, piece, numel, payload, signature)`` for any
-    rank's, with its certificate ``cert`` (DER); ``admit(origin, cert)``: whether the run
-    authority issued ``cert`` to ``origin``'s identity and has not revoked it; ``cert``: ours;
+    rank's, with its certificate ``cert`` (DER); ``admit(origin, cert)``: why ``cert`` is not
+    one the run authority issued to ``origin``'s identity and has not revoked (None: it is);
+    ``cert``: ours;
     ``vouch(digest)``, ``vouched(rank, cert, digest, signature)``: the signature of the digest
     of every contribution as a rank holds it (:meth:`_GatherRun.agree`)."""
 
     sign: Callable[[int, int, bytes], bytes]
     verify: Callable[[int, bytes, int, int, Any, bytes], bool]
-    admit: Callable[[int, bytes], bool]
+    admit: Callable[[int, bytes], str | None]
     cert: bytes
     vouch: Callable[[bytes], bytes]
     vouched: Callable[[int, bytes, bytes, bytes], bool]
@@ -267,16 +268,19 @@ class _GatherRun(Pipeline):
     def _cert(self, conn, s: int, origin: int) -> bytes:  # noqa: ANN001
         """The certificate that comes before the first piece of ``origin``'s contribution: our
         predecessor's own must be the one its connection presented; a forwarded one, issued by the
-        run authority to ``origin``'s identity and not revoked."""
+        run authority to ``origin``'s identity and not revoked. A revoked one is that rank's own
+        doing, not its forwarder's: the error names it."""
         hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, max_len=MAX_CERT)
         buf = bytearray(hdr.length)
         conn.recv_payload_into(hdr, buf, deadline=self.deadline)
         cert = bytes(buf)
         if s == 0 and cert != conn.cert:
             raise FrameError(f"{conn.peer}: sent a certificate that is not the one it presented")
-        if s and not self.oseal.admit(origin, cert):  # type: ignore[union-attr]
-            raise FrameError(f"{conn.peer}: forwarded a certificate for rank {origin} that the run authority did "
-                             "not issue to it")
+        why = self.oseal.admit(origin, cert)  # type: ignore[union-attr]
+        if why == "revoked":
+            raise FrameError(f"rank {origin}'s certificate is revoked" + (f" (forwarded by {conn.peer})" if s else ""))
+        if why:
+            raise FrameError(f"{conn.peer}: forwarded a certificate for rank {origin} that is {why}")
         with self.cond:
             self.certs[origin] = cert
             self.cond.notify_all()
