@@ -43,7 +43,9 @@ def test_checkpoint_store_round_trip_and_fallback_past_a_damaged_checkpoint(tmp_
     got = store.latest()
     assert got.outer_step == 1 and S.state_hash(got) == S.state_hash(s1)
     assert len(warnings) == 1 and "checkpoint 8 is damaged" in warnings[0] and "falling back to checkpoint 4" in warnings[0]
-    assert "ckpt/8/diloco" in warnings[0]  # names where the damage is
+    # names where the damage is: the item when a checksum shows it, the checkpoint when tensorstore
+    # cannot decode the file (which of the two depends on what the flipped byte lands in)
+    assert "ckpt/8/diloco" in warnings[0] or "ckpt/8: " in warnings[0], warnings
     # a state the run did not keep (same inner step, other bytes) is replaced, not kept beside
     other = s1._replace(outer_params=S.to_host(t.state.params), inner_opt_state=inner.live_opt_state())
     store.save(other, wait=True)
