@@ -137,6 +137,15 @@ def test_a_donor_meets_fuzzed_receipts_with_net_errors_only() -> None:
     assert donor.send("joiner:1", "j", s, meta, timeout=2) == sum(a.nbytes for a in leaves(s.arrays()))
 
 
+def test_a_donor_gives_up_after_its_configured_transfer_timeout() -> None:
+    """The donor's transfer takes the node's ``diloco.transfer_timeout``, not a fixed 600 s."""
+    s, seen = _small(), []
+    donor = NetTransport(_Answering(), "d1", watch_interval=0.05, serve_timeout=7.5)  # type: ignore[arg-type]
+    donor.send = lambda *a: seen.append(a[4]) or 0  # type: ignore[method-assign]
+    assert donor.serve("j", "joiner:1", s, {}).wait(5)
+    assert seen == [7.5]
+
+
 # ---------------------------------------------------------------------------- what the hash does not cover
 CFG = OptimConfig(b1=0.9, b2=0.95, clip_norm=1.0)
 

@@ -120,7 +120,8 @@ class DilocoNode:
         store = CheckpointStore(self.trainer, resume=self.cfg.ckpt.resume, init_from=d.init_from,
                                 meta={"node_id": self.node_id, "node_rank": d.data_rank, "node_count": d.data_ranks},
                                 warn=self._log)
-        transport = NetTransport(self.net, self.node_id, log=self._log, watch_interval=d.heartbeat_interval)
+        transport = NetTransport(self.net, self.node_id, log=self._log, watch_interval=d.heartbeat_interval,
+                                 serve_timeout=d.transfer_timeout)
         dpg = self.path.build(d.block_size)
         if multi:
             self._log(f"speaking for {jax.process_count()} processes; waiting for the others to connect")

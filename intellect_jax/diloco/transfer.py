@@ -80,16 +80,18 @@ class NetTransport:
     """State transfer between nodes' :class:`~intellect_jax.net.comm.NetNode` endpoints."""
 
     def __init__(self, net: NetNode, node_id: str, *, clock: Clock = REAL, log: Callable[[str], None] = print,
-                 watch_interval: float = 1.0, chunk_bytes: int = 8 << 20) -> None:
+                 watch_interval: float = 1.0, chunk_bytes: int = 8 << 20, serve_timeout: float = 600.0) -> None:
+        """``serve_timeout``: how long a donor's transfer may take (``diloco.transfer_timeout``)."""
         self.net, self.node_id, self.clock, self.log = net, node_id, clock, log
-        self.watch_interval, self.chunk_bytes = watch_interval, chunk_bytes
+        self.watch_interval, self.chunk_bytes, self.serve_timeout = watch_interval, chunk_bytes, serve_timeout
         self.last: dict[str, Any] = {}  # stats of the last transfer (bytes, seconds)
 
     def serve(self, joiner_id: str, joiner_addr: str, snapshot: DilocoState, meta: dict[str, Any],
-              cancelled: Callable[[], bool] = lambda: False, timeout: float = 600.0) -> Any:
+              cancelled: Callable[[], bool] = lambda: False, timeout: float | None = None) -> Any:
         """Stream ``snapshot`` to a joiner from a background thread; returns an event set when done
-        (sent, failed, or ``cancelled()``)."""
+        (sent, failed, or ``cancelled()``); ``timeout``: the transport's ``serve_timeout`` unless given."""
         done = self.clock.Event()
+        timeout = self.serve_timeout if timeout is None else timeout
 
         def run() -> None:
             t0, wall = time.monotonic(), time.time()
