@@ -232,6 +232,10 @@ def test_socket_gather_inspects_the_whole_contribution_and_blames_its_sender() -
         found, note = weigh(Evidence.model_validate(ev), accused="g1", accuser="g2", step=0, epoch_id=0,
                             run_id="gather-test", ca=credentials("g1").ca_der, recorded=None)
         assert found == "non-finite values", note
+        # signed with a certificate the authority has since revoked (a stolen key): shows nothing
+        found, note = weigh(Evidence.model_validate(ev), accused="g1", accuser="g2", step=0, epoch_id=0,
+                            run_id="gather-test", ca=credentials("g1").ca_der, recorded=None, revoked=lambda s: True)
+        assert found is None and "revoked certificate of g1" in note, note
     finally:
         for n in nodes:
             n.close()

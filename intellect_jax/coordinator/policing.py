@@ -44,6 +44,7 @@ import binascii
 from collections.abc import Callable
 
 import numpy as np
+from cryptography import x509
 
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Node
@@ -63,13 +64,16 @@ def follows(ring: tuple[str, ...], accuser: str, accused: str) -> bool:
 
 
 def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser: str, accused: str,
-          ca: bytes | None, recorded: str | None, sat_out: bool = False) -> tuple[str | None, str]:
+          ca: bytes | None, recorded: str | None, sat_out: bool = False,
+          revoked: Callable[[int], bool] | None = None) -> tuple[str | None, str]:
     """Whether ``ev`` shows ``accused``'s own piece in outer step ``step``'s all-reduce (epoch
     ``epoch_id``, received by ``accuser``) bad: (verdict, "") or (None, why it does not).
     ``ca``: the run authority's certificate (DER), which must have issued to ``accused`` the
     certificate that signed the piece (None: an in-process run, nothing is signed);
     ``recorded``: the hash the run recorded for ``step``, which the scale must open;
-    ``sat_out``: the accused declared it sits that all-reduce out (any value it sent is bad)."""
+    ``sat_out``: the accused declared it sits that all-reduce out (any value it sent is bad);
+    ``revoked(serial)``: whether the authority revoked the certificate the piece was signed with
+    (a key stolen and since revoked signs nothing against its identity's new certificate)."""
     if ev is None:
         return None, "no evidence"
     if (ev.step, ev.epoch) != (step, epoch_id):
@@ -91,6 +95,8 @@ def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser
         if ev.signature is None or ev.cert is None or not vouched(
                 ca, ev.cert, accused, said, der_signature(bytes.fromhex(ev.signature)).hex()):
             return None, f"the evidence's piece does not carry {accused}'s signature"
+        if revoked is not None and revoked(x509.load_der_x509_certificate(bytes.fromhex(ev.cert)).serial_number):
+            return None, f"the evidence's piece is signed with a revoked certificate of {accused}"
     ref = None
     if ev.opening is not None:
         o = ev.opening
@@ -201,6 +207,7 @@ class Police:
     def __init__(self, config: CoordinatorConfig, say: Callable[[str], None], ca: bytes | None = None) -> None:
         self.config, self._say = config, say
         self.ca = ca  # the run authority's certificate (DER): evidence must be signed (None: in process)
+        self.revoked: Callable[[int], bool] | None = None  # (serial) -> whether the authority revoked it
         self.frauds: dict[str, str] = {}  # the last barrier's members shown at fault by an audit (banned)
         self.certs: dict[str, str] = {}  # node -> the certificate (DER, hex) it presents to this coordinator
         # barrier step -> (epoch id, ring order, members sitting that all-reduce out)
@@ -234,7 +241,8 @@ class Police:
                 continue  # gone already: nothing to weigh it against
             try:
                 guilty, flaw = weigh(r.evidence, run_id=run_id, step=step - 1, epoch_id=epoch_id, accuser=n.node_id,
-                                     accused=accused, ca=self.ca, recorded=recorded, sat_out=accused in sat_out)
+                                     accused=accused, ca=self.ca, recorded=recorded, sat_out=accused in sat_out,
+                                     revoked=self.revoked)
             except Exception as e:  # noqa: BLE001 - whatever a peer sent, the barrier goes on
                 guilty, flaw = None, f"it could not be checked ({type(e).__name__})"
             if guilty is None:

@@ -93,6 +93,7 @@ class Coordinator:
         self.config = config or CoordinatorConfig()
         self.service = CoordinatorService(self.config, run_id=cfg.run_id, check_addr=dialable,
                                           crl=cfg.identity.revocations.current, ca=cfg.identity.ca_der,
+                                          revoked=cfg.identity.revocations.revoked,
                                           journal=Journal(journal) if journal else None)
         self.membership = self.service.membership
         self._lock = threading.Lock()

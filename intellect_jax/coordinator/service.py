@@ -47,7 +47,8 @@ class CoordinatorService:
                  journal: Journal | None = None, instance: str | None = None,
                  on_event: Callable[[str], None] | None = None,
                  check_addr: Callable[[str], object] | None = None,
-                 crl: Callable[[], tuple[int, bytes] | None] | None = None, ca: bytes | None = None) -> None:
+                 crl: Callable[[], tuple[int, bytes] | None] | None = None, ca: bytes | None = None,
+                 revoked: Callable[[int], bool] | None = None) -> None:
         self.config = config or CoordinatorConfig()
         self._check_addr = check_addr  # raises ValueError for a ring address nobody could dial
         self._crl = crl  # (identities revoked, PEM) of the run's revocation list in force, handed to members
@@ -55,6 +56,7 @@ class CoordinatorService:
         record = journal.load(run_id) if journal is not None else RunRecord(run_id=run_id)
         self.membership = Membership(self.config, instance or os.urandom(4).hex(), record)
         self.membership.police.ca = ca  # accusations must show pieces signed under this authority
+        self.membership.police.revoked = revoked  # (serial) -> revoked: a strike's certificate must not be
         self._on_event = on_event
         self._cond = clock.Condition()
         self._stopped = False
