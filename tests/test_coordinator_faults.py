@@ -124,8 +124,12 @@ def _lost_newest_state(**kw: Any) -> Run:
     return r
 
 
-def test_automatic_rollback_after_the_configured_wait() -> None:
+@pytest.mark.parametrize("liar", [None, Resume(10**6, 1, 0, "x"), Resume(3, 2**53, 0, "h3")])
+def test_automatic_rollback_after_the_configured_wait(liar: Resume | None) -> None:
+    """(A claim ahead of the journal, which registers as a joiner, holds no rollback back.)"""
     r = _lost_newest_state(auto_rollback_after=60.0)
+    if liar is not None:
+        assert "ahead of the run's journal" in r.reg("evil", resume=liar).note
     r.tick(59.0)
     assert r.m.admission_for("b", r.s["b"]) is None and not r.m.record.rollbacks  # still waiting
     r.tick(1.5)

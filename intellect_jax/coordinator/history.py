@@ -163,7 +163,7 @@ class History:
         if not self.overdue(now, resuming) or self.unknown:
             return None
         rec = self.record
-        held = [c.outer_step for c in claims if not rec.judge(c.outer_step, c.state_hash, 0)]
+        held = [c.outer_step for c in claims if not rec.judge(c.outer_step, c.state_hash, 0, c.epoch_id)]
         if not held or max(held) >= floor:
             return None  # nothing to roll back to yet, or the state the run waits for is here
         to = max(held)

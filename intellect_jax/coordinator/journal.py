@@ -79,11 +79,17 @@ class RunRecord:
         self.certs = {k: c for k, c in self.certs.items() if k in used}
         self.rev += 1
 
-    def judge(self, step: int, state_hash: str | None, floor: int) -> str:
-        """Why a state of outer step ``step`` cannot resume a rebuilt run whose lowest acceptable
-        step is ``floor`` ('' if it can): behind, or other bytes than the recorded ones."""
+    def judge(self, step: int, state_hash: str | None, floor: int, epoch_id: int = 0) -> str:
+        """Why a state of outer step ``step`` (last in epoch ``epoch_id``) cannot resume a rebuilt
+        run whose lowest acceptable step is ``floor`` ('' if it can): behind; ahead of what this
+        record knows (no honest state is past the step after its newest, nor of an epoch it never
+        made: claims are unsigned); or other bytes than the recorded ones."""
         if step < floor:
             return f"behind: state from outer step {step}, the run has reached {floor}"
+        if self.hwm_step is not None and step > self.hwm_step + 1:
+            return f"ahead of the run's journal: state from outer step {step}, the run has recorded {self.hwm_step}"
+        if self.hwm_step is not None and epoch_id > self.next_epoch:
+            return f"ahead of the run's journal: epoch {epoch_id}, the run has made none after {self.next_epoch - 1}"
         recorded = self.hashes.get(step)
         if recorded and state_hash and state_hash != recorded:
             return f"diverged: state hash {state_hash[:16]} at outer step {step}, the run's is {recorded[:16]}"

@@ -330,15 +330,7 @@ class Membership:
         if self.started:
             return (f"the run is in progress at outer step {self.outer_step}; state from step "
                     f"{claim.outer_step} joins")
-        rec = self.record
-        if rec.hwm_step is not None:  # the journal: no honest state is past the step after its newest
-            if claim.outer_step > rec.hwm_step + 1:
-                return (f"ahead of the run's journal: state from outer step {claim.outer_step}, the run has "
-                        f"recorded {rec.hwm_step}")
-            if claim.epoch_id > rec.next_epoch:
-                return (f"ahead of the run's journal: epoch {claim.epoch_id}, the run has made none after "
-                        f"{rec.next_epoch - 1}")
-        return rec.judge(claim.outer_step, claim.state_hash, self._floor)
+        return self.record.judge(claim.outer_step, claim.state_hash, self._floor, claim.epoch_id)
 
     def _get(self, node_id: str, session: str) -> Node:
         node = self._nodes.get(node_id)
