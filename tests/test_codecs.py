@@ -9,8 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from intellect_jax.coordinator.policing import weigh
-from intellect_jax.coordinator.schema import Evidence
+from intellect_jax.coordinator.policing import REVOKED, Police, weigh
+from intellect_jax.coordinator.protocol import CoordinatorConfig
+from intellect_jax.coordinator.roster import Arrival, Node, Role
+from intellect_jax.coordinator.schema import Evidence, Report
 from intellect_jax.net import NetNode, RingConfig, codecs, gather, quant
 from intellect_jax.net.comm import bucket_call
 from intellect_jax.net.evidence import SAT_OUT, verdict
@@ -235,7 +237,19 @@ def test_socket_gather_inspects_the_whole_contribution_and_blames_its_sender() -
         # signed with a certificate the authority has since revoked (a stolen key): shows nothing
         found, note = weigh(Evidence.model_validate(ev), accused="g1", accuser="g2", step=0, epoch_id=0,
                             run_id="gather-test", ca=credentials("g1").ca_der, recorded=None, revoked=lambda s: True)
-        assert found is None and "revoked certificate of g1" in note, note
+        assert found is None and note == REVOKED + "g1", note
+        # ... nor against its accuser: the key may have been revoked after it signed
+        said: list[str] = []
+        police = Police(CoordinatorConfig(), said.append, ca=credentials("g1").ca_der)
+        police.revoked = lambda serial: True
+        police.formed(0, 0, ("g0", "g1", "g2"))
+        members = [Node(i, f"127.0.0.1:{k + 1}", 1, "s", Role.MEMBER, (k, 0), 0.0, arrival=Arrival(
+            1, 0.0, "h", False, report=Report(accused=["g1", why], evidence=Evidence.model_validate(ev))
+            if i == "g2" else None)) for k, i in enumerate(("g0", "g1", "g2"))]
+        keep, evict = police.judge(1, members, "gather-test")
+        assert evict == [] and [n.false_accusations for n in members] == [0, 0, 0] and [n.strikes for n in members] \
+            == [0, 0, 0]
+        assert any("signed with a certificate since revoked" in line for line in said), said
     finally:
         for n in nodes:
             n.close()

@@ -63,6 +63,9 @@ def follows(ring: tuple[str, ...], accuser: str, accused: str) -> bool:
     return accused in ring and accuser in ring and ring.index(accuser) == (ring.index(accused) + 1) % len(ring)
 
 
+REVOKED = "the evidence's piece is signed with a revoked certificate of "  # (shows nothing, against nobody)
+
+
 def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser: str, accused: str,
           ca: bytes | None, recorded: str | None, sat_out: bool = False,
           revoked: Callable[[int], bool] | None = None) -> tuple[str | None, str]:
@@ -96,7 +99,7 @@ def weigh(ev: Evidence | None, *, run_id: str, step: int, epoch_id: int, accuser
                 ca, ev.cert, accused, said, der_signature(bytes.fromhex(ev.signature)).hex()):
             return None, f"the evidence's piece does not carry {accused}'s signature"
         if revoked is not None and revoked(x509.load_der_x509_certificate(bytes.fromhex(ev.cert)).serial_number):
-            return None, f"the evidence's piece is signed with a revoked certificate of {accused}"
+            return None, f"{REVOKED}{accused}"
     ref = None
     if ev.opening is not None:
         o = ev.opening
@@ -245,6 +248,10 @@ class Police:
                                      revoked=self.revoked)
             except Exception as e:  # noqa: BLE001 - whatever a peer sent, the barrier goes on
                 guilty, flaw = None, f"it could not be checked ({type(e).__name__})"
+            if guilty is None and flaw.startswith(REVOKED):  # (maybe revoked after it signed: against nobody)
+                self._say(f"{n.node_id} shows a piece of {accused} signed with a certificate since revoked: "
+                          "it counts for nothing")
+                continue
             if guilty is None:
                 self._false(n, accused, why, f"its evidence does not hold: {flaw}")
                 continue
