@@ -104,6 +104,19 @@ def test_a_joiner_admitted_again_gets_the_next_donor() -> None:
     assert r.m.admission_for("j", r.s["j"]).donor_id == "b"  # type: ignore[union-attr]
 
 
+def test_a_second_joiner_cannot_pin_a_joiner_to_its_donor() -> None:
+    """Two joiners admitted at every boundary of a two-member run would put each back on the same
+    donor by the run's counter alone; a joiner's own past donors are skipped."""
+    r = Run(min_nodes=2)
+    r.reg("a"), r.reg("b"), r.barrier(0, ["a", "b"]), r.reg("j1"), r.reg("j2")
+    r.barrier(1, ["a", "b"])
+    assert [r.m.admission_for(n, r.s[n]).donor_id for n in ("j1", "j2")] == ["a", "b"]  # type: ignore[union-attr]
+    for n in ("j1", "j2"):
+        assert r.m.request_admission(n, r.s[n], r.now, requeue=True) is None
+    r.barrier(2, ["a", "b"])
+    assert [r.m.admission_for(n, r.s[n]).donor_id for n in ("j1", "j2")] == ["b", "a"]  # type: ignore[union-attr]
+
+
 def test_donor_death_requeues_joiner_with_new_donor() -> None:
     r = Run(min_nodes=2)
     r.reg("a"), r.reg("b"), r.barrier(0, ["a", "b"]), r.reg("j")

@@ -85,11 +85,17 @@ def admit(pending: list[Node], members: list[Node], step: int, epoch_id: int, se
     """Barrier ``step`` formed with ``members`` (ring order): give each pending joiner a donor,
     round robin over every admission of the run (``seq``: its count so far), for the state of
     outer step ``step + 1``; joiners take ring places after the members in admission order
-    (``seq`` also orders them; returns it advanced). So a joiner admitted again, after a
-    transfer that failed or a first barrier it did not pass, gets the next member as its donor:
-    one slow or lying donor cannot keep it out (nor stall every boundary by serving it)."""
+    (``seq`` also orders them; returns it advanced), skipping the members that were a joiner's
+    donor before (until it has tried them all). So a joiner admitted again, after a transfer that
+    failed or a first barrier it did not pass, gets another donor: one slow or lying donor cannot
+    keep it out (nor stall every boundary by serving it)."""
     for j in pending:
-        donor = members[seq % len(members)]
+        turn = [members[(seq + k) % len(members)] for k in range(len(members))]
+        fresh = [m for m in turn if m.node_id not in j.donors]
+        if not fresh:
+            j.donors.clear()
+        donor = (fresh or turn)[0]
+        j.donors.add(donor.node_id)
         seq += 1
         j.role, j.order, j.received = Role.ADMITTED, (1, seq), False
         j.admission = Admission(donor.node_id, donor.addr, step, step + 1, epoch_id)

@@ -55,6 +55,7 @@ class Node:
     false_accusations: int = 0  # accusations without valid evidence (policing.py)
     stalls: int = 0  # failed calls in a row in which most others named it as withholding its pieces (policing.py)
     data: DataPlan | None = None  # how it reads its data (None: it did not say)
+    donors: set[str] = field(default_factory=set)  # its donors so far (a joiner admitted again gets another)
 
 
 @dataclass(frozen=True)
