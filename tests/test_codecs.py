@@ -15,7 +15,7 @@ from intellect_jax.coordinator.roster import Arrival, Node, Role
 from intellect_jax.coordinator.schema import Evidence, Report
 from intellect_jax.net import NetNode, RingConfig, codecs, gather, quant
 from intellect_jax.net.comm import bucket_call
-from intellect_jax.net.evidence import SAT_OUT, verdict
+from intellect_jax.net.evidence import SAT_OUT, digest, verdict
 from intellect_jax.net.frames import HEADER_LEN
 from intellect_jax.testing.identities import credentials, transport_config
 from intellect_jax.testing.local_ring import LocalGroup, ring_bytes
@@ -347,7 +347,7 @@ def test_socket_gather_a_forwarder_cannot_change_what_it_passes_on(monkeypatch: 
             wire = wire.copy()
             wire[-1] ^= 0x03
             a, b = self.plan.piece(0, 0)
-            item = (wire, None, comms[0]._origin_seal(bucket_call(0, 0)).sign(0, b - a, wire), cert)
+            item = (wire, None, comms[0]._origin_seal(bucket_call(0, 0)).sign(0, b - a, digest(wire)), cert)
         elif trick != "equivocation" and self.rank == 1 and m >= self.plan.pieces and m % self.plan.pieces == 0:
             wire, _, sig, cert = item  # rank 0's first piece, forwarded by rank 1
             if trick == "piece":

@@ -635,15 +635,15 @@ class SocketCommunicator:
         one must show the run authority issued to it (and did not revoke)."""
         cfg, run_id, ids, ident = self.config, self.node.cfg.run_id, self.ids, self.node.cfg.identity
 
-        def said(origin: int, j: int, numel: int, payload: Any) -> bytes:
-            return evidence.statement(run_id, self.step, self.epoch, call, ids[origin], evidence.EVERYONE, 0, j,
-                                      numel, cfg.mode, cfg.block_size, payload)
+        def said(origin: int, j: int, numel: int, d: bytes) -> bytes:
+            return evidence.piece_statement(run_id, self.step, self.epoch, call, ids[origin], evidence.EVERYONE, 0, j,
+                                            numel, cfg.mode, cfg.block_size, d.hex())
 
-        def sign(j: int, numel: int, payload: Any) -> bytes:
-            return evidence.raw_signature(ident.sign(said(self.rank, j, numel, payload)))
+        def sign(j: int, numel: int, d: bytes) -> bytes:
+            return evidence.raw_signature(ident.sign(said(self.rank, j, numel, d)))
 
-        def check(origin: int, cert: bytes, j: int, numel: int, payload: Any, sig: bytes) -> bool:
-            return verify(cert, said(origin, j, numel, payload), evidence.der_signature(sig))
+        def check(origin: int, cert: bytes, j: int, numel: int, d: bytes, sig: bytes) -> bool:
+            return verify(cert, said(origin, j, numel, d), evidence.der_signature(sig))
 
         def admit(origin: int, cert: bytes) -> str | None:
             serial = issued(ident.ca_der, cert, ids[origin])

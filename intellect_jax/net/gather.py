@@ -57,16 +57,16 @@ MAX_CERT = 8192  # bytes of a certificate (DER) a rank reads from its predecesso
 @dataclass(frozen=True)
 class OriginSeal:
     """How a signed all-gather binds every piece to the rank that encoded it, wherever it comes
-    from: ``sign(piece, numel, payload)`` for our own pieces (a statement naming no receiver:
-    every rank gets them), ``verify(origin, cert, piece, numel, payload, signature)`` for any
-    rank's, with its certificate ``cert`` (DER); ``admit(origin, cert)``: why ``cert`` is not
-    one the run authority issued to ``origin``'s identity and has not revoked (None: it is);
-    ``cert``: ours;
+    from: ``sign(piece, numel, digest)`` for our own pieces (a statement naming no receiver:
+    every rank gets them), ``verify(origin, cert, piece, numel, digest, signature)`` for any
+    rank's, with its certificate ``cert`` (DER), each by the piece's :func:`~.evidence.digest`;
+    ``admit(origin, cert)``: why ``cert`` is not one the run authority issued to ``origin``'s
+    identity and has not revoked (None: it is); ``cert``: ours;
     ``vouch(digest)``, ``vouched(rank, cert, digest, signature)``: the signature of the digest
     of every contribution as a rank holds it (:meth:`_GatherRun.agree`)."""
 
     sign: Callable[[int, int, bytes], bytes]
-    verify: Callable[[int, bytes, int, int, Any, bytes], bool]
+    verify: Callable[[int, bytes, int, int, bytes, bytes], bool]
     admit: Callable[[int, bytes], str | None]
     cert: bytes
     vouch: Callable[[bytes], bytes]
@@ -197,6 +197,7 @@ class _GatherRun(Pipeline):
         self.inspect, self.oseal = inspect, seal
         self.plan = gather_plan(x.shape[0], block, piece_numel)
         self.certs: dict[int, bytes] = {} if seal is None else {rank: seal.cert}  # origin -> its certificate
+        self.digests: list[list[bytes]] = [[b""] * self.plan.pieces for _ in range(world)]  # signed: each piece's
         self.own, self.absent = own, absent
         self.pays: list[list[np.ndarray | None]] = [[None] * self.plan.pieces for _ in range(world)]
         self.findings: list[Finding] = []
@@ -213,6 +214,8 @@ class _GatherRun(Pipeline):
             wire = self.own[j] if self.own is not None else \
                 encode_own(self.x, self.plan, self.mode, self.block, self.dropped, j)[0]
             self.pays[self.rank][j] = wire
+            if self.oseal is not None:  # (hashed once: signed by the sender, summed up by agree)
+                self.digests[self.rank][j] = digest(wire)
             self.put(j, wire, None, None, None)
 
     @property
@@ -235,7 +238,7 @@ class _GatherRun(Pipeline):
             if seal is not None:
                 if not s:
                     a, b = self.plan.piece(0, j)
-                    sig = seal.sign(j, b - a, wire)
+                    sig = seal.sign(j, b - a, self.digests[self.rank][j])
                 conn.send(MsgType.DATA, sig, deadline=self.deadline)
 
     def receiver(self, k: int) -> None:
@@ -255,8 +258,8 @@ class _GatherRun(Pipeline):
             if self.oseal is not None:
                 if not self.wait_for(lambda: origin in self.certs, f"rank {origin}'s certificate"):
                     return
-                cert_of = self.certs[origin]
-                if not self.oseal.verify(origin, cert_of, j, b - a, wire, sig):  # type: ignore[arg-type]
+                d = self.digests[origin][j] = digest(wire)
+                if not self.oseal.verify(origin, self.certs[origin], j, b - a, d, sig):  # type: ignore[arg-type]
                     raise FrameError(f"{conn.peer}: piece {j} of rank {origin}'s contribution does not carry rank "
                                      f"{origin}'s signature" + (" (it forwarded it)" if s else ""))
             if s == 0:
@@ -310,9 +313,9 @@ class _GatherRun(Pipeline):
         otherwise: an origin signed two versions of a piece and ranks on either side of an
         accomplice hold different ones). So no rank sums bytes another rank that completes does not."""
         h = hasher()
-        for pieces in self.pays:
-            for w in pieces:
-                h.update(digest(w))  # type: ignore[arg-type]
+        for ds in self.digests:
+            for d in ds:
+                h.update(d)
         mine, seal, out, inn = h.digest(), self.oseal, self.links.out[0], self.links.inn[0]
         item = mine + seal.vouch(mine)  # type: ignore[union-attr]
         for s in range(self.world - 1):
