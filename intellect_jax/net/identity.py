@@ -356,14 +356,25 @@ def issued(ca_der: bytes, cert_der: bytes, name: str) -> int | None:
 
 def verify(cert_der: bytes, data: bytes, signature: bytes) -> bool:
     """Whether ``signature`` over ``data`` was made with the key of the certificate ``cert_der``."""
+    key = _public_key(bytes(cert_der))
+    if key is None:
+        return False
     try:
-        key = x509.load_der_x509_certificate(cert_der).public_key()
-        if not isinstance(key, ec.EllipticCurvePublicKey):
-            return False
         key.verify(signature, data, ec.ECDSA(hashes.SHA256()))
         return True
     except (InvalidSignature, ValueError, TypeError):
         return False
+
+
+@functools.lru_cache(maxsize=1024)
+def _public_key(cert_der: bytes) -> ec.EllipticCurvePublicKey | None:
+    """The EC public key of a certificate (kept: the exchanges check every piece of a call
+    against the same few certificates; parsing one is a fifth of a check)."""
+    try:
+        key = x509.load_der_x509_certificate(cert_der).public_key()
+    except (ValueError, TypeError):
+        return None
+    return key if isinstance(key, ec.EllipticCurvePublicKey) else None
 
 
 # ---- the operator's side -------------------------------------------------------------------------
