@@ -319,33 +319,14 @@ def vouched(ca_der: bytes, cert_hex: str, name: str, data: bytes, signature_hex:
         cert, sig = bytes.fromhex(cert_hex), bytes.fromhex(signature_hex)
     except (ValueError, TypeError):
         return False
-    key = _vouched_key(ca_der, cert, name)
-    if key is None:
-        return False
-    try:
-        key.verify(sig, data, ec.ECDSA(hashes.SHA256()))
-        return True
-    except (InvalidSignature, ValueError, TypeError):
-        return False
+    return issued(ca_der, cert, name) is not None and verify(cert, data, sig)
 
 
 @functools.lru_cache(maxsize=1024)
-def _vouched_key(ca_der: bytes, cert_der: bytes, name: str) -> ec.EllipticCurvePublicKey | None:
-    """The public key of ``cert_der`` if ``ca_der`` issued it to ``name`` (kept: a coordinator
-    checks many signatures by the same few certificates, each check of the issuer itself a
-    signature check)."""
-    try:
-        ca, cert = x509.load_der_x509_certificate(ca_der), x509.load_der_x509_certificate(cert_der)
-        cert.verify_directly_issued_by(ca)
-        key = cert.public_key()
-    except (ValueError, TypeError, InvalidSignature):
-        return None
-    return key if isinstance(key, ec.EllipticCurvePublicKey) and common_name(cert) == name else None
-
-
 def issued(ca_der: bytes, cert_der: bytes, name: str) -> int | None:
     """The serial number of ``cert_der`` if the authority ``ca_der`` issued it to ``name`` (a
-    certificate a third party passed on), else None."""
+    certificate a third party passed on), else None (kept: a coordinator checks many signatures
+    by the same few certificates, and each check of the issuer is itself a signature check)."""
     try:
         ca, cert = x509.load_der_x509_certificate(ca_der), x509.load_der_x509_certificate(cert_der)
         cert.verify_directly_issued_by(ca)
