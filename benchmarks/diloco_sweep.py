@@ -11,7 +11,7 @@ trainers in one process (`intellect_jax.testing.local.run_local`: threads, in-pr
 coordinator, the ring's arithmetic in-process), each node on its own data shard. Same model,
 data, schedule and validation windows as the experiment (`configs/debug_diloco.toml`, warmup
 10%, decay 20% of the steps, 128 held-out sequences). `--mode fp32` (default) averages in fp32,
-`--mode int8` as the experiment's wire format, `int4`, `int2`, `topk`, `top1` as those codecs
+`--mode int8` as the experiment's wire format, `int4`, `int2`, `int1`, `topk`, `top1` as those codecs
 (the last three with error feedback, `--feedback`). Prints the validation loss of the final outer
 params (and, with `--eval-replicas`, at every outer step each node's before averaging and the
 average's), then one JSON line. `--exchange butterfly --robust AGG --attack A` makes node1 an
@@ -41,13 +41,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3, help="inner (and one-node) peak learning rate")
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--outer-momentum", type=float, default=0.9)
-    ap.add_argument("--mode", default="fp32", choices=["fp32", "bf16", "int8", "int4", "int2", "topk", "top1"],
+    ap.add_argument("--mode", default="fp32", choices=["fp32", "bf16", "int8", "int4", "int2", "int1", "topk", "top1"],
                     help="the exchange's codec (diloco.mode)")
-    ap.add_argument("--block", type=int, default=64, help="values per scale (int8, int4, int2)")
+    ap.add_argument("--block", type=int, default=64, help="values per scale (int8, int4, int2, int1)")
     ap.add_argument("--topk", type=int, default=64, help="topk: values kept per chunk")
     ap.add_argument("--top1-group", type=int, default=4, help="top1: the largest of every group of this many")
     ap.add_argument("--sparse-chunk", type=int, default=4096, help="topk, top1: values per chunk")
-    ap.add_argument("--feedback", type=float, default=1.0, help="error feedback of int2, topk and top1 (0: none)")
+    ap.add_argument("--feedback", type=float, default=1.0, help="error feedback of int2, int1, topk and top1 (0: none)")
     ap.add_argument("--preset", default="debug", help="model preset (its vocab is set to the bundled BPE's)")
     ap.add_argument("--compute-dtype", default=None, help="e.g. bfloat16 (default: the config's float32)")
     ap.add_argument("--model", action="append", default=[], metavar="FIELD=VALUE",
@@ -63,7 +63,7 @@ def main() -> None:
                     help="diloco.feedback_local: each node starts its round from the outer params less ALPHA x "
                          "feedback x its residual (that share of its unsent progress kept in its own params)")
     ap.add_argument("--encode-device", action="store_true",
-                    help="topk, top1: encode each contribution on the devices (XLA, as GPU nodes do; implies --device-pg)")
+                    help="topk, top1, int1: encode each contribution on the devices (XLA, as GPU nodes do; implies --device-pg)")
     ap.add_argument("--eval-seqs", type=int, default=128)
     ap.add_argument("--exchange", default="ring", choices=["ring", "butterfly"])
     ap.add_argument("--robust", default="mean", help="the butterfly owners' aggregator: mean, clip, trim<k>, cclip")

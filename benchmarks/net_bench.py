@@ -40,7 +40,7 @@ PORT = 29400
 
 
 def _mode(m: str) -> str:
-    if m not in ("fp32", "bf16", "int8", "int4", "int2") and not m.startswith(("topk", "top1of")):
+    if m not in ("fp32", "bf16", "int8", "int4", "int2", "int1") and not m.startswith(("topk", "top1of")):
         raise argparse.ArgumentTypeError(f"unknown wire mode {m!r}; expected one of {quant.MODES}")
     return m
 
@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--numel", type=int, default=25_000_000)
     p.add_argument("--mode", type=_mode, default="int8",
-                   help="wire codec: fp32, bf16, int8, int4 (ring); int2, topk<K>, top1of<G> (all-gather; --block: chunk)")
+                   help="wire codec: fp32, bf16, int8, int4 (ring); int2, int1, topk<K>, top1of<G> (all-gather; --block: chunk)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--shape-mbit", type=float, default=None, help="tbf rate of every link (needs root)")
     p.add_argument("--streams", type=int, default=1, help="parallel TCP streams per ring link")

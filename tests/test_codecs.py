@@ -1,4 +1,4 @@
-"""Low-bit codecs (int4, int2, top-k) and the all-gather exchange with error feedback."""
+"""Low-bit codecs (int4, int2, int1, top-k, top-1) and the all-gather exchange with error feedback."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from intellect_jax.net.frames import HEADER_LEN
 from intellect_jax.testing.identities import credentials, transport_config
 from intellect_jax.testing.local_ring import LocalGroup, ring_bytes
 
-CODECS = [("int4", 64), ("int2", 64), ("topk64", 4096), ("topk5", 37), ("top1of4", 4096), ("top1of8", 64),
+CODECS = [("int4", 64), ("int2", 64), ("int1", 64), ("int1", 1024), ("topk64", 4096), ("topk5", 37), ("top1of4", 4096), ("top1of8", 64),
           ("top1of2", 4096), ("top1of256", 512)]
 
 
@@ -45,15 +45,16 @@ def test_roundtrip_sizes_and_decode_add(mode: str, block: int, n: int) -> None:
     assert np.array_equal(acc, np.float32(0.5) + y)
     if n >= 4096:  # error within the codec's budget; larger magnitudes are kept first
         err = np.linalg.norm(x - y) / np.linalg.norm(x)
-        assert err < {"int4": 0.25, "int2": 0.7, "top1of4": 0.8}.get(mode, 0.99), err
+        assert err < {"int4": 0.25, "int2": 0.7, "int1": 0.85, "top1of4": 0.8}.get(mode, 0.99), err
     with pytest.raises(ValueError, match="bytes"):
         quant.decode(np.zeros(wire.nbytes + 1, np.uint8), n, mode, block)
 
 
 def test_bits_per_value() -> None:
     n = 1 << 20
-    bits = {m: 8 * quant.encoded_nbytes(n, m, b) / n for m, b in [("int8", 64), *CODECS[:3], CODECS[4]]}
+    bits = {m: 8 * quant.encoded_nbytes(n, m, b) / n for m, b in [("int8", 64), *CODECS[:2], CODECS[3], *CODECS[4:7]]}
     assert bits["int8"] == 8.5 and bits["int4"] == 4.5 and bits["int2"] == 2.5
+    assert bits["int1"] == 1 + 32 / 1024  # a sign bit a value, a float32 scale a block
     assert abs(bits["topk64"] - (64 * (12 + 2) + 64) / 4096) < 1e-9  # 12-bit index + 2-bit code, 2 fp32 levels
     assert abs(bits["top1of4"] - (1024 * (2 + 2) + 64) / 4096) < 1e-9  # 2-bit position + 2-bit code
 
@@ -89,8 +90,24 @@ def test_subnormal_blocks_stay_finite_and_close() -> None:
     for mode, block in CODECS:
         y = quant.decode(quant.encode(x, mode, block), x.shape[0], mode, block)
         assert np.isfinite(y).all(), mode
-        if mode in ("int4", "int2"):  # (blockwise: the subnormal blocks have scales of their own)
+        if mode in ("int4", "int2", "int1") and block == 64:  # (blockwise: the subnormal blocks have scales of their own)
             assert np.abs(y[:192]).max() <= 2 * np.abs(x[:192]).max(), mode
+
+
+def test_int1_sends_each_sign_against_its_block_mean_magnitude() -> None:
+    """int1: every value decodes to +-(its block's mean magnitude), the sign its own (a zero's
+    +): the level that makes a block's squared error least for a sign code."""
+    x = _x(3000, 4)
+    x[5], x[7] = 0.0, -0.0
+    y = quant.decode(quant.encode(x, "int1", 256), 3000, "int1", 256)
+    for a in range(0, 3000, 256):
+        xb, yb = x[a:a + 256].astype(np.float64), y[a:a + 256]
+        level = np.abs(xb).mean()
+        assert np.allclose(np.abs(yb), level, rtol=1e-6)
+        assert np.array_equal(yb > 0, xb >= 0)
+        err = lambda s: ((xb - s * np.where(xb >= 0, 1, -1)) ** 2).sum()  # noqa: E731
+        assert err(level) <= min(err(0.9 * level), err(1.1 * level))
+    assert y[5] > 0 and y[7] > 0
 
 
 def test_topk_keeps_largest_and_signs() -> None:
@@ -184,7 +201,8 @@ def _run(comms: list[Any], inputs: list[Any], drops: list[Any]) -> tuple[list[An
     return outs, errs
 
 
-@pytest.mark.parametrize("mode,block,streams", [("topk16", 1024, 1), ("int2", 64, 2), ("top1of4", 512, 1)])
+@pytest.mark.parametrize("mode,block,streams", [("topk16", 1024, 1), ("int2", 64, 2), ("top1of4", 512, 1),
+                                                     ("int1", 1024, 1)])
 def test_socket_gather_matches_local_fake(mode: str, block: int, streams: int) -> None:
     world = 3
     cfg = RingConfig(mode=mode, block_size=block, streams=streams, piece_numel=3000, bucket_numel=9000, deadline=30)

@@ -204,12 +204,12 @@ def test_residual_is_the_nodes_own_and_survives_its_checkpoint():
 
 
 def test_simulation_with_topk_and_feedback_keeps_one_history():
-    """The seeded fault simulation with the gathered top-k exchange: kills, stalls, restarts,
-    rollbacks and joins keep one hash per outer step (the simulation's own checks); every fourth
-    seed pair with local feedback."""
+    """The seeded fault simulation with the gathered exchange (top-k, top-1 of 4, int1 by turns):
+    kills, stalls, restarts, rollbacks and joins keep one hash per outer step (the simulation's
+    own checks); every fourth seed pair with local feedback."""
     bad = []
     for seed in range(40):  # (CI's time; the command line runs hundreds)
-        r = Sim(seed, SimParams(mode="top1of4" if seed % 3 == 2 else "topk4", overlap=seed % 2 == 1,
+        r = Sim(seed, SimParams(mode=("topk4", "int1", "top1of4")[seed % 3], overlap=seed % 2 == 1,
                                 feedback_local=0.5 if seed % 4 >= 2 else 0.0)).run()
         if not r["ok"]:
             bad.append((seed, r["problems"]))

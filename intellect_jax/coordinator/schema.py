@@ -98,7 +98,7 @@ class Evidence(Msg):
     segment: Count
     piece: Count
     numel: Annotated[int, Field(ge=1, le=1 << 20)]
-    mode: Annotated[str, Field(pattern=r"^(fp32|bf16|int8|int4|int2|topk[1-9][0-9]{0,4}|top1of[1-9][0-9]{0,2})$")]  # net.quant
+    mode: Annotated[str, Field(pattern=r"^(fp32|bf16|int8|int4|int2|int1|topk[1-9][0-9]{0,4}|top1of[1-9][0-9]{0,2})$")]  # net.quant
     block: Annotated[int, Field(ge=1, le=1 << 16)]
     payload: Annotated[str, Field(max_length=-(-MAX_EVIDENCE_BYTES // 3) * 4)]  # base64
     signature: Annotated[str, Field(pattern=r"^[0-9a-f]{128}$")] | None = None  # r || s, hex

@@ -17,16 +17,16 @@ class DilocoConfig(BaseModel):
     outer_lr: PositiveFloat = 0.7
     outer_momentum: float = 0.9  # Nesterov
     # how pseudo-gradients are exchanged (net.quant, net.codecs): "int8", "int4", "bf16", "fp32"
-    # through the ring all-reduce; "int2", "topk" and "top1" as whole contributions (net.gather),
+    # through the ring all-reduce; "int2", "int1", "topk" and "top1" as whole contributions (net.gather),
     # with error feedback: what a node's encoding loses is added to its next contribution
-    mode: Literal["int8", "int4", "bf16", "fp32", "int2", "topk", "top1"] = "int8"
-    block_size: PositiveInt = 64  # int8, int4, int2: elements per fp32 scale
+    mode: Literal["int8", "int4", "bf16", "fp32", "int2", "int1", "topk", "top1"] = "int8"
+    block_size: PositiveInt = 64  # int8, int4, int2, int1: elements per fp32 scale (int1: 1024 for 1.03 bits a value)
     topk: PositiveInt = 64  # topk: values kept per chunk (64 of 4096: 1.56%)
     top1_group: PositiveInt = 4  # top1: the largest of every group of this many values is sent (2..256)
     # topk: values per chunk (<= 65536; 12-bit positions up to 4096); topk and top1: values
     # sharing one pair of magnitude levels
     sparse_chunk: PositiveInt = 4096
-    # error feedback (int2, topk, top1): the residual a node carries into its next contribution is
+    # error feedback (int2, int1, topk, top1): the residual a node carries into its next contribution is
     # multiplied by this each round (1: all of it; 0: none)
     feedback: float = 1.0
     # local feedback: this share (0..1) of feedback x residual stays in the node's own params
@@ -34,7 +34,7 @@ class DilocoConfig(BaseModel):
     # is measured from there) instead of waiting to be sent; the contribution is unchanged.
     # 0: plain error feedback (docs/results.md: 0.5 against 0 over 10 and 60 outer steps)
     feedback_local: float = 0.0
-    # where a topk/top1 contribution (with its error feedback) is encoded: "device" on the
+    # where a topk/top1/int1 contribution (with its error feedback) is encoded: "device" on the
     # accelerator (XLA; only the codec's bytes cross PCIe, the residual stays on the devices),
     # "host" in numpy from the int8 pieces; "auto": device on a GPU node (diloco/device_codec.py)
     encode: Literal["auto", "device", "host"] = "auto"
@@ -107,7 +107,7 @@ class DilocoConfig(BaseModel):
     @property
     def gathered(self) -> bool:
         """Contributions exchanged whole, with error feedback (``net.gather``)."""
-        return self.mode in ("int2", "topk", "top1")
+        return self.mode in ("int2", "int1", "topk", "top1")
 
     @property
     def pow2_block(self) -> bool:
@@ -133,8 +133,8 @@ class DilocoConfig(BaseModel):
                              f"({self.sparse_chunk})")
         if self.mode == "top1" and self.sparse_chunk > 1 << 16:
             raise ValueError(f"sparse_chunk ({self.sparse_chunk}) must be <= 65536")
-        if self.encode == "device" and (self.mode not in ("topk", "top1") or self.pseudo_gradient == "host"):
-            raise ValueError(f"encode = \"device\" is for the sparse codecs (mode topk or top1, not {self.mode}) "
+        if self.encode == "device" and (self.mode not in ("topk", "top1", "int1") or self.pseudo_gradient == "host"):
+            raise ValueError(f"encode = \"device\" is for mode topk, top1 or int1 (not {self.mode}) "
                              f"on the device pseudo-gradient (pseudo_gradient {self.pseudo_gradient!r})")
         if not 0.0 <= self.feedback <= 1.0:
             raise ValueError(f"feedback must be in [0, 1], got {self.feedback}")
@@ -147,7 +147,7 @@ class DilocoConfig(BaseModel):
             raise ValueError(f"feedback_local must be in [0, 1], got {self.feedback_local}")
         if self.feedback_local and not (self.gathered and self.feedback):
             raise ValueError(f"feedback_local is a share of the error feedback of a gathered codec (mode int2, "
-                             f"topk or top1, feedback > 0), not of mode {self.mode} with feedback {self.feedback}")
+                             f"int1, topk or top1, feedback > 0), not of mode {self.mode} with feedback {self.feedback}")
         if self.exchange == "butterfly" and (self.gathered or self.streams != 1):
             raise ValueError(f"exchange = \"butterfly\" takes mode int8, int4, bf16 or fp32 and streams = 1, not "
                              f"mode {self.mode} with streams {self.streams}")

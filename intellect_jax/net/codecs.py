@@ -1,5 +1,5 @@
-"""Low-bit wire codecs for pseudo-gradients: int4 and 2-bit blockwise; top-k and top-1 of every
-group, with 2-bit values.
+"""Low-bit wire codecs for pseudo-gradients: int4, 2-bit and 1-bit blockwise; top-k and top-1 of
+every group, with 2-bit values.
 
 Each codec is a fixed sequence of numpy operations on a flat float32 piece of ``n`` values,
 with a payload whose size depends only on ``n`` and the codec's parameters (so a receiver
@@ -14,6 +14,11 @@ Wire layouts, little-endian:
   RMS, next to the Lloyd-Max quantizer of a Gaussian (+-0.45, +-1.51); larger values are
   clipped and error feedback carries the rest (an absmax scale would put a block's every
   value on one outlier's grid).
+* ``int1`` (blockwise, gathered): ``[float32 scales][signs, eight per byte, LSB first]``; bit
+  ``1`` stands for ``+scale`` (a value >= 0), ``0`` for ``-scale``, with ``scale`` the block's
+  mean magnitude: the level that minimizes the block's squared error for a sign code. Every
+  value moves every round by the block's mean step; error feedback carries what its sign
+  alone could not.
 * ``top1of<G>`` (gathered, G a power of two up to 256): the value of largest magnitude in each
   group of G values (1/G of them), as its position in the group (log2 G bits) and the same
   2-bit code against its chunk's two levels (chunks of ``block`` values, whole groups):
@@ -41,7 +46,7 @@ import re
 import numpy as np
 
 RING = ("int4",)  # summed hop by hop in the ring like int8
-GATHERED = ("int2", "topk", "top1")  # every contribution sent whole to every rank (error feedback)
+GATHERED = ("int2", "int1", "topk", "top1")  # every contribution sent whole to every rank (error feedback)
 _TOPK = re.compile(r"^topk([1-9][0-9]{0,4})$")
 _TOP1 = re.compile(r"^top1of(2|4|8|16|32|64|128|256)$")
 _F32 = np.float32
@@ -60,8 +65,8 @@ def top1_of(mode: str) -> int | None:
 
 
 def family(mode: str) -> str | None:
-    """"int4", "int2", "topk", "top1" or None (not a codec of this module)."""
-    if mode in RING or mode == "int2":
+    """"int4", "int2", "int1", "topk", "top1" or None (not a codec of this module)."""
+    if mode in RING or mode in _LEVELS:
         return mode
     if top1_of(mode) is not None:
         return "top1"
@@ -84,8 +89,8 @@ def check(mode: str, block: int) -> None:
         raise ValueError(f"{mode}: chunks of {block} values must be whole groups of {g} (and <= 65536)")
 
 
-# ---- blockwise int4 / int2 ------------------------------------------------------------------
-_LEVELS = {"int4": (7.0, 4), "int2": (1.5, 2)}  # max |code|, bits per code
+# ---- blockwise int4 / int2 / int1 -----------------------------------------------------------
+_LEVELS = {"int4": (7.0, 4), "int2": (1.5, 2), "int1": (1.0, 1)}  # max |code|, bits per code
 
 
 def _nblocks(n: int, block: int) -> int:
@@ -113,6 +118,11 @@ def _per_value(v: np.ndarray, n: int, block: int) -> np.ndarray:
 
 
 def _pack(codes: np.ndarray, bits: int, out: np.ndarray) -> None:
+    if bits == 1:  # (the same LSB-first layout, in one pass)
+        out[...] = 0
+        packed = np.packbits(codes, bitorder="little")
+        out[: packed.shape[0]] = packed
+        return
     per = 8 // bits
     c = np.zeros(out.shape[0] * per, np.uint8)
     c[: codes.shape[0]] = codes
@@ -123,6 +133,8 @@ def _pack(codes: np.ndarray, bits: int, out: np.ndarray) -> None:
 
 
 def _unpack(raw: np.ndarray, n: int, bits: int) -> np.ndarray:
+    if bits == 1:
+        return np.unpackbits(raw, count=n, bitorder="little")
     per, mask = 8 // bits, np.uint8((1 << bits) - 1)
     c = np.empty((raw.shape[0], per), np.uint8)
     for i in range(per):
@@ -146,10 +158,26 @@ def _rms(x: np.ndarray, block: int) -> np.ndarray:
         return (amax * np.sqrt(np.concatenate(parts))).astype(_F32)
 
 
+def _mean_abs(x: np.ndarray, block: int) -> np.ndarray:
+    """Per block the mean magnitude, summed in float64 (finite for any finite input: it is at
+    most the block's largest; NaN or inf if the block holds one)."""
+    n = x.shape[0]
+    a = np.abs(x)
+    full = (n // block) * block
+    parts = [np.add.reduce(a[:full].reshape(-1, block), axis=1, dtype=np.float64) / block] if full else []
+    if full < n:
+        parts.append(np.add.reduce(a[full:], dtype=np.float64, keepdims=True) / (n - full))
+    return np.concatenate(parts).astype(_F32)
+
+
 def _block_encode(x: np.ndarray, mode: str, block: int, out: np.ndarray) -> None:
     qmax, bits = _LEVELS[mode]
     n, nb = x.shape[0], _nblocks(x.shape[0], block)
     scales = out[: 4 * nb].view(_F32)
+    if mode == "int1":  # the sign against the block's mean magnitude (a NaN's block: a NaN scale)
+        scales[...] = _mean_abs(x, block)
+        _pack(np.greater_equal(x, 0), 1, out[4 * nb:])
+        return
     with np.errstate(invalid="ignore", over="ignore"):
         if mode == "int4":
             np.divide(_amax(x, block), _F32(qmax), out=scales)
@@ -172,7 +200,11 @@ def _block_decode(raw: np.ndarray, n: int, mode: str, block: int, out: np.ndarra
     nb = _nblocks(n, block)
     scales = raw[: 4 * nb].view(_F32)
     codes = _unpack(raw[4 * nb:], n, bits).astype(_F32)
-    codes -= _F32(8.0 if mode == "int4" else 1.5)
+    if mode == "int1":  # 0, 1 -> -1, +1
+        codes *= _F32(2)
+        codes -= _F32(1)
+    else:
+        codes -= _F32(8.0 if mode == "int4" else 1.5)
     with np.errstate(over="ignore", invalid="ignore"):  # a peer's scale may be anything
         np.multiply(codes, _per_value(scales, n, block), out=out)
     return out

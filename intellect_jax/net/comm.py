@@ -44,8 +44,8 @@ T = TypeVar("T")
 class RingConfig:
     """How the ring all-reduce runs. Every rank of a ring must use the same values."""
 
-    mode: str = "int8"  # "fp32" | "bf16" | "int8" | "int4" (ring) | "int2" | "topk<K>" | "top1of<G>" (gathered)
-    block_size: int = 64  # int8, int4, int2: elements per float32 scale; topk<K>, top1of<G>: values per chunk
+    mode: str = "int8"  # "fp32" | "bf16" | "int8" | "int4" (ring) | "int2" | "int1" | "topk<K>" | "top1of<G>" (gathered)
+    block_size: int = 64  # int8, int4, int2, int1: elements per float32 scale; topk<K>, top1of<G>: values per chunk
     streams: int = 1  # parallel TCP connections per ring link
     piece_numel: int = 1 << 18  # pipeline piece (elements)
     bucket_numel: int = 1 << 26  # pytree leaves are reduced in buckets of this many elements
@@ -114,7 +114,7 @@ class Communicator(Protocol):
         """Elementwise mean over ranks, bit-identical on every rank; the input is never modified.
 
         Returns new arrays, or writes into ``out`` (same structure) and returns it. With a
-        gathered codec (``int2``, ``topk<K>``, ``top1of<G>``: every rank's contribution reaches every rank as
+        gathered codec (``int2``, ``int1``, ``topk<K>``, ``top1of<G>``: every rank's contribution reaches every rank as
         this rank encoded it) ``dropped`` (same structure, writable) receives what the encoding
         of this rank's contribution lost, ``tree - decode(encode(tree))``: error feedback. Raises
         a :class:`~intellect_jax.net.errors.NetError` subclass if the collective fails.
@@ -156,7 +156,7 @@ def leaves_like(what: str, tree: Any, sig: str) -> list[np.ndarray]:
 def check_dropped(cfg: RingConfig, dropped: Any) -> None:
     """``dropped`` is for the gathered codecs only (a ring's re-encoded sums lose what no rank owns)."""
     if dropped is not None and not codecs.gathered(cfg.mode):
-        raise ValueError(f"dropped (error feedback) needs a gathered codec (int2, topk<K>, top1of<G>), not {cfg.mode}")
+        raise ValueError(f"dropped (error feedback) needs a gathered codec (int2, int1, topk<K>, top1of<G>), not {cfg.mode}")
 
 
 def unpack_encoded(tree: Any, cfg: RingConfig, dropped: Any) -> tuple[Any, Encoded | None]:

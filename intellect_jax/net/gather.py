@@ -1,6 +1,6 @@
 """All-gather exchange of whole compressed contributions, and their fixed-order mean.
 
-The gathered codecs (:mod:`.codecs`: ``int2``, ``topk<K>``, ``top1of<G>``) are never re-encoded on the way:
+The gathered codecs (:mod:`.codecs`: ``int2``, ``int1``, ``topk<K>``, ``top1of<G>``) are never re-encoded on the way:
 each rank encodes its own contribution once, every other rank receives exactly those bytes,
 and every rank decodes all of them and sums them in rank order (0, 1, ..., N-1), then divides
 by N. So the mean is bit-identical on every rank, and each rank knows exactly what its own

@@ -1,5 +1,5 @@
 """Wire codecs for the ring all-reduce: fp32, bf16 and blockwise int8 (numpy only), and the
-entry point to the low-bit codecs of :mod:`.codecs` (int4, int2, top-k, top-1 of G), which share
+entry point to the low-bit codecs of :mod:`.codecs` (int4, int2, int1, top-k, top-1 of G), which share
 :func:`encode`, :func:`decode` and :func:`encoded_nbytes`.
 
 Blockwise int8: the input is cut into blocks of ``block`` elements (the last block may be
@@ -21,7 +21,7 @@ import numpy as np
 
 from intellect_jax.net import codecs
 
-MODES = ("fp32", "bf16", "int8", "int4", "int2", "topk<K>", "top1of<G>")
+MODES = ("fp32", "bf16", "int8", "int4", "int2", "int1", "topk<K>", "top1of<G>")
 _QMAX = np.float32(127.0)
 
 

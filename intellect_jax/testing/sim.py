@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0:50", help="a range START:END of seeds")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the event log of each seed")
     ap.add_argument("--overlap", action="store_true", help="the nodes run overlapped rounds")
-    ap.add_argument("--mode", default="int8", help="the exchange's codec, e.g. int8, int4, int2, topk4 (chunks "
+    ap.add_argument("--mode", default="int8", help="the exchange's codec, e.g. int8, int4, int2, int1, topk4 (chunks "
                     "of 32 values)")
     ap.add_argument("--feedback-local", type=float, default=0.0, metavar="ALPHA",
                     help="a gathered codec's local feedback (diloco.feedback_local)")

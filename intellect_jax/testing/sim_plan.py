@@ -50,7 +50,7 @@ class SimParams:
     overlap: bool = False  # overlapped rounds (diloco/overlap.py)
     overlap_delay: int | None = 0  # their tau; 0: drawn from the seed (when ready, or 1..inner_steps)
     mode: str = "int8"  # the exchange's codec (blocks and top-k chunks of 32 values), e.g. "topk4"
-    feedback: float = 1.0  # error feedback of a gathered codec (int2, topk<K>, top1of<G>)
+    feedback: float = 1.0  # error feedback of a gathered codec (int2, int1, topk<K>, top1of<G>)
     feedback_local: float = 0.0  # the share of it kept in each node's own params (diloco.feedback_local)
     leases: bool = True  # each round's data leased from the coordinator (coordinator/leases.py), units of H/2 steps
     frame_prob: float = 0.15  # chance that an incarnation accuses its ring predecessor falsely (1-2 rounds)
