@@ -4,11 +4,11 @@
 
 For each codec (`diloco.mode` and its parameters): bits per value on the wire, bytes one node
 sends per outer step for a model of `--numel` values in a `--nodes` ring (the ring's
-2(N-1)/N segments for int8/int4/bf16/fp32, N-1 whole contributions for the gathered int2, top-k and
-top-1), that against int8, the relative L2 error of one encode/decode of a Gaussian
+2(N-1)/N segments for int8/int4/bf16/fp32, N-1 whole contributions for the gathered int2, int1, top-k
+and top-1), that against int8, the relative L2 error of one encode/decode of a Gaussian
 pseudo-gradient with outliers, and the median wall time of encode and of decode on this host's
 numpy (one thread). Timings are seconds per `--numel` values, measured side by side in one run.
-With `--device`, also the sparse codecs encoded by XLA on this machine's first jax device
+With `--device`, also top-k, top-1 and int1 encoded by XLA on this machine's first jax device
 (`diloco/device_codec.py`, as a GPU node encodes: error feedback included, the residual kept
 there): the host encode of the same bytes beside it, bytes that leave the device per value,
 and whether positions and codes equal the host's.
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 CODECS = [  # (label, wire mode, block)
     ("fp32", "fp32", 64), ("bf16", "bf16", 64), ("int8 (block 64)", "int8", 64), ("int4 (block 64)", "int4", 64),
     ("int2 (block 64)", "int2", 64), ("int2 (block 256)", "int2", 256),
+    ("int1 (block 512)", "int1", 512), ("int1 (block 1024)", "int1", 1024),
     ("topk 64 of 4096 (1.56%)", "topk64", 4096), ("topk 128 of 4096 (3.1%)", "topk128", 4096),
     ("topk 256 of 4096 (6.25%)", "topk256", 4096),
     ("top-1 of 8 (12.5%)", "top1of8", 4096), ("top-1 of 4 (25%)", "top1of4", 4096),
@@ -38,7 +39,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=25_000_000)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--device", action="store_true", help="also time the XLA encoder of the sparse codecs")
+    ap.add_argument("--device", action="store_true", help="also time the XLA encoder of top-k, top-1 and int1")
     a = ap.parse_args()
     import numpy as np
 
@@ -89,7 +90,7 @@ def device_table(x, repeat: int) -> None:  # noqa: ANN001
           "| positions and codes as the host's |")
     print("|---|---|---|---|---|---|")
     for label, mode, block in CODECS:
-        if mode[:3] not in ("top",):
+        if mode[:3] != "top" and mode != "int1":
             continue
         enc = DeviceEncoder(mode, block, 1 << 26, 1 << 18)
         enc.encode(dev, zeros, 0.95, False)  # compile
@@ -124,7 +125,7 @@ def _same_sections(wire, host, n: int, mode: str, block: int) -> str:  # noqa: A
     o = 0
     for a_, b_ in _pieces(n, block):
         k = quant.encoded_nbytes(b_ - a_, mode, block)
-        nl = 8 * -(-(b_ - a_) // block)
+        nl = (4 if mode == "int1" else 8) * -(-(b_ - a_) // block)  # (levels: int1 one, the others two)
         if not np.array_equal(wire[o + nl: o + k], host[o + nl: o + k]):
             return "no"
         o += k

@@ -201,7 +201,7 @@ def _diloco(abstract: Any, n: int, device_pg: Any, sparse: tuple[str, int] | Non
     and what an overlapped node keeps on its devices while a round trains: the anchor (the
     params the round started from), the captured pseudo-gradient (fp32) until it is pulled, the
     next outer params once placed, and a copy of the optimizer state at a checkpoint window.
-    ``sparse``: (wire mode, chunk) of a top-k / top-1 contribution encoded on the devices
+    ``sparse``: (wire mode, chunk) of a top-k / top-1 / int1 contribution encoded on the devices
     (``diloco/device_codec.py``), which also keeps its error-feedback residual there (fp32), the
     next one while it encodes, and the encoding's temporaries (its program compiled for the
     largest leaf, a bucket of its own), beside the next round's first steps. ``shifted``: with

@@ -1,4 +1,4 @@
-"""Sparse contributions encoded on the devices (XLA): the host codec's bytes, error feedback
+"""Gathered contributions (top-k, top-1, int1) encoded on the devices (XLA): the host codec's bytes, error feedback
 there, through the in-process and the socket ring, and in the outer loop beside host encoders."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from intellect_jax.net.comm import RingConfig
 from intellect_jax.testing.local_ring import LocalGroup
 
 # 2-bit (top-1 of 4) and 3-bit (top-1 of 8) positions, 12-bit and 16-bit (top-k, chunks above 4096)
-ROWS = [("top1of4", 4096), ("top1of8", 256), ("topk64", 4096), ("topk4", 8192)]
+ROWS = [("top1of4", 4096), ("top1of8", 256), ("topk64", 4096), ("topk4", 8192), ("int1", 1024), ("int1", 64)]
 
 
 def _device_bytes(x: np.ndarray, mode: str, C: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -51,6 +51,7 @@ def test_rows_are_the_host_codec_s_bytes(mode, C):
 def test_unaligned_codecs_stay_on_the_host():
     assert not codecs_xla.aligned("topk5", 100) and "whole bytes" in supported("topk5", 100)
     assert not codecs_xla.aligned("top1of8", 40)  # 5 groups of 3-bit positions
+    assert not codecs_xla.aligned("int1", 100) and "whole bytes" in supported("int1", 100)
     assert "host" in supported("int2", 64) and "host" in supported("int4", 64)
 
 
@@ -62,6 +63,15 @@ def test_a_non_finite_value_anywhere_poisons_its_chunk_only():
         lv = wire[:nl].view(np.float32).reshape(-1, 2)
         assert np.isfinite(lv[[0, 2]]).all() and np.isnan(lv[1]).all()
         assert not np.isfinite(quant.decode(wire, x.size, mode, 256)).all()
+    wire, _, nl = _device_bytes(x, "int1", 256)  # int1: its block's scale
+    s = wire[:nl].view(np.float32)
+    assert np.isfinite(s[[0, 2]]).all() and np.isnan(s[1])
+    x[256 + 5], x[9] = np.inf, 3e38  # inf: an infinite scale; huge finite values: a finite one
+    s = _device_bytes(x, "int1", 256)[0][:nl].view(np.float32)
+    assert np.isfinite(s[[0, 2]]).all() and s[1] == np.inf
+    for n in (24, 40, 1000):  # blocks (or a last one) whose mean of a / n rounds past float32's range
+        s = _device_bytes(np.full(n, np.finfo(np.float32).max, np.float32), "int1", 1024 if n == 1000 else 64)[0]
+        assert np.isfinite(s[:4].view(np.float32)).all(), n
 
 
 def _tree(seed: int = 1):
@@ -78,7 +88,7 @@ def _placed(tree):
 
 
 @pytest.mark.parametrize("mode,C,bucket,piece", [("top1of4", 256, 1 << 26, 1 << 18), ("top1of4", 256, 5_000, 512),
-                                                ("topk8", 512, 70_000, 1024)])
+                                                ("topk8", 512, 70_000, 1024), ("int1", 256, 5_000, 512)])
 def test_a_sharded_tree_encodes_like_the_host_and_keeps_its_residual_placed(mode, C, bucket, piece):
     """Buckets of several leaves, pieces across leaves, tails: the ring's pieces (what the host
     would send, to float32 rounding of the levels); the next residual is exactly what the
@@ -124,7 +134,7 @@ def test_a_leaf_sharded_on_any_axis_is_never_gathered_whole(spec, shape):
     assert c.memory_analysis().temp_size_in_bytes < 4 * shard
 
 
-@pytest.mark.parametrize("mode,C", [("top1of4", 256), ("topk8", 512)])
+@pytest.mark.parametrize("mode,C", [("top1of4", 256), ("topk8", 512), ("int1", 64)])
 def test_a_muted_node_s_zeros_are_made_on_the_host_and_decode_to_zeros(mode, C):
     """A node sitting a round out sends zeros made without any device program: valid payloads
     for every piece (tails and an empty leaf included), decoding to zeros; for top-1 the very
@@ -138,7 +148,7 @@ def test_a_muted_node_s_zeros_are_made_on_the_host_and_decode_to_zeros(mode, C):
     ref = LocalGroup(2, cfg).all_reduce_mean_all([like, other])[0]
     for k in like:
         np.testing.assert_array_equal(got[k], ref[k])
-    if mode.startswith("top1"):
+    if not mode.startswith("topk"):
         dev = enc.encode(jax.tree.map(jnp.asarray, like), None, 1.0, False)[0]
         assert all(np.array_equal(x, y) for bx, by in zip(z.payloads, dev.payloads) for x, y in zip(bx, by))
 
@@ -193,7 +203,8 @@ def test_gpu_nodes_encode_on_their_devices_and_others_where_asked():
     with pytest.raises(DilocoError, match="whole bytes"):
         pg_path(DilocoConfig(mode="topk", topk=6, encode="device"), 1, kernel=False)
     assert not pg_path(DilocoConfig(mode="topk", topk=6), 1, kernel=True).encode  # auto: falls back
-    with pytest.raises(ValidationError, match="sparse codecs"):
+    assert pg_path(DilocoConfig(mode="int1", block_size=1024), 1, kernel=True).encode  # int1: the devices'
+    with pytest.raises(ValidationError, match="topk, top1 or int1"):
         DilocoConfig(mode="int8", encode="device")
 
 

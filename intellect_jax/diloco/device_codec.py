@@ -1,11 +1,11 @@
-"""A node's contribution encoded on its devices, error feedback included (sparse gathered codecs).
+"""A node's contribution encoded on its devices, error feedback included (top-k, top-1, int1).
 
 On the plain device path (:mod:`.device_pg`) a pseudo-gradient leaves the devices as int8
 pieces and the host adds the error-feedback residual and encodes the result with the wire
 codec: 1.06 bytes per value over PCIe, a host encoding pass (numpy: 0.13 s per 25M values for
 top-1 of 4, about 53 s per outer step at 10B), and one int8 rounding that error feedback never
-sees. With ``diloco.encode = "device"`` (the default on GPU nodes) a ``topk<K>`` or
-``top1of<G>`` contribution is made where the pseudo-gradient lives:
+sees. With ``diloco.encode = "device"`` (the default on GPU nodes) a ``topk<K>``,
+``top1of<G>`` or ``int1`` contribution is made where the pseudo-gradient lives:
 
 1. per bucket of the ring (``net.tree.make_buckets``, the same leaves in the same order), one
    jitted program takes the leaves of ``d = anchor - params`` and of the residual ``e`` (kept on
@@ -20,7 +20,8 @@ sees. With ``diloco.encode = "device"`` (the default on GPU nodes) a ``topk<K>``
 The wire bytes are the host codec's layout (positions and codes bit for bit, the two float32
 levels per chunk to the last bits), so nodes encoding on the host and on the devices share a
 ring. Needs a chunk whose sections are whole bytes (``codecs_xla.aligned``: e.g. chunks of
-4096, top-1 of G <= 256, top-k with K a multiple of 4) and a single-process node.
+4096, top-1 of G <= 256, top-k with K a multiple of 4, int1 blocks of a multiple of 8) and a
+single-process node.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ __all__ = ["DeviceEncoder", "DeviceContribution", "supported"]
 
 def supported(mode: str, chunk: int) -> str | None:
     """Why ``mode`` cannot be encoded on the devices (None: it can)."""
-    if codecs.family(mode) not in ("topk", "top1"):
-        return f"{mode} is encoded on the host (the devices encode the sparse codecs, topk<K> and top1of<G>)"
+    if codecs.family(mode) not in ("topk", "top1", "int1"):
+        return f"{mode} is encoded on the host (the devices encode topk<K>, top1of<G> and int1)"
     if not codecs_xla.aligned(mode, chunk):
         return f"{mode} in chunks of {chunk}: a chunk's positions or codes are not whole bytes"
     return None
@@ -208,7 +209,7 @@ class DeviceEncoder:
 def _sections(x: np.ndarray, mode: str, chunk: int) -> tuple[bytes, bytes, bytes]:
     """(levels, positions, codes) bytes of one chunk (or a shorter last one), by the host codec."""
     wire = quant.encode(x, mode, chunk)
-    nl = 8 * -(-x.size // chunk)
+    nl = 4 * codecs_xla.level_count(mode) * -(-x.size // chunk)
     kept = codecs_xla.kept(mode, x.size)
     npos = -(-kept // 2) * 3 if codecs_xla.index_bits(mode, chunk) == 12 else \
         -(-kept * codecs_xla.index_bits(mode, chunk) // 8)

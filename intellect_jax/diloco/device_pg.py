@@ -246,7 +246,7 @@ def pg_path(d: DilocoConfig, processes: int, kernel: bool, gpu: bool | None = No
     other than "host"), which takes the device path; else "device" and "host" are obeyed and "auto" takes
     the device path where the kernel runs. The kernel needs power-of-two blocks.
 
-    A top-k or top-1 contribution is encoded on the devices (``diloco.encode``; "auto": on GPU
+    A top-k, top-1 or int1 contribution is encoded on the devices (``diloco.encode``; "auto": on GPU
     nodes, with or without the kernel: it is XLA) by a single-process node whose chunks hold whole bytes of
     the codec's sections (:func:`~.device_codec.supported`); this takes the device path too."""
     multi = processes > 1

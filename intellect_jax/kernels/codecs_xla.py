@@ -1,4 +1,5 @@
-"""The sparse wire codecs (``top1of<G>``, ``topk<K>``) as XLA programs: encoding on the devices.
+"""The gathered wire codecs (``top1of<G>``, ``topk<K>``, ``int1``) as XLA programs: encoding on
+the devices.
 
 :mod:`intellect_jax.net.codecs` defines the wire layouts and encodes on the host in numpy; this
 module computes the same payload sections from a batch of rows (chunks) with jax.numpy, so a
@@ -13,10 +14,16 @@ partial chunk):
   increasing), as one LSB-first bit stream of ``log2 G``, 12 or 16 bits each;
 * ``codes``: ``2 * negative + high`` per kept value, 2 bits each, the same kind of stream.
 
+``int1`` is a row per block: ``levels`` is its one float32 scale (the mean magnitude), no
+positions, and ``codes`` one bit per value (``value >= 0``).
+
 Positions and codes equal the host codec's bit for bit (maxima, comparisons against an exactly
 computed midpoint), except that among top-k candidates of equal magnitude XLA's ``top_k`` keeps
-the first and numpy's ``argpartition`` any (top-1 takes the first of equals on both); the levels are float32 means where the host sums in float64, so they may
-differ from the host's in the last bits. That is harmless: every rank decodes the bytes that
+the first and numpy's ``argpartition`` any (top-1 takes the first of equals on both); the levels
+(and int1's scales) are float32 means where the host sums in float64, so they may
+differ from the host's in the last bits; and where the device flushes subnormals to zero (XLA on
+CPU) a subnormal's sign bit and a subnormal block's scale differ from the host's. That is
+harmless: every rank decodes the bytes that
 were sent, so the mean stays bit-identical on every rank, and the encoding node computes what
 its encoding dropped from the same decoded values (:func:`decode_rows`).
 
@@ -31,11 +38,24 @@ import jax.numpy as jnp
 
 from intellect_jax.net import codecs
 
-__all__ = ["aligned", "encode_rows", "decode_rows", "bitpack", "index_bits"]
+__all__ = ["aligned", "encode_rows", "decode_rows", "bitpack", "index_bits", "code_bits", "level_count"]
+
+
+def code_bits(mode: str) -> int:
+    """Bits per kept value's code: 1 (int1) or 2."""
+    return 1 if mode == "int1" else 2
+
+
+def level_count(mode: str) -> int:
+    """float32 levels per row: int1's one scale, or (lo, hi)."""
+    return 1 if mode == "int1" else 2
 
 
 def index_bits(mode: str, chunk: int) -> int:
-    """Bits per kept value's position: log2 G (top-1), 12 (top-k, chunks <= 4096) or 16."""
+    """Bits per kept value's position: log2 G (top-1), 12 (top-k, chunks <= 4096), 16, or 0
+    (int1 keeps every value)."""
+    if mode == "int1":
+        return 0
     g = codecs.top1_of(mode)
     if g is not None:
         return g.bit_length() - 1
@@ -43,7 +63,9 @@ def index_bits(mode: str, chunk: int) -> int:
 
 
 def kept(mode: str, n: int) -> int:
-    """Values kept of a row of ``n`` (top-1: one per group, the last one zero-padded)."""
+    """Values kept of a row of ``n`` (top-1: one per group, the last one zero-padded; int1: all)."""
+    if mode == "int1":
+        return n
     g = codecs.top1_of(mode)
     return -(-n // g) if g is not None else min(codecs.topk_of(mode) or 0, n)
 
@@ -51,8 +73,10 @@ def kept(mode: str, n: int) -> int:
 def aligned(mode: str, chunk: int) -> bool:
     """Whether a full chunk's position and code streams are whole bytes (and top-k's position
     pairs whole): the condition for laying rows end to end."""
-    if codecs.family(mode) not in ("topk", "top1"):
+    if codecs.family(mode) not in ("topk", "top1", "int1"):
         return False
+    if mode == "int1":
+        return chunk % 8 == 0
     k = kept(mode, chunk)
     if codecs.topk_of(mode) is not None and chunk <= 4096 and k % 2:
         return False
@@ -106,7 +130,12 @@ def encode_rows(x: jax.Array, mode: str, chunk: int) -> tuple[jax.Array, jax.Arr
                                                              tuple[jax.Array, jax.Array]]:
     """Rows of float32 ``x`` (chunks of ``chunk`` values, or one shorter last one) -> (levels
     ``[R, 2]`` float32, positions ``[R, ·]`` uint8, codes ``[R, ·]`` uint8, (positions, codes)
-    unpacked for :func:`decode_rows`)."""
+    unpacked for :func:`decode_rows`); int1: (scales ``[R, 1]``, no positions, sign bits)."""
+    if mode == "int1":  # (a row holding NaN or inf gets a non-finite scale, as on the host)
+        a = jnp.abs(x)  # the mean of a / n rounded up may pass float32's range: at most the largest
+        scale = jnp.minimum(jnp.sum(a / jnp.float32(x.shape[1]), axis=1, keepdims=True), jnp.max(a, axis=1, keepdims=True))
+        signs = (x >= 0).astype(jnp.uint32)
+        return scale, jnp.zeros((x.shape[0], 0), jnp.uint8), bitpack(signs, 1), (None, signs)
     idx, v = _select(x, mode)
     levels, codes = _two_levels(v, ~jnp.all(jnp.isfinite(x), axis=1))
     bits = index_bits(mode, chunk)
@@ -117,6 +146,8 @@ def encode_rows(x: jax.Array, mode: str, chunk: int) -> tuple[jax.Array, jax.Arr
 def decode_rows(levels: jax.Array, idx: jax.Array, codes: jax.Array, mode: str, n: int) -> jax.Array:
     """Rows of ``n`` values that :func:`encode_rows`'s output decodes to (as the host decodes
     the bytes)."""
+    if mode == "int1":
+        return jnp.where(codes[:, :n] == 1, levels, -levels)
     r = levels.shape[0]
     mag = jnp.take_along_axis(levels, (codes & 1).astype(jnp.int32), axis=1)
     val = jnp.where(codes & 2, -mag, mag)
