@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from intellect_jax.coordinator.server import Coordinator
-from intellect_jax.coordinator.journal import RunRecord
+from intellect_jax.coordinator.journal import MemoryJournal, RunRecord
 from intellect_jax.coordinator.protocol import PROTOCOL, CoordinatorConfig, CoordinatorUnavailable, Resume
-from intellect_jax.coordinator.service import CoordinatorService
+from intellect_jax.coordinator.service import CoordinatorService, ServiceStopped
 from helpers import FP, ROOT, ManualClock as _ManualClock, Run, coord_client as _client, coord_config as _conf, coord_env as _env, \
     coord_transport as _tcfg
 
@@ -192,6 +192,70 @@ def test_without_its_journal_and_without_a_quorum_it_waits_then_goes_on() -> Non
     assert "only 1 of epoch 9's 3 members came back" in " ".join(r.m.drain_events())
 
 
+class _FillingDisk(MemoryJournal):
+    """A journal whose disk is full from when ``full`` is set."""
+
+    full = False
+
+    def save(self, rec: RunRecord) -> bool:
+        if self.full and rec.key() != self._saved:
+            raise OSError(28, "No space left on device")
+        return super().save(rec)
+
+
+def test_a_journal_that_cannot_be_saved_stops_the_coordinator_before_anyone_hears_of_the_step() -> None:
+    """The disk fills up as the barrier of outer step 1 completes: no node is told of step 1
+    (both syncs end with ServiceStopped, naming the journal), the journal stays at step 0, and
+    a coordinator restarted on it takes the nodes' claims of step 1, the step after its newest,
+    instead of refusing them as ahead of the run."""
+    disk = _FillingDisk()
+    conf = CoordinatorConfig(min_nodes=2, join_window=0.0, heartbeat_timeout=60.0, keepalive_interval=0.01)
+
+    def start(resume: dict[str, Any] | None = None) -> tuple[CoordinatorService, dict[str, str]]:
+        svc = CoordinatorService(conf, run_id="r", journal=disk).start()
+        sess = {}
+        for i, n in enumerate("ab"):
+            reg = {"op": "register", "node": n, "addr": f"127.0.0.1:{9000 + i}", "devices": 1, "protocol": PROTOCOL,
+                   "fingerprint": FP, "founder": resume is None,
+                   "resume": None if resume is None else {**resume, "rank": i}}
+            reply = svc.handle(reg, identity=n)
+            assert reply["ok"] and reply["member"], reply
+            sess[n] = reply["session"]
+        return svc, sess
+
+    def round_(svc: CoordinatorService, sess: dict[str, str], step: int) -> dict[str, Any]:
+        got: dict[str, Any] = {}
+
+        def go(n: str) -> None:
+            try:
+                got[n] = svc.handle({"op": "sync", "node": n, "session": sess[n], "step": step,
+                                     "state_hash": f"h{step}"}, deadline=time.monotonic() + 10.0, identity=n)
+            except Exception as e:  # noqa: BLE001 - what each node's request ended with
+                got[n] = e
+
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(go, sess))
+        return got
+
+    svc, sess = start()
+    first = round_(svc, sess, 0)
+    assert all(r["ok"] for r in first.values()), first
+    disk.full = True
+    second = round_(svc, sess, 1)
+    assert all(isinstance(r, ServiceStopped) for r in second.values()), second
+    assert "No space left on device" in str(second["a"]) and svc.failure and "journal" in svc.failure
+    assert RunRecord.from_json(disk._stored).hwm_step == 0
+    with pytest.raises(ServiceStopped):
+        svc.handle({"op": "status"}, identity="a")
+    disk.full = False  # the operator frees the disk and restarts the coordinator on its journal
+    ep = first["a"]["epoch"]
+    svc2, sess2 = start({"outer_step": 1, "epoch_id": ep["epoch_id"], "state_hash": "h1",
+                         "members": [m[0] for m in ep["members"]]})
+    third = round_(svc2, sess2, 1)
+    assert all(r["ok"] and r["epoch"]["outer_step"] == 1 for r in third.values()), third
+    assert RunRecord.from_json(disk._stored).hwm_step == 1 and svc2.failure is None
+
+
 def test_heartbeat_view_lists_the_joiners_a_donor_serves() -> None:
     r = Run(min_nodes=1)
     r.reg("a")
@@ -273,6 +337,39 @@ def test_a_sigstopped_coordinator_process_evicts_nobody() -> None:
         p.terminate()
         err = p.communicate(timeout=10)[1]
     assert "coordinator stalled for" in err and "no heartbeat" not in err and "missed boundary" not in err, err[-2000:]
+
+
+def test_a_coordinator_process_whose_journal_cannot_be_saved_exits_naming_it(tmp_path) -> None:
+    """The journal's directory becomes a file under a running coordinator: at the next change (the
+    barrier of outer step 0 records its hash) it cannot save, tells nobody of the step, and
+    exits with status 2 and one line naming the journal."""
+    port, where = _free_port(), tmp_path / "gone"
+    where.mkdir()
+    p = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
+                          str(port), "--run-id", "coord-test", "--min-nodes", "2", "--journal",
+                          str(where / "run.journal")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env(), cwd=ROOT)
+    clients = []
+    try:
+        assert p.stdout.readline().startswith("coordinator listening on")  # type: ignore[union-attr]
+        clients = [_client(("127.0.0.1", port), n, 9000 + i, io_timeout=2.0, reconnect_timeout=2.0)
+                   for i, n in enumerate("ab")]
+        for c in clients:
+            c.register()
+        (where / "run.journal").unlink()
+        where.rmdir()
+        where.write_text("a file where the journal's directory was")  # (root may write anywhere else)
+        with ThreadPoolExecutor(2) as ex:
+            for f in [ex.submit(c.sync, 0, "h0") for c in clients]:
+                with pytest.raises(CoordinatorUnavailable):
+                    f.result(30)
+        assert p.wait(timeout=15) == 2
+    finally:
+        for c in clients:
+            c.close()
+        p.kill()
+        err = p.communicate(timeout=10)[1]
+    assert f"error: journal {where / 'run.journal'}: cannot be saved" in err, err[-2000:]
 
 
 def test_a_donor_lets_go_of_a_joiner_that_is_gone() -> None:

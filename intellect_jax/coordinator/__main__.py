@@ -124,9 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    while not done.wait(1.0):
+    while not done.wait(1.0) and coord.service.failure is None:
         pass
     coord.stop()
+    if coord.service.failure is not None:  # (its journal could not be saved: one line, exit status 2)
+        raise JournalError(coord.service.failure)
     return 0
 
 

@@ -60,6 +60,7 @@ class CoordinatorService:
         self._on_event = on_event
         self._cond = clock.Condition()
         self._stopped = False
+        self.failure: str | None = None  # why the service stopped itself (its journal could not be saved)
         self._awake = clock.now()  # the last time this service ran (the ticker runs every tick_interval)
         self.stalls: list[float] = []  # lengths of the stalls this service noticed (and excused)
 
@@ -93,7 +94,7 @@ class CoordinatorService:
         journal if it changed, and wake the blocked requests."""
         with self._cond:
             if self._stopped:
-                raise ServiceStopped("coordinator stopped")
+                raise ServiceStopped(self.failure or "coordinator stopped")
             try:
                 now = self.clock.now()
                 self._excuse_stall(now)
@@ -102,8 +103,26 @@ class CoordinatorService:
                 for line in self.membership.drain_events():
                     self._emit(line)
                 if self.journal is not None:
-                    self.journal.save(self.membership.record)
+                    self._persist()
                 self._cond.notify_all()
+
+    def _persist(self) -> None:
+        """(under the lock) Save the journal if the record changed. If it cannot be saved (a full
+        or failing disk), stop: a coordinator running ahead of its journal would, once restarted
+        on it, refuse the members' honest claims past its newest step as ahead of the run.
+        Stopped at the first failed save, before anyone hears of the change (the request that
+        made it and every waiter end with :class:`ServiceStopped`), the journal lacks at most
+        that one change, and a restarted coordinator takes the claims of the step after its
+        newest."""
+        try:
+            self.journal.save(self.membership.record)  # type: ignore[union-attr]
+        except OSError as e:
+            self._stopped = True
+            self.failure = (f"journal {getattr(self.journal, 'path', '(in memory)')}: cannot be saved ({e}); the "
+                            "coordinator stops rather than run ahead of its journal (free the disk and restart it)")
+            log.error("%s", self.failure)
+            self._cond.notify_all()
+            raise ServiceStopped(self.failure) from None
 
     def _excuse_stall(self, now: float) -> None:
         """(under the lock) The ticker enters every ``tick_interval``; a longer gap since the
@@ -259,7 +278,7 @@ class CoordinatorService:
                     self._cond.wait(max(0.0, end - clock.now()))
                     result = poll()
             if self._stopped:
-                raise ServiceStopped("coordinator stopped")
+                raise ServiceStopped(self.failure or "coordinator stopped")
             if result is None:
                 if deadline is not None and clock.now() >= deadline:
                     raise PeerTimeout(f"{msg.op} of {node} not answered in time")
