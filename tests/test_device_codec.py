@@ -69,6 +69,9 @@ def test_a_non_finite_value_anywhere_poisons_its_chunk_only():
     x[256 + 5], x[9] = np.inf, 3e38  # inf: an infinite scale; huge finite values: a finite one
     s = _device_bytes(x, "int1", 256)[0][:nl].view(np.float32)
     assert np.isfinite(s[[0, 2]]).all() and s[1] == np.inf
+    for mode in ("top1of4", "topk8"):  # kept values whose float32 sum passes float32's range: finite levels
+        wire, _, n_lv = _device_bytes(np.linspace(1e36, 3e38, 3 * 256).astype(np.float32), mode, 256)
+        assert np.isfinite(wire[:n_lv].view(np.float32)).all(), mode
     for n in (24, 40, 1000):  # blocks (or a last one) whose mean of a / n rounds past float32's range
         s = _device_bytes(np.full(n, np.finfo(np.float32).max, np.float32), "int1", 1024 if n == 1000 else 64)[0]
         assert np.isfinite(s[:4].view(np.float32)).all(), n

@@ -104,8 +104,10 @@ def _two_levels(v: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
     nh = jnp.sum(high, axis=1)
     sh = jnp.sum(jnp.where(high, m, 0.0), axis=1)
     sl = jnp.sum(jnp.where(high, 0.0, m), axis=1)
-    hi = jnp.where(nh > 0, sh / jnp.maximum(nh, 1).astype(jnp.float32), 0.0)
-    lo = jnp.where(nh < k, sl / jnp.maximum(k - nh, 1).astype(jnp.float32), hi)
+    # (a float32 sum of huge values overflows where the host's float64 one does not: each mean is
+    # at most the largest of its values, so it is clamped there)
+    hi = jnp.where(nh > 0, jnp.minimum(sh / jnp.maximum(nh, 1).astype(jnp.float32), jnp.max(m, axis=1)), 0.0)
+    lo = jnp.where(nh < k, jnp.minimum(sl / jnp.maximum(k - nh, 1).astype(jnp.float32), mid[:, 0]), hi)
     levels = jnp.where(bad[:, None], jnp.nan, jnp.stack([lo, hi], axis=1)).astype(jnp.float32)
     codes = (v < 0).astype(jnp.uint32) * 2 + high.astype(jnp.uint32)
     return levels, codes
