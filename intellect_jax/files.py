@@ -4,6 +4,7 @@ the coordinator included, may use it)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
 from pathlib import Path
@@ -18,7 +19,8 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, mode: int = 0o
     the rename itself is durable. Missing parent directories are created. ``mode`` (before the
     umask) applies from the file's creation on: a key written with 0o600 is never readable by
     others, not even as a temporary file. On failure ``path`` is untouched and no temporary file
-    is left behind.
+    is left behind, except when only the directory's fsync fails (the disk): then ``path`` is
+    the new file, and the error says its rename may not be durable.
     """
     if isinstance(data, str):
         data = data.encode()
@@ -42,15 +44,17 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str, mode: int = 0o
 
 
 def _fsync_dir(d: Path) -> None:
-    """Make a rename in ``d`` durable. Some filesystems cannot fsync a directory; there the
-    rename is as durable as they make it."""
+    """Make a rename in ``d`` durable. Some filesystems cannot fsync a directory (EINVAL,
+    ENOTSUP, EBADF); there the rename is as durable as they make it. Any other failure (EIO: the
+    disk) raises: the new file is in place but may not survive a crash."""
     try:
         fd = os.open(d, os.O_RDONLY)
     except OSError:
         return
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
     finally:
         os.close(fd)

@@ -51,3 +51,25 @@ def test_a_failure_leaves_the_old_file_and_no_temporary(tmp_path: Path, monkeypa
         atomic_write(p, "new")
     assert p.read_text() == "old"
     assert [x.name for x in tmp_path.iterdir()] == ["config.json"]
+
+
+@pytest.mark.parametrize("err,raises", [(5, True), (22, False), (95, False)])  # EIO; EINVAL, ENOTSUP: cannot
+def test_a_directory_fsync_fails_loudly_only_for_the_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          err: int, raises: bool) -> None:
+    """A filesystem that cannot fsync a directory is no error; a disk that fails to is: the new
+    file is in place, but its rename may not survive a crash."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(err, os.strerror(err))
+        real(fd)
+
+    monkeypatch.setattr(files.os, "fsync", fsync)
+    p = tmp_path / "journal"
+    if raises:
+        with pytest.raises(OSError, match=os.strerror(err)):
+            atomic_write(p, "new")
+    else:
+        atomic_write(p, "new")
+    assert p.read_text() == "new" and [x.name for x in tmp_path.iterdir()] == ["journal"]
