@@ -18,7 +18,7 @@ from intellect_jax.coordinator.journal import MemoryJournal, RunRecord
 from intellect_jax.coordinator.protocol import PROTOCOL, CoordinatorConfig, CoordinatorUnavailable, Resume
 from intellect_jax.coordinator.service import CoordinatorService, ServiceStopped
 from helpers import FP, ROOT, ManualClock as _ManualClock, Run, coord_client as _client, coord_config as _conf, coord_env as _env, \
-    coord_transport as _tcfg
+    coord_transport as _tcfg, wait_for
 
 
 def _free_port() -> int:
@@ -203,57 +203,83 @@ class _FillingDisk(MemoryJournal):
         return super().save(rec)
 
 
+def _journaled(disk: MemoryJournal, nodes: str, resume: dict[str, Any] | None = None
+               ) -> tuple[CoordinatorService, dict[str, str]]:
+    """A service on ``disk`` with ``nodes`` registered (founders, or resuming ``resume``)."""
+    conf = CoordinatorConfig(min_nodes=len(nodes), join_window=0.0, heartbeat_timeout=60.0, keepalive_interval=0.01)
+    svc = CoordinatorService(conf, run_id="r", journal=disk).start()
+    sess = {}
+    for i, n in enumerate(nodes):
+        reg = {"op": "register", "node": n, "addr": f"127.0.0.1:{9000 + i}", "devices": 1, "protocol": PROTOCOL,
+               "fingerprint": FP, "founder": resume is None, "resume": None if resume is None else {**resume, "rank": i}}
+        reply = svc.handle(reg, identity=n)
+        assert reply["ok"] and reply["member"], reply
+        sess[n] = reply["session"]
+    return svc, sess
+
+
+def _syncs(svc: CoordinatorService, sess: dict[str, str], step: int, hashes: dict[str, str] | None = None,
+           first: str | None = None) -> dict[str, Any]:
+    """Every node of ``sess`` syncs at ``step`` (hash ``h<step>`` unless ``hashes`` says); what
+    each request ended with (``first``: that node's sync is in before the others start)."""
+    got: dict[str, Any] = {}
+
+    def go(n: str) -> None:
+        try:
+            got[n] = svc.handle({"op": "sync", "node": n, "session": sess[n], "step": step,
+                                 "state_hash": (hashes or {}).get(n, f"h{step}")},
+                                deadline=time.monotonic() + 10.0, identity=n)
+        except Exception as e:  # noqa: BLE001 - what each node's request ended with
+            got[n] = e
+
+    with ThreadPoolExecutor(len(sess)) as ex:
+        early = ex.submit(go, first) if first else None
+        if early is not None:
+            wait_for(lambda: svc.status()["nodes"][list(sess).index(first)]["waiting_at"] == step)
+        list(ex.map(go, [n for n in sess if n != first]))
+        if early is not None:
+            early.result(15)
+    return got
+
+
 def test_a_journal_that_cannot_be_saved_stops_the_coordinator_before_anyone_hears_of_the_step() -> None:
     """The disk fills up as the barrier of outer step 1 completes: no node is told of step 1
     (both syncs end with ServiceStopped, naming the journal), the journal stays at step 0, and
     a coordinator restarted on it takes the nodes' claims of step 1, the step after its newest,
     instead of refusing them as ahead of the run."""
     disk = _FillingDisk()
-    conf = CoordinatorConfig(min_nodes=2, join_window=0.0, heartbeat_timeout=60.0, keepalive_interval=0.01)
-
-    def start(resume: dict[str, Any] | None = None) -> tuple[CoordinatorService, dict[str, str]]:
-        svc = CoordinatorService(conf, run_id="r", journal=disk).start()
-        sess = {}
-        for i, n in enumerate("ab"):
-            reg = {"op": "register", "node": n, "addr": f"127.0.0.1:{9000 + i}", "devices": 1, "protocol": PROTOCOL,
-                   "fingerprint": FP, "founder": resume is None,
-                   "resume": None if resume is None else {**resume, "rank": i}}
-            reply = svc.handle(reg, identity=n)
-            assert reply["ok"] and reply["member"], reply
-            sess[n] = reply["session"]
-        return svc, sess
-
-    def round_(svc: CoordinatorService, sess: dict[str, str], step: int) -> dict[str, Any]:
-        got: dict[str, Any] = {}
-
-        def go(n: str) -> None:
-            try:
-                got[n] = svc.handle({"op": "sync", "node": n, "session": sess[n], "step": step,
-                                     "state_hash": f"h{step}"}, deadline=time.monotonic() + 10.0, identity=n)
-            except Exception as e:  # noqa: BLE001 - what each node's request ended with
-                got[n] = e
-
-        with ThreadPoolExecutor(2) as ex:
-            list(ex.map(go, sess))
-        return got
-
-    svc, sess = start()
-    first = round_(svc, sess, 0)
+    svc, sess = _journaled(disk, "ab")
+    first = _syncs(svc, sess, 0)
     assert all(r["ok"] for r in first.values()), first
     disk.full = True
-    second = round_(svc, sess, 1)
+    second = _syncs(svc, sess, 1)
     assert all(isinstance(r, ServiceStopped) for r in second.values()), second
-    assert "No space left on device" in str(second["a"]) and svc.failure and "journal" in svc.failure
+    assert all("No space left on device" in str(r) for r in second.values()) and "journal" in str(svc.failure)
     assert RunRecord.from_json(disk._stored).hwm_step == 0
     with pytest.raises(ServiceStopped):
         svc.handle({"op": "status"}, identity="a")
     disk.full = False  # the operator frees the disk and restarts the coordinator on its journal
     ep = first["a"]["epoch"]
-    svc2, sess2 = start({"outer_step": 1, "epoch_id": ep["epoch_id"], "state_hash": "h1",
-                         "members": [m[0] for m in ep["members"]]})
-    third = round_(svc2, sess2, 1)
-    assert all(r["ok"] and r["epoch"]["outer_step"] == 1 for r in third.values()), third
-    assert RunRecord.from_json(disk._stored).hwm_step == 1 and svc2.failure is None
+    svc2, sess2 = _journaled(disk, "ab", {"outer_step": 1, "epoch_id": ep["epoch_id"], "state_hash": "h1",
+                                          "members": [m[0] for m in ep["members"]]})
+    try:
+        third = _syncs(svc2, sess2, 1)
+        assert all(r["ok"] and r["epoch"]["outer_step"] == 1 for r in third.values()), third
+        assert RunRecord.from_json(disk._stored).hwm_step == 1 and svc2.failure is None
+    finally:
+        svc2.stop()
+
+
+def test_a_waiter_is_not_told_of_its_eviction_by_a_barrier_that_was_not_saved() -> None:
+    """a waits at step 1 with a hash of its own; b and c complete the barrier with the run's,
+    which would evict a as diverged, and the save fails: a hears ServiceStopped, not that."""
+    disk = _FillingDisk()
+    svc, sess = _journaled(disk, "abc")
+    assert all(r["ok"] for r in _syncs(svc, sess, 0).values())
+    disk.full = True
+    got = _syncs(svc, sess, 1, {"a": "BAD"}, first="a")
+    assert all(isinstance(r, ServiceStopped) for r in got.values()), got
+    assert RunRecord.from_json(disk._stored).hwm_step == 0
 
 
 def test_heartbeat_view_lists_the_joiners_a_donor_serves() -> None:
@@ -346,7 +372,7 @@ def test_a_coordinator_process_whose_journal_cannot_be_saved_exits_naming_it(tmp
     port, where = _free_port(), tmp_path / "gone"
     where.mkdir()
     p = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
-                          str(port), "--run-id", "coord-test", "--min-nodes", "2", "--journal",
+                          str(port), "--run-id", "coord-test", "--min-nodes", "2", "--join-window", "0", "--journal",
                           str(where / "run.journal")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=_env(), cwd=ROOT)
     clients = []

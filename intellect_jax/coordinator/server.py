@@ -156,6 +156,9 @@ class Coordinator:
     def _accept_loop(self) -> None:
         assert self._listener is not None
         while not self._stop.is_set():
+            if self.service.failure is not None:  # it stopped itself (its journal): nobody is served any more
+                self._listener.close()
+                return
             self._evict_revoked()
             try:
                 conn = self._listener.accept(CHANNEL, timeout=0.5)

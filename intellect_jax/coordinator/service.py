@@ -100,11 +100,13 @@ class CoordinatorService:
                 self._excuse_stall(now)
                 return fn(now)
             finally:
-                for line in self.membership.drain_events():
-                    self._emit(line)
-                if self.journal is not None:
-                    self._persist()
-                self._cond.notify_all()
+                try:
+                    for line in self.membership.drain_events():
+                        self._emit(line)
+                finally:  # (saved whatever an event's logging does)
+                    if self.journal is not None:
+                        self._persist()
+                    self._cond.notify_all()
 
     def _persist(self) -> None:
         """(under the lock) Save the journal if the record changed. If it cannot be saved (a full
@@ -116,10 +118,10 @@ class CoordinatorService:
         newest."""
         try:
             self.journal.save(self.membership.record)  # type: ignore[union-attr]
-        except OSError as e:
-            self._stopped = True
+        except Exception as e:  # noqa: BLE001 - a disk's error or a bug: either way, no unsaved change goes out
             self.failure = (f"journal {getattr(self.journal, 'path', '(in memory)')}: cannot be saved ({e}); the "
                             "coordinator stops rather than run ahead of its journal (free the disk and restart it)")
+            self._stopped = True
             log.error("%s", self.failure)
             self._cond.notify_all()
             raise ServiceStopped(self.failure) from None
@@ -276,6 +278,8 @@ class CoordinatorService:
                 end = clock.now() + every
                 while result is None and not self._stopped and clock.now() < end:
                     self._cond.wait(max(0.0, end - clock.now()))
+                    if self._stopped:  # (a change whose save failed must not reach anyone, as a result or an error)
+                        break
                     result = poll()
             if self._stopped:
                 raise ServiceStopped(self.failure or "coordinator stopped")
