@@ -327,22 +327,36 @@ def test_a_registration_gives_up_past_its_limit_naming_the_coordinator() -> None
 
 
 @pytest.mark.slow
+def _coordinator_process(flags: list[str], **client_kw: Any) -> tuple[subprocess.Popen, list[Any]]:
+    """A coordinator process for members a and b (no join window; ``flags`` added) and their
+    clients, registered (``client_kw``: the clients' settings). The caller closes the clients
+    and ends the process."""
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
+                          str(port), "--run-id", "coord-test", "--min-nodes", "2", "--join-window", "0", *flags],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    clients: list[Any] = []
+    try:
+        assert p.stdout.readline().startswith("coordinator listening on")  # type: ignore[union-attr]
+        clients = [_client(("127.0.0.1", port), n, 9000 + i, **client_kw) for i, n in enumerate("ab")]
+        for c in clients:
+            c.register()
+    except BaseException:
+        for c in clients:
+            c.close()
+        p.kill()
+        p.communicate(timeout=10)
+        raise
+    return p, clients
+
+
 def test_a_sigstopped_coordinator_process_evicts_nobody() -> None:
     """The coordinator process is SIGSTOPped for 8 s (heartbeat timeout 2 s, client I/O timeout
     1 s) while one member waits at a barrier and another trains: both keep their sessions, the
     barrier completes after SIGCONT with both, and the coordinator logs its stall."""
-    port = _free_port()
-    p = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
-                          str(port), "--run-id", "coord-test", "--heartbeat-timeout", "2", "--min-nodes", "2",
-                          "--join-window", "0", "--no-journal"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=_env(), cwd=ROOT)
-    clients = []
+    p, clients = _coordinator_process(["--heartbeat-timeout", "2", "--no-journal"], io_timeout=1.0,
+                                      heartbeat_interval=0.3)
     try:
-        assert p.stdout.readline().startswith("coordinator listening on")  # type: ignore[union-attr]
-        clients = [_client(("127.0.0.1", port), n, 9000 + i, io_timeout=1.0, heartbeat_interval=0.3)
-                   for i, n in enumerate("ab")]
-        for c in clients:
-            c.register()
         with ThreadPoolExecutor(2) as ex:
             assert {f.result(10).epoch_id for f in [ex.submit(c.sync, 0, "h0") for c in clients]} == {1}
             fa = ex.submit(clients[0].sync, 1, "h1")
@@ -369,19 +383,11 @@ def test_a_coordinator_process_whose_journal_cannot_be_saved_exits_naming_it(tmp
     """The journal's directory becomes a file under a running coordinator: at the next change (the
     barrier of outer step 0 records its hash) it cannot save, tells nobody of the step, and
     exits with status 2 and one line naming the journal."""
-    port, where = _free_port(), tmp_path / "gone"
+    where = tmp_path / "gone"
     where.mkdir()
-    p = subprocess.Popen([sys.executable, "-m", "intellect_jax.coordinator", "--host", "127.0.0.1", "--port",
-                          str(port), "--run-id", "coord-test", "--min-nodes", "2", "--join-window", "0", "--journal",
-                          str(where / "run.journal")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=_env(), cwd=ROOT)
-    clients = []
+    p, clients = _coordinator_process(["--journal", str(where / "run.journal")], io_timeout=2.0,
+                                      reconnect_timeout=2.0)
     try:
-        assert p.stdout.readline().startswith("coordinator listening on")  # type: ignore[union-attr]
-        clients = [_client(("127.0.0.1", port), n, 9000 + i, io_timeout=2.0, reconnect_timeout=2.0)
-                   for i, n in enumerate("ab")]
-        for c in clients:
-            c.register()
         (where / "run.journal").unlink()
         where.rmdir()
         where.write_text("a file where the journal's directory was")  # (root may write anywhere else)
