@@ -125,12 +125,18 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     first = joiner[0]["outer_step"]
     assert first >= 2 and joiner[0]["nodes"] == 3
     assert joiner[0]["outer_hash"] == ref[first]  # the joiner's state is the founders'
-    # the donor kept training while it streamed the state: inner steps logged inside the window
+    # the donor kept training while it streamed the state: no pause in its inner steps around the
+    # transfer longer than its longest pause elsewhere (a boundary's exchange; the transfer starts at
+    # the boundary where the joiner is admitted, and a short one may end before that exchange does)
     m = re.search(r"\[(node\d)\] served node2: .* \(wall ([\d.]+) -> ([\d.]+)\)", out)
     assert m, out[-3000:]
     donor, t0, t1 = m.group(1), float(m.group(2)), float(m.group(3))
     _, inner = run_rows(tmp_path, donor)
-    assert [r["step"] for r in inner if t0 <= r["time"] <= t1 + 2.0], (t0, t1)
+    times = sorted(r["time"] for r in inner)
+    gaps = list(zip(times, times[1:]))
+    around = [y - x for x, y in gaps if x <= t1 and y >= t0]  # the pauses the transfer falls in, if any
+    elsewhere = [y - x for x, y in gaps if y < t0 or x > t1]
+    assert times[-1] > t1 and max(around, default=0.0) <= max(elsewhere) + 2.0, (t0, t1, around, max(elsewhere))
     # every round's data was leased (units of 1 inner step): across the joiner and the coordinator's
     # SIGKILL, each recorded step trained exactly its contributors' units, none twice, nothing out
     assert "data leased from the coordinator in units of 1 inner steps" in out
