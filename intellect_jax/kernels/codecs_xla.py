@@ -38,12 +38,7 @@ import jax.numpy as jnp
 
 from intellect_jax.net import codecs
 
-__all__ = ["aligned", "encode_rows", "decode_rows", "bitpack", "index_bits", "code_bits", "level_count"]
-
-
-def code_bits(mode: str) -> int:
-    """Bits per kept value's code: 1 (int1) or 2."""
-    return 1 if mode == "int1" else 2
+__all__ = ["aligned", "encode_rows", "decode_rows", "bitpack", "index_bits", "level_count"]
 
 
 def level_count(mode: str) -> int:
