@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
-from intellect_jax.net import robust
+from intellect_jax.net import codecs, robust
 
 
 class DilocoConfig(BaseModel):
@@ -107,7 +107,7 @@ class DilocoConfig(BaseModel):
     @property
     def gathered(self) -> bool:
         """Contributions exchanged whole, with error feedback (``net.gather``)."""
-        return self.mode in ("int2", "int1", "topk", "top1")
+        return codecs.gathered(self.wire_mode)
 
     @property
     def pow2_block(self) -> bool:
@@ -133,7 +133,7 @@ class DilocoConfig(BaseModel):
                              f"({self.sparse_chunk})")
         if self.mode == "top1" and self.sparse_chunk > 1 << 16:
             raise ValueError(f"sparse_chunk ({self.sparse_chunk}) must be <= 65536")
-        if self.encode == "device" and (self.mode not in ("topk", "top1", "int1") or self.pseudo_gradient == "host"):
+        if self.encode == "device" and (self.mode not in codecs.DEVICE_ENCODED or self.pseudo_gradient == "host"):
             raise ValueError(f"encode = \"device\" is for mode topk, top1 or int1 (not {self.mode}) "
                              f"on the device pseudo-gradient (pseudo_gradient {self.pseudo_gradient!r})")
         if not 0.0 <= self.feedback <= 1.0:

@@ -45,7 +45,7 @@ __all__ = ["DeviceEncoder", "DeviceContribution", "supported"]
 
 def supported(mode: str, chunk: int) -> str | None:
     """Why ``mode`` cannot be encoded on the devices (None: it can)."""
-    if codecs.family(mode) not in ("topk", "top1", "int1"):
+    if codecs.family(mode) not in codecs.DEVICE_ENCODED:
         return f"{mode} is encoded on the host (the devices encode topk<K>, top1of<G> and int1)"
     if not codecs_xla.aligned(mode, chunk):
         return f"{mode} in chunks of {chunk}: a chunk's positions or codes are not whole bytes"

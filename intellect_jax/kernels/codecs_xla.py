@@ -68,7 +68,7 @@ def kept(mode: str, n: int) -> int:
 def aligned(mode: str, chunk: int) -> bool:
     """Whether a full chunk's position and code streams are whole bytes (and top-k's position
     pairs whole): the condition for laying rows end to end."""
-    if codecs.family(mode) not in ("topk", "top1", "int1"):
+    if codecs.family(mode) not in codecs.DEVICE_ENCODED:
         return False
     if mode == "int1":
         return chunk % 8 == 0

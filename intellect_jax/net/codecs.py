@@ -47,6 +47,7 @@ import numpy as np
 
 RING = ("int4",)  # summed hop by hop in the ring like int8
 GATHERED = ("int2", "int1", "topk", "top1")  # every contribution sent whole to every rank (error feedback)
+DEVICE_ENCODED = ("topk", "top1", "int1")  # families a node may encode on its devices (kernels.codecs_xla)
 _TOPK = re.compile(r"^topk([1-9][0-9]{0,4})$")
 _TOP1 = re.compile(r"^top1of(2|4|8|16|32|64|128|256)$")
 _F32 = np.float32
