@@ -130,3 +130,47 @@ def test_the_attack_suite_in_real_runs(monkeypatch: pytest.MonkeyPatch, attack: 
     assert r["evictions"][0]["outer_step"] <= (3 if attack == "ratchet" else 2), r["evictions"]
     assert "3 of the 3 others (n0, n2, n3) show n1's own pieces outsized" in "\n".join(r["events"])
     assert all(r["distance"][i] < 1.5 for i in honest_ids), r["distance"]
+
+
+def test_an_origin_that_signs_two_versions_in_a_real_all_gather_is_banned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gathered codec (top-1 of 4, every contribution forwarded whole round the ring): n0 signs
+    a second version of its first piece, and n2, its accomplice, forwards that one to n3 instead
+    of the one n0 sent round. Ranks then hold two versions: the call fails everywhere before
+    anyone sums, every rank reports its holding of n0's contribution, two of which differ under
+    n0's signatures, and the retry's barrier evicts and bans n0; the three others finish the run
+    with one state."""
+    from intellect_jax.net import gather
+    from intellect_jax.net.evidence import digest
+    from intellect_jax.testing.identities import credentials
+
+    seals: dict[tuple[str, int, int], Any] = {}  # (node, epoch, call) -> its origin seal of that call
+    calls: dict[int, tuple[str, int, int]] = {}  # id(seal) -> (node, epoch, call)
+    honest_seal, honest_put = SocketCommunicator._origin_seal, gather._GatherRun.put
+
+    def origin_seal(self: SocketCommunicator, call: int) -> Any:
+        seal = honest_seal(self, call)
+        seals[self.ids[self.rank], self.epoch, call] = seal
+        calls[id(seal)] = (self.ids[self.rank], self.epoch, call)
+        return seal
+
+    def put(self: Any, m: int, *item: Any) -> None:
+        node, epoch, call = calls.get(id(self.oseal), ("", 0, 0))
+        s, j = divmod(m, self.plan.pieces)
+        origin = (self.rank - s) % self.world
+        if node == "n2" and s and j == 0 and self.certs.get(origin) == credentials("n0").cert_der:
+            wire, ptag, _, cert = item
+            wire = wire.copy()
+            wire[-1] ^= 0x03  # one value's code: still decodes, to another value
+            a, b = self.plan.piece(0, 0)
+            item = (wire, None, seals["n0", epoch, call].sign(0, b - a, digest(wire)), cert)
+        honest_put(self, m, *item)
+
+    monkeypatch.setattr(SocketCommunicator, "_origin_seal", origin_seal)
+    monkeypatch.setattr(gather._GatherRun, "put", put)
+    ring = RingConfig(mode="top1of4", block_size=256, piece_numel=1024, deadline=30.0)
+    r = socket_run(4, "byz-equivocation", ring, outer_steps=STEPS, dim=4096)
+    _check(r, "n0", "signed two versions of its piece 0")
+    assert r["outcomes"][0].startswith("RegistrationRefused") and "banned from this run" in r["outcomes"][0]
+    log = "\n".join(r["events"])
+    assert "hold n0's signatures on two versions of its piece" in log and "outer step 0's all-reduce" in log, \
+        log[-2000:]

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from intellect_jax.coordinator.policing import REVOKED, Police, weigh
+from intellect_jax.coordinator.policing import REVOKED, Police, weigh, weigh_holdings
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Arrival, Node, Role
-from intellect_jax.coordinator.schema import Evidence, Report
+from intellect_jax.coordinator.schema import Evidence, Holding, Report
 from intellect_jax.net import NetNode, RingConfig, codecs, gather, quant
 from intellect_jax.net.comm import bucket_call
 from intellect_jax.net.evidence import SAT_OUT, digest, verdict
@@ -353,7 +353,7 @@ def test_socket_gather_a_forwarder_cannot_change_what_it_passes_on(monkeypatch: 
     hold different results (unchecked, ranks 2 and 3 would have summed the altered piece). Nor
     when rank 0 signs a second version of that piece for rank 2 to pass on instead: rank 3 then
     holds other bytes than ranks 0-2, and the signed digests each rank sends round before it
-    sums fail the call."""
+    sums fail the call (the next test: the origin is then named)."""
     world, n = 4, 6000
     cfg = RingConfig(mode="top1of4", block_size=512, piece_numel=2048, deadline=10)
     xs = [_x(n, s) for s in range(world)]
@@ -382,7 +382,7 @@ def test_socket_gather_a_forwarder_cannot_change_what_it_passes_on(monkeypatch: 
         comms = [nd.ring([(m.name, m.address) for m in nodes], r, config=cfg) for r, nd in enumerate(nodes)]
         outs, errs = _run(comms, xs, [None] * world)
         if trick == "equivocation":
-            assert any("holds other contributions than we do" in str(e) for e in errs), errs
+            assert all("hold other contributions than we do of rank(s) [0]" in str(e) for e in errs), errs
         else:
             assert errs[2] is not None and str(errs[2]).startswith("rank 1 (g1 "), errs
             assert ("does not carry rank 0's signature" if trick == "piece" else "forwarded a certificate") in \
@@ -390,6 +390,79 @@ def test_socket_gather_a_forwarder_cannot_change_what_it_passes_on(monkeypatch: 
         done = [o for o in outs if o is not None]
         want = gather.simulate(xs, cfg.mode, cfg.block_size, cfg.piece_numel)
         assert all(np.array_equal(o, want) for o in done)
+    finally:
+        for nd in nodes:
+            nd.close()
+
+
+def _judged(comms: list, revoked: bool = False, alter: Any = None) -> tuple[list, dict[str, str], list[str]]:
+    """What the coordinator makes of every rank's holdings after a failed all-gather of epoch 0:
+    (evicted (node, why), banned, its log); ``alter(holding)`` changes each holding first."""
+    said: list[str] = []
+    ids = tuple(c.ids[c.rank] for c in comms)
+    police = Police(CoordinatorConfig(), said.append, ca=credentials("g0").ca_der)
+    police.revoked = lambda serial: revoked
+    police.formed(0, 0, ids)
+    members = [Node(i, f"127.0.0.1:{k + 1}", 1, "s", Role.MEMBER, (k, 0), 0.0, arrival=Arrival(
+        1, 0.0, "h", False, report=Report(holdings=[(alter or (lambda h: h))(Holding.model_validate(h))
+                                                   for h in c.held]) if c.held else None))
+        for k, (i, c) in enumerate(zip(ids, comms))]
+    _, evict = police.judge(1, members, "gather-test")
+    return [(n.node_id, why) for n, why in evict], police.frauds, said
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_socket_gather_an_origin_that_signs_two_versions_is_banned_on_the_holdings(monkeypatch: Any,
+                                                                                     masked: bool) -> None:
+    """An origin signs a second version of its first piece and an accomplice passes that one on
+    to a single rank: the call fails, and every rank reports its holding of the origin (each
+    piece's digest under the origin's signature) with its retry. Two holdings that differ in a
+    piece, both signed, convict the origin at the coordinator, whoever passed what on, so the
+    colluders cannot hide it (a holding sent round the ring could be altered by them, who stand
+    between the two sides). ``masked``: the origin also lies about an honest rank's
+    contribution in its signed digests, so that ranks dispute that one too: its holdings all
+    agree, and only the origin is banned. A holding altered, or signed with a revoked
+    certificate, shows nothing."""
+    world, n = 4, 6000
+    origin, accomplice, victim = (1, 3, 0) if masked else (0, 2, 3)
+    cfg = RingConfig(mode="top1of4", block_size=512, piece_numel=2048, deadline=10)
+    xs = [_x(n, s) for s in range(world)]
+    real_put, real_held = gather._GatherRun.put, gather._GatherRun._held
+
+    def put(self: Any, m: int, *item: Any) -> None:
+        s, j = divmod(m, self.plan.pieces)
+        if self.rank == accomplice and j == 0 and (self.rank - s) % world == origin and \
+                (self.rank + 1) % world == victim:  # the origin's first piece, to the victim
+            wire, _, _, cert = item
+            wire = wire.copy()
+            wire[-1] ^= 0x03
+            a, b = self.plan.piece(0, 0)
+            item = (wire, None, comms[origin]._origin_seal(bucket_call(0, 0)).sign(0, b - a, digest(wire)), cert)
+        real_put(self, m, *item)
+
+    def _held(self: Any, o: int) -> bytes:
+        return b"\xff" * 32 if masked and (self.rank, o) == (origin, 0) else real_held(self, o)
+
+    monkeypatch.setattr(gather._GatherRun, "put", put)
+    monkeypatch.setattr(gather._GatherRun, "_held", _held)
+    nodes = _nodes(world)
+    try:
+        comms = [nd.ring([(m.name, m.address) for m in nodes], r, config=cfg) for r, nd in enumerate(nodes)]
+        outs, errs = _run(comms, xs, [None] * world)
+        assert all(o is None for o in outs) and all("hold other contributions than we do" in str(e) for e in errs)
+        g = f"g{origin}"
+        assert all({h["origin"] for h in c.held} == ({"g0", g} if masked else {g}) - {c.ids[c.rank]} for c in comms)
+        why = "signed two versions of its piece 0 (call 0) in an all-gather"
+        evicted, banned, said = _judged(comms)
+        assert evicted == [(g, why)] and banned == {g: why}, said
+        assert any(f"hold {g}'s signatures on two versions of its piece" in line for line in said), said
+        assert _judged(comms, revoked=True)[:2] == ([], {})
+        flip = lambda h: h.model_copy(update={"digests": [("0" if d[0] != "0" else "1") + d[1:]  # noqa: E731
+                                                          for d in h.digests]})
+        assert _judged(comms, alter=flip)[:2] == ([], {})
+        for c in comms:  # a coordinator that signs nothing (in process) convicts nobody
+            assert weigh_holdings([(c.ids[c.rank], Holding.model_validate(h)) for h in c.held], run_id="gather-test",
+                                  epoch_id=0, ring=tuple(x.ids[x.rank] for x in comms), ca=None) == {}
     finally:
         for nd in nodes:
             nd.close()

@@ -5,7 +5,8 @@ pseudo-gradient checks failed (it sat out, contributing zeros) at ``sit_out_limi
 a row is broken; a member shown to have sent a bad piece of its own contribution in ``strikes``
 rounds poisons the run; a member that an audit of a butterfly owner shows at fault by its own
 signatures (a forged aggregate, two commitments for one call, two different pieces signed for
-one place: ``net.audit``) is evicted at once and banned, since no honest member ever signs
+one place: ``net.audit``), or that signed two versions of a piece of its contribution to an
+all-gather (``net.gather``), is evicted at once and banned, since no honest member ever signs
 such a thing; a member that accuses falsely ``strikes`` times is evicted; a member that withholds
 its own pieces (:meth:`Police._stalls`) is evicted once most of the others have said so after
 ``stall_calls`` failed calls in a row; a member whose own rows most of the others show outsized
@@ -48,7 +49,7 @@ from cryptography import x509
 
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Node
-from intellect_jax.coordinator.schema import Audit, Evidence, Steering
+from intellect_jax.coordinator.schema import Audit, Evidence, Holding, Steering
 from intellect_jax.net import audit, codecs, quant
 from intellect_jax.net.evidence import (EVERYONE, OUTSIZE, SUSPECT_FACTOR, clear_cut, der_signature, digest, outsized,
                                         piece_statement, reference_rms, row_norm, seal, statement, verdict)
@@ -63,6 +64,7 @@ def follows(ring: tuple[str, ...], accuser: str, accused: str) -> bool:
     return accused in ring and accuser in ring and ring.index(accuser) == (ring.index(accused) + 1) % len(ring)
 
 
+EQUIVOCATED = "signed two versions of its piece"  # (an all-gather's origin: weigh_holdings)
 REVOKED = "the evidence's piece is signed with a revoked certificate of "  # (shows nothing, against nobody)
 
 
@@ -141,6 +143,53 @@ def weigh_audit(ev: Audit, *, run_id: str, step: int, epoch_id: int, accuser: st
 
     guilty, why, right = audit.judge(case, signed)
     return (ring[guilty], why, False) if guilty is not None else (None, why, right)
+
+
+def weigh_holdings(held: list[tuple[str, Holding]], *, run_id: str, epoch_id: int, ring: tuple[str, ...],
+                   ca: bytes | None, revoked: Callable[[int], bool] | None = None,
+                   checks: int = 4) -> dict[str, tuple[str, tuple[str, str]]]:
+    """The all-gather origins that signed two versions of one piece, from the holdings members
+    reported after a failed call of epoch ``epoch_id`` (``ring``): (reporter, holding) pairs.
+    Two reporters' holdings of one origin in one call that differ in a piece, each digest under
+    the origin's signature by a certificate the run authority ``ca`` issued to it (and did not
+    revoke), are its own word on two versions: origin -> (why, the two reporters). Nobody else
+    can sign them, whatever a reporter claims: a holding whose signatures do not verify shows
+    nothing. At most ``checks`` differing pieces are checked per pair of holdings (an honest pair
+    differs in the pieces signed twice alone). In-process runs (``ca`` None) sign nothing."""
+    if ca is None:
+        return {}
+    groups: dict[tuple, dict[str, Holding]] = {}
+    for reporter, h in held:
+        if h.epoch != epoch_id or reporter not in ring or h.origin not in ring or h.origin == reporter \
+                or not len(h.numels) == len(h.digests) == len(h.signatures):
+            continue
+        groups.setdefault((h.step, h.call, h.origin, h.mode, h.block, tuple(h.numels)), {}).setdefault(reporter, h)
+    verified: dict[tuple[str, int, str, str], bool] = {}
+
+    def signed(h: Holding, j: int) -> bool:
+        key = (h.cert, j, h.digests[j], h.signatures[j])
+        if key not in verified:
+            said = piece_statement(run_id, h.step, h.epoch, h.call, h.origin, EVERYONE, 0, j, h.numels[j], h.mode,
+                                   h.block, h.digests[j])
+            ok = vouched(ca, h.cert, h.origin, said, der_signature(bytes.fromhex(h.signatures[j])).hex())
+            if ok and revoked is not None:
+                ok = not revoked(x509.load_der_x509_certificate(bytes.fromhex(h.cert)).serial_number)
+            verified[key] = ok
+        return verified[key]
+
+    guilty: dict[str, tuple[str, tuple[str, str]]] = {}
+    for (_, call, origin, *_), by in groups.items():
+        reporters = sorted(by)
+        for x, a in enumerate(reporters):
+            for b in reporters[x + 1:]:
+                if origin in guilty:
+                    break
+                ha, hb = by[a], by[b]
+                differ = [j for j, (da, db) in enumerate(zip(ha.digests, hb.digests)) if da != db][:checks]
+                j = next((j for j in differ if signed(ha, j) and signed(hb, j)), None)
+                if j is not None:
+                    guilty[origin] = (f"{EQUIVOCATED} {j} (call {call}) in an all-gather", (a, b))
+    return guilty
 
 
 def weigh_steering(ev: Steering, *, run_id: str, step: int, epoch_id: int, accuser: str, ring: tuple[str, ...],
@@ -271,7 +320,8 @@ class Police:
             n.strikes += int(n.node_id in blamed and (failed or (signed and clear_cut(blamed[n.node_id]))))
             n.stalls = n.stalls + 1 if n.node_id in stalled else 0
             if n.node_id in frauds:
-                evict.append((n, f"shown at fault by an audit: {frauds[n.node_id]}"))
+                why = frauds[n.node_id]
+                evict.append((n, why if why.startswith(EQUIVOCATED) else f"shown at fault by an audit: {why}"))
             elif n.node_id in steered:
                 evict.append((n, f"steered the average: {steered[n.node_id]}"))
             elif n.stalls >= self.config.stall_calls:
@@ -320,6 +370,25 @@ class Police:
                 self._say(f"WARNING {n.node_id}'s audit of {owner}'s segment (piece {ev.piece}, call {ev.call}) in "
                           f"outer step {ev.step}'s all-reduce (epoch {epoch_id}) shows {guilty} at fault by its own "
                           f"signature: {why}")
+        by_step: dict[int, list[tuple[str, Holding]]] = {}  # an all-gather's origin that signed two versions
+        for n, r in reports:
+            for h in r.holdings or ():
+                if h.step in self._rings:
+                    by_step.setdefault(h.step, []).append((n.node_id, h))
+        for k, held in by_step.items():
+            epoch_id, ring, _ = self._rings[k]
+            try:
+                found = weigh_holdings(held, run_id=run_id, epoch_id=epoch_id, ring=ring, ca=self.ca,
+                                       revoked=self.revoked)
+            except Exception as e:  # noqa: BLE001 - whatever a peer sent, the barrier goes on
+                found = {}
+                self._say(f"WARNING the holdings reported on outer step {k}'s all-reduce could not be checked "
+                          f"({type(e).__name__})")
+            for origin, (why, (a, b)) in found.items():
+                if origin not in frauds:
+                    frauds[origin] = why
+                    self._say(f"WARNING {a} and {b} hold {origin}'s signatures on two versions of its piece: {why}, "
+                              f"in outer step {k}'s all-reduce (epoch {epoch_id})")
         return frauds
 
     def _steering(self, step: int, reports: list, run_id: str) -> dict[str, str]:

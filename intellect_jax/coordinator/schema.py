@@ -161,6 +161,24 @@ class Steering(Msg):
     signatures: Annotated[list[Raw64 | None], Field(min_length=3, max_length=MAX_CASE_RANKS)]
 
 
+class Holding(Msg):
+    """An all-gather origin's contribution to a failed call as the reporter held it
+    (``net.gather``: the codecs that travel whole), after ranks found they hold other ones: the
+    certificate it came with (DER, hex) and per piece its values' count, digest and the origin's
+    signature (r || s, hex)."""
+
+    step: Count
+    epoch: Count
+    call: Count
+    origin: NodeId
+    mode: Annotated[str, Field(pattern=r"^(int2|int1|topk[1-9][0-9]{0,4}|top1of[1-9][0-9]{0,2})$")]  # net.codecs
+    block: Annotated[int, Field(ge=1, le=1 << 16)]
+    cert: Annotated[str, Field(pattern=r"^(?:[0-9a-f]{2}){16,8192}$")]
+    numels: Annotated[list[Annotated[int, Field(ge=1, le=2**31)]], Field(min_length=1, max_length=MAX_PIECES)]
+    digests: Annotated[list[Hex32], Field(min_length=1, max_length=MAX_PIECES)]
+    signatures: Annotated[list[Raw64], Field(min_length=1, max_length=MAX_PIECES)]
+
+
 class Missing(Msg):
     """The members whose own pieces of a failed butterfly call never all reached the reporter
     (``net.butterfly``: it names them whatever else failed), in outer step ``step``'s epoch
@@ -175,14 +193,16 @@ class Report(Msg):
     """A node's word on its last all-reduce: did the average fail its checks, whom (its ring
     predecessor) it accuses of a bad contribution, with why and the evidence, and the piece its
     audit of a butterfly owner found at fault (``audit``); after a failed butterfly call, whose own
-    pieces never reached it (``missing``); after one that succeeded, the members whose own pieces
-    it found outsized against the others' (``steering``)."""
+    pieces never reached it (``missing``), and after a failed all-gather its holding of each
+    origin whose contribution ranks hold otherwise (``holdings``); after one that succeeded, the
+    members whose own pieces it found outsized against the others' (``steering``)."""
 
     avg_failed: bool = False
     accused: Annotated[list[Text], Field(min_length=2, max_length=2)] | None = None
     evidence: Evidence | None = None
     audit: Audit | None = None
     missing: Missing | None = None
+    holdings: Annotated[list[Holding], Field(max_length=MAX_CASE_RANKS)] | None = None
     steering: Annotated[list[Steering], Field(max_length=MAX_CASE_RANKS)] | None = None
 
 

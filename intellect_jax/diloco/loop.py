@@ -532,19 +532,25 @@ class NodeLoop:
 
     def _failed(self, k: int, ep: Epoch, comm: Any) -> dict | None:
         """Our report on a failed call, for the retry's sync: the case, if our audit failed it
-        (:mod:`~intellect_jax.net.audit`), and whose own pieces never reached us (the butterfly)."""
+        (:mod:`~intellect_jax.net.audit`), whose own pieces never reached us (the butterfly), and
+        our holding of each origin whose contribution ranks hold otherwise (the all-gather,
+        :mod:`~intellect_jax.net.gather`: its signatures on two versions of a piece convict it)."""
         audited, missing = getattr(comm, "audited", None), getattr(comm, "missing", ())
+        held = getattr(comm, "held", [])
+        if held:
+            self.p.log(f"outer step {k + 1}'s all-reduce: ranks hold other contributions of "
+                       f"{', '.join(h['origin'] for h in held)} than we do; our holdings go to the coordinator")
         if audited:
             self.p.log(f"WARNING our audit in outer step {k + 1}'s all-reduce shows {ep.node_ids[audited[0]]} at "
                        f"fault: {audited[1]}" + ("" if audited[2] else " (the case is too large to report)"))
         if missing:
             self.p.log(f"outer step {k + 1}'s all-reduce: the own pieces of "
                        f"{', '.join(ep.node_ids[r] for r in missing)} never reached us")
-        if not audited and not missing:
+        if not audited and not missing and not held:
             return None
         return {"avg_failed": False, "accused": None, "evidence": None, "audit": audited[2] if audited else None,
                 "missing": {"step": k, "epoch": ep.epoch_id, "nodes": [ep.node_ids[r] for r in missing]}
-                if missing else None}
+                if missing else None, "holdings": held or None}
 
     def _serve(self, ep: Epoch, s: DilocoState) -> None:
         if not ep.serve:

@@ -68,7 +68,7 @@ def statement(run_id: str, step: int, epoch: int, call: int, sender: str, receiv
 
 def holding_statement(run_id: str, step: int, epoch: int, call: int, holder: str, digest: str) -> bytes:
     """What a rank of an all-gather signs once it holds every contribution: the digest (hex) of
-    the digests of every piece of every contribution, in rank order."""
+    the digest of each contribution's piece digests, in rank order (``net.gather``)."""
     return (f"intellect_jax holding\nrun {run_id}\nouter step {step}\nepoch {epoch}\ncall {call}\nrank {holder}\n"
             f"blake3 {digest}").encode()
 
@@ -178,6 +178,15 @@ def evidence(*, step: int, epoch: int, call: int, segment: int, piece: int, nume
     return {"step": step, "epoch": epoch, "call": call, "segment": segment, "piece": piece, "numel": numel,
             "mode": mode, "block": block, "payload": base64.b64encode(payload).decode(),
             "signature": None if signature is None else signature.hex(), "cert": None if cert is None else cert.hex()}
+
+
+def holding_evidence(*, step: int, epoch: int, call: int, origin: str, mode: str, block: int, cert: bytes,
+                     numels: tuple[int, ...], digests: tuple[bytes, ...], signatures: tuple[bytes, ...]) -> dict[str, Any]:
+    """An all-gather origin's contribution as one rank held it (``net.gather.Holding``), as a
+    report carries it (``coordinator.schema.Holding``)."""
+    return {"step": step, "epoch": epoch, "call": call, "origin": origin, "mode": mode, "block": block,
+            "cert": cert.hex(), "numels": list(numels), "digests": [d.hex() for d in digests],
+            "signatures": [g.hex() for g in signatures]}
 
 
 def outsize_evidence(*, step: int, epoch: int, call: int, segment: int, piece: int, numel: int, mode: str,

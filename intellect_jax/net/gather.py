@@ -182,6 +182,20 @@ def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: i
     return combine(pays, p, mode, block, np.empty(inputs[0].shape[0], np.float32), absent=absent)
 
 
+@dataclass(frozen=True)
+class Holding:
+    """``origin``'s contribution to one call as a rank held it: the certificate it came with, and
+    per piece its values' count, its digest and ``origin``'s signature of it. Two ranks' holdings
+    that differ in a piece, each under a valid signature, are the origin's own word on two
+    versions of it (``coordinator.policing.weigh_holdings``)."""
+
+    origin: int
+    cert: bytes
+    numels: tuple[int, ...]
+    digests: tuple[bytes, ...]
+    signatures: tuple[bytes, ...]
+
+
 class _GatherRun(Pipeline):
     """State of one all-gather of one flat vector."""
 
@@ -198,6 +212,8 @@ class _GatherRun(Pipeline):
         self.plan = gather_plan(x.shape[0], block, piece_numel)
         self.certs: dict[int, bytes] = {} if seal is None else {rank: seal.cert}  # origin -> its certificate
         self.digests: list[list[bytes]] = [[b""] * self.plan.pieces for _ in range(world)]  # signed: each piece's
+        self.sigs: list[list[bytes]] = [[b""] * self.plan.pieces for _ in range(world)]  # signed: its origin's signature
+        self.disputed: list[int] = []  # origins whose contributions ranks hold otherwise than we do (agree)
         self.own, self.absent = own, absent
         self.pays: list[list[np.ndarray | None]] = [[None] * self.plan.pieces for _ in range(world)]
         self.findings: list[Finding] = []
@@ -238,7 +254,7 @@ class _GatherRun(Pipeline):
             if seal is not None:
                 if not s:
                     a, b = self.plan.piece(0, j)
-                    sig = seal.sign(j, b - a, self.digests[self.rank][j])
+                    sig = self.sigs[self.rank][j] = seal.sign(j, b - a, self.digests[self.rank][j])
                 conn.send(MsgType.DATA, sig, deadline=self.deadline)
 
     def receiver(self, k: int) -> None:
@@ -262,6 +278,7 @@ class _GatherRun(Pipeline):
                 if not self.oseal.verify(origin, self.certs[origin], j, b - a, d, sig):  # type: ignore[arg-type]
                     raise FrameError(f"{conn.peer}: piece {j} of rank {origin}'s contribution does not carry rank "
                                      f"{origin}'s signature" + (" (it forwarded it)" if s else ""))
+                self.sigs[origin][j] = sig  # type: ignore[assignment]
             if s == 0:
                 self._inspect(conn, wire, j, sig)
             self.pays[origin][j] = wire
@@ -308,29 +325,48 @@ class _GatherRun(Pipeline):
             self.findings.append(Finding(why, 0, j, b - a, wire.tobytes(), sig))
 
     def agree(self) -> None:
-        """Signed: our digest of every contribution as we hold it goes round the ring under our
-        signature, and every rank's comes to us the same way; each must equal ours (FrameError
+        """Signed: our digest of each origin's contribution as we hold it goes round the ring under
+        our signature, and every rank's comes to us the same way; each must equal ours (FrameError
         otherwise: an origin signed two versions of a piece and ranks on either side of an
-        accomplice hold different ones). So no rank sums bytes another rank that completes does not."""
-        h = hasher()
-        for ds in self.digests:
-            for d in ds:
-                h.update(d)
-        mine, seal, out, inn = h.digest(), self.oseal, self.links.out[0], self.links.inn[0]
-        item = mine + seal.vouch(mine)  # type: ignore[union-attr]
+        accomplice hold different ones). So no rank sums bytes another rank that completes does
+        not. The origins concerned go to :attr:`disputed`: each rank then shows the coordinator its
+        :meth:`holding` of them, and wherever two holdings of an origin differ in a piece, each
+        under the origin's signature, the origin signed two versions (a holding passed on round
+        the ring could be altered by the colluders, who stand between the two sides)."""
+        held = b"".join(self._held(o) for o in range(self.world))
+        seal, out, inn, differ = self.oseal, self.links.out[0], self.links.inn[0], set()
+        item = held + seal.vouch(digest(held))  # type: ignore[union-attr]
         for s in range(self.world - 1):
-            out.send(MsgType.DATA, item, deadline=self.deadline)
-            hdr = inn.recv_header(MsgType.DATA, deadline=self.deadline, length=len(item))
-            buf = bytearray(hdr.length)
-            inn.recv_payload_into(hdr, buf, deadline=self.deadline)
-            theirs, sig, origin = bytes(buf[:-SIG_BYTES]), bytes(buf[-SIG_BYTES:]), (self.rank - 1 - s) % self.world
-            if not seal.vouched(origin, self.certs[origin], theirs, sig):  # type: ignore[union-attr]
-                raise FrameError(f"{inn.peer}: rank {origin}'s digest of the contributions does not carry its "
+            buf = self._pass(out, inn, item, len(item))
+            theirs, sig, holder = bytes(buf[:-SIG_BYTES]), bytes(buf[-SIG_BYTES:]), (self.rank - 1 - s) % self.world
+            if not seal.vouched(holder, self.certs[holder], digest(theirs), sig):  # type: ignore[union-attr]
+                raise FrameError(f"{inn.peer}: rank {holder}'s digest of the contributions does not carry its "
                                  "signature")
-            if theirs != mine:
-                raise FrameError(f"{inn.peer}: rank {origin} holds other contributions than we do (an origin "
-                                 "signed two versions of a piece)")
+            differ.update(o for o in range(self.world) if theirs[32 * o:32 * o + 32] != held[32 * o:32 * o + 32])
+            self.disputed = sorted(differ)  # (so far, should a holder stop passing them on)
             item = bytes(buf)
+        if differ:  # (an origin signed two versions of a piece, or a rank lies about what it holds)
+            raise FrameError(f"ranks hold other contributions than we do of rank(s) {self.disputed}")
+
+    def _held(self, origin: int) -> bytes:
+        """The digest of ``origin``'s piece digests, as we hold them."""
+        h = hasher()
+        for d in self.digests[origin]:
+            h.update(d)
+        return h.digest()
+
+    def _pass(self, out, inn, item: bytes, n: int) -> bytearray:  # noqa: ANN001
+        """Send ``item`` on, and take the next one of ``n`` bytes from our predecessor."""
+        out.send(MsgType.DATA, item, deadline=self.deadline)
+        hdr = inn.recv_header(MsgType.DATA, deadline=self.deadline, length=n)
+        buf = bytearray(hdr.length)
+        inn.recv_payload_into(hdr, buf, deadline=self.deadline)
+        return buf
+
+    def holding(self, origin: int) -> Holding:
+        """``origin``'s contribution as we hold it, signed by it (to show a third party)."""
+        numels = tuple(b - a for a, b in (self.plan.piece(0, j) for j in range(self.plan.pieces)))
+        return Holding(origin, self.certs[origin], numels, tuple(self.digests[origin]), tuple(self.sigs[origin]))
 
     def run(self) -> np.ndarray:
         self.spawn(self.encoder, self.sender, self.receiver)
@@ -344,14 +380,16 @@ def ring_all_gather_mean(links: Links, x: np.ndarray, rank: int, world: int, *, 
                          piece_numel: int, deadline: float, out: np.ndarray | None = None,
                          dropped: np.ndarray | None = None, inspect: Inspect | None = None,
                          findings: list[Finding] | None = None, seal: OriginSeal | None = None,
-                         own: Sequence[np.ndarray] | None = None, absent: frozenset[int] = frozenset()) -> np.ndarray:
+                         own: Sequence[np.ndarray] | None = None, absent: frozenset[int] = frozenset(),
+                         disputed: list[Holding] | None = None) -> np.ndarray:
     """Mean of ``x`` (flat float32) over the ring by an all-gather of encoded contributions,
     bit-identical on every rank (``out``: flat float32, not overlapping ``x``). ``dropped``:
     receives ``x - decode(encode(x))``. ``own``: this rank's payload pieces, encoded already
     (then ``x`` only gives the length, and no ``dropped``). ``inspect``, ``findings``: as the
     ring's; ``seal``: every piece signed by its origin and checked by every rank. ``absent``: the
     ranks sitting the round out (their contributions add nothing; the mean is still over N, as
-    the ring's)."""
+    the ring's). ``disputed``: when ranks hold other contributions than we do (the call fails),
+    our holding of each origin concerned but us, signed by it, for the coordinator to compare."""
     if not codecs.gathered(mode):
         raise ValueError(f"{mode} is not a gathered codec")
     out = np.empty(x.shape[0], np.float32) if out is None else out
@@ -375,3 +413,5 @@ def ring_all_gather_mean(links: Links, x: np.ndarray, rank: int, world: int, *, 
     finally:
         if findings is not None:
             findings.extend(run.findings)
+        if disputed is not None:
+            disputed.extend(run.holding(o) for o in run.disputed if o != rank)
