@@ -104,6 +104,25 @@ def test_a_small_vector_is_cut_into_sixteen_audited_pieces_per_segment_over_sock
         assert (world - 1) * HEADER_LEN < extra < (world - 1) * (HEADER_LEN + 4096)
 
 
+def test_an_owner_keeps_evidence_against_every_sender_of_a_bad_piece() -> None:
+    """Ranks 2 and 3 each put a NaN in a piece of segment 1: rank 1, its owner, holds the signed
+    evidence against both (one each, reported together), each upheld by the coordinator's check;
+    before, only the first went with a report, and the second sender was evicted rounds later."""
+    world, n = 4, 8000
+    cfg = RingConfig(mode="int8", piece_numel=256, deadline=30, exchange="butterfly")
+    p = butterfly_plan(n, world, 64, 256)
+    xs = _inputs(world, n, seed=4)
+    xs[2][p.piece(1, p.pieces - 1)[1] - 1] = np.nan
+    xs[3][p.piece(1, 0)[0]] = np.nan
+    comms, outs, errs = _butterfly(world, xs, cfg, first=40, epoch=3, step=9)
+    assert errs == [None] * world
+    assert all(not c.suspects for r, c in enumerate(comms) if r != 1)
+    assert sorted(s[0] for s in comms[1].suspects) == [2, 3] and comms[1].suspect == comms[1].suspects[0]
+    kw: dict[str, Any] = dict(run_id="ring-test", step=9, epoch_id=3, recorded=None, ca=credentials("r40").ca_der)
+    for sender, why, ev in comms[1].suspects:
+        assert weigh(Evidence.model_validate(ev), accuser="r41", accused=f"r4{sender}", **kw) == (why, "")
+
+
 def test_nan_far_from_the_first_piece_is_evidence_against_its_sender_and_dropped() -> None:
     """Rank 2 puts a NaN in the last piece of segment 1 (the ring's successor would never see
     it): rank 1, its owner, keeps the piece signed by rank 2 as evidence, which the coordinator's

@@ -74,6 +74,14 @@ def test_the_ring_cannot_see_a_late_nan_the_butterfly_evicts() -> None:
     assert "outer step 1 skipped: the average has non-finite values" in log and "n1" not in evicted
 
 
+def test_two_late_nans_that_one_owner_sees_are_both_evicted_within_two_rounds() -> None:
+    """n1 and n5 both put a NaN in their contributions' last value, which one owner alone holds:
+    its report shows both, so both go at boundary 2, where the second went at 4 when a report
+    carried one accusation."""
+    _, _, evicted = _run(8, [1, 5], "late-nan")
+    assert evicted == {"n1": 2, "n5": 2}, evicted
+
+
 def test_two_attackers_among_eight_are_both_evicted_and_nobody_else() -> None:
     """n1 sends a late NaN (one owner sees it), n5 sits out falsely (every owner sees it)."""
     _, _, evicted = _run(8, [1, 5], "late-nan", values={5: "sitout"})

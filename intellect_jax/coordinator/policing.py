@@ -282,34 +282,17 @@ class Police:
         by_id = {n.node_id: n for n in members}
         blamed: dict[str, str] = {}
         for n, r in reports:
-            if r.accused is None or ring is None:
+            if ring is None:
                 continue
-            accused, why = r.accused
-            if not follows(ring, n.node_id, accused) and not (signed and accused in ring and accused != n.node_id):
-                self._false(n, accused, why, f"is not its ring successor in epoch {epoch_id} ([{', '.join(ring)}])"
-                            if not signed else f"was not in the ring of epoch {epoch_id} with it")
-                continue
-            if accused not in by_id:
-                continue  # gone already: nothing to weigh it against
-            try:
-                guilty, flaw = weigh(r.evidence, run_id=run_id, step=step - 1, epoch_id=epoch_id, accuser=n.node_id,
-                                     accused=accused, ca=self.ca, recorded=recorded, sat_out=accused in sat_out,
-                                     revoked=self.revoked)
-            except Exception as e:  # noqa: BLE001 - whatever a peer sent, the barrier goes on
-                guilty, flaw = None, f"it could not be checked ({type(e).__name__})"
-            if guilty is None and flaw.startswith(REVOKED):  # (maybe revoked after it signed: against nobody)
-                self._say(f"{n.node_id} shows a piece of {accused} signed with a certificate since revoked: "
-                          "it counts for nothing")
-                continue
-            if guilty is None:
-                self._false(n, accused, why, f"its evidence does not hold: {flaw}")
-                continue
-            if not clear_cut(blamed.get(accused, "")):  # a clear-cut verdict stands against later magnitude ones
-                blamed[accused] = guilty
-            if failed or (signed and clear_cut(guilty)):
-                ev = r.evidence
-                self._say(f"WARNING {n.node_id} shows {accused}'s own piece {ev.piece} of segment {ev.segment} "
-                          f"(call {ev.call}) in outer step {step - 1}'s all-reduce, signed by {accused}: {guilty}")
+            seen: set[str] = set()
+            for pair, ev in ([(r.accused, r.evidence)] if r.accused else []) + [(a.accused, a.evidence)
+                                                                                for a in r.more or ()]:
+                accused, why = pair
+                if accused in seen:  # (one accusation of each member per report)
+                    continue
+                seen.add(accused)
+                self._blame(n, accused, why, ev, blamed, failed=failed, step=step, epoch_id=epoch_id, ring=ring,
+                            sat_out=sat_out, by_id=by_id, run_id=run_id, recorded=recorded)
         self.frauds = frauds = self._audits(step, reports, by_id, run_id)
         stalled = self._stalls(step, reports, set(by_id))
         steered = self._steering(step, reports, run_id)
@@ -340,6 +323,37 @@ class Police:
             else:
                 keep.append(n)
         return keep, evict
+
+    def _blame(self, n: Node, accused: str, why: str, ev: Evidence | None, blamed: dict[str, str], *, failed: bool,
+               step: int, epoch_id: int, ring: tuple[str, ...], sat_out: tuple[str, ...], by_id: dict[str, Node],
+               run_id: str, recorded: str | None) -> None:
+        """Weigh ``n``'s accusation of ``accused`` (``why``, evidence ``ev``) at barrier ``step``:
+        the verdict goes to ``blamed``, an accusation that does not hold counts against ``n``."""
+        signed = self.ca is not None
+        if not follows(ring, n.node_id, accused) and not (signed and accused in ring and accused != n.node_id):
+            self._false(n, accused, why, f"is not its ring successor in epoch {epoch_id} ([{', '.join(ring)}])"
+                        if not signed else f"was not in the ring of epoch {epoch_id} with it")
+            return
+        if accused not in by_id:
+            return  # gone already: nothing to weigh it against
+        try:
+            guilty, flaw = weigh(ev, run_id=run_id, step=step - 1, epoch_id=epoch_id, accuser=n.node_id,
+                                 accused=accused, ca=self.ca, recorded=recorded, sat_out=accused in sat_out,
+                                 revoked=self.revoked)
+        except Exception as e:  # noqa: BLE001 - whatever a peer sent, the barrier goes on
+            guilty, flaw = None, f"it could not be checked ({type(e).__name__})"
+        if guilty is None and flaw.startswith(REVOKED):  # (maybe revoked after it signed: against nobody)
+            self._say(f"{n.node_id} shows a piece of {accused} signed with a certificate since revoked: "
+                      "it counts for nothing")
+            return
+        if guilty is None:
+            self._false(n, accused, why, f"its evidence does not hold: {flaw}")
+            return
+        if not clear_cut(blamed.get(accused, "")):  # a clear-cut verdict stands against later magnitude ones
+            blamed[accused] = guilty
+        if failed or (signed and clear_cut(guilty)):
+            self._say(f"WARNING {n.node_id} shows {accused}'s own piece {ev.piece} of segment {ev.segment} "  # type: ignore[union-attr]
+                      f"(call {ev.call}) in outer step {step - 1}'s all-reduce, signed by {accused}: {guilty}")
 
     def _audits(self, step: int, reports: list, by_id: dict[str, Node], run_id: str) -> dict[str, str]:
         """Members shown at fault by the audits reported at barrier ``step`` (member -> why): one

@@ -161,6 +161,13 @@ class Steering(Msg):
     signatures: Annotated[list[Raw64 | None], Field(min_length=3, max_length=MAX_CASE_RANKS)]
 
 
+class Accusation(Msg):
+    """Another member's bad piece (beyond a report's first, ``accused`` and ``evidence``)."""
+
+    accused: Annotated[list[Text], Field(min_length=2, max_length=2)]
+    evidence: Evidence
+
+
 class Holding(Msg):
     """An all-gather origin's contribution to a failed call as the reporter held it
     (``net.gather``: the codecs that travel whole), after ranks found they hold other ones: the
@@ -190,16 +197,19 @@ class Missing(Msg):
 
 
 class Report(Msg):
-    """A node's word on its last all-reduce: did the average fail its checks, whom (its ring
-    predecessor) it accuses of a bad contribution, with why and the evidence, and the piece its
-    audit of a butterfly owner found at fault (``audit``); after a failed butterfly call, whose own
-    pieces never reached it (``missing``), and after a failed all-gather its holding of each
-    origin whose contribution ranks hold otherwise (``holdings``); after one that succeeded, the
-    members whose own pieces it found outsized against the others' (``steering``)."""
+    """A node's word on its last all-reduce: did the average fail its checks, whom it accuses of
+    a bad contribution, with why and the evidence (``accused``, ``evidence``; any further member
+    it holds a bad piece of in ``more``, one each: a butterfly owner sees every member's pieces
+    of its segment), and the piece its audit of a butterfly owner found at fault (``audit``);
+    after a failed butterfly call, whose own pieces never reached it (``missing``), and after a
+    failed all-gather its holding of each origin whose contribution ranks hold otherwise
+    (``holdings``); after one that succeeded, the members whose own pieces it found outsized
+    against the others' (``steering``)."""
 
     avg_failed: bool = False
     accused: Annotated[list[Text], Field(min_length=2, max_length=2)] | None = None
     evidence: Evidence | None = None
+    more: Annotated[list[Accusation], Field(max_length=MAX_CASE_RANKS)] | None = None  # one per further accused
     audit: Audit | None = None
     missing: Missing | None = None
     holdings: Annotated[list[Holding], Field(max_length=MAX_CASE_RANKS)] | None = None

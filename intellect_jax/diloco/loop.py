@@ -377,7 +377,7 @@ class NodeLoop:
         else:
             pg, dropped = self._with_feedback(s, pg, sits_out)
             made = dropped
-        avg, ep, stats, tries, (suspect, steered), present = self._all_reduce(k, h, pg, sits_out, report, ref,
+        avg, ep, stats, tries, (suspects, steered), present = self._all_reduce(k, h, pg, sits_out, report, ref,
                                                                               dropped)
         residual = s.residual if made is None else made
         if residual is not None and not (self.cfg.feedback and (_finite(residual) if finite is None else finite)):
@@ -392,16 +392,21 @@ class NodeLoop:
         else:
             s = outer_step(s, avg, self.tx, inner_step=(k + 1) * H)._replace(norms=remember(s.norms, avg_norm, self.guard))
         s = s._replace(residual=residual)
-        if suspect:
-            p.log(f"WARNING {ep.node_ids[suspect[0]]}'s contribution to outer step {k + 1} had {suspect[1]}")
+        for r, why, _ in suspects:
+            p.log(f"WARNING {ep.node_ids[r]}'s contribution to outer step {k + 1} had {why}")
         for r, ev in steered:
             p.log(f"WARNING {ep.node_ids[r]}'s own pieces of our segment in outer step {k + 1}'s all-reduce were "
                   f"outsized in most pieces ({ev['ratio']:.1f}x the median row in piece {ev['piece']})")
-        report = {"avg_failed": bool(skip), "accused": [ep.node_ids[suspect[0]], suspect[1]] if suspect else None,
-                  "evidence": {**suspect[2], "opening": opening if ref is not None else None} if suspect else None}
+        accusations = [{"accused": [ep.node_ids[r], why], "evidence": {**ev, "opening": opening if ref is not None
+                                                                        else None}} for r, why, ev in suspects]
+        report = {"avg_failed": bool(skip), **(accusations[0] if accusations else {"accused": None, "evidence": None})}
+        size = 0  # (what the further accusations and the steering evidence take of a sync: MAX_CASE_BYTES)
+        for a in accusations[1:]:  # one per accused (a butterfly owner sees every member's pieces), as many as fit
+            size += len(a["evidence"]["payload"]) + 400
+            if size <= MAX_CASE_BYTES:
+                report.setdefault("more", []).append(a)
         if steered:  # (net.evidence.outsized: the coordinator evicts a member most of the others show so)
             report["steering"] = shown = []
-            size = 0
             for r, ev in steered:  # what the coordinator's schema takes, as many as a sync carries; the rest logged
                 entry = {"accused": ep.node_ids[r], **ev}
                 try:
@@ -519,8 +524,10 @@ class NodeLoop:
             try:
                 with abort_when(p.clock, lambda: p.client.epoch_broken(ep.epoch_id), comm.abort, cfg.watch_interval):
                     avg = comm.all_reduce_mean(pg) if dropped is None else comm.all_reduce_mean(pg, dropped=dropped)
-                return avg, ep, comm.last_stats, attempt + 1, (getattr(comm, "suspect", None),
-                                                                getattr(comm, "steered", [])), comm.over_present
+                suspect = getattr(comm, "suspect", None)
+                suspects = getattr(comm, "suspects", None) or ([suspect] if suspect else [])
+                return avg, ep, comm.last_stats, attempt + 1, (suspects, getattr(comm, "steered", [])), \
+                    comm.over_present
             except NetError as e:
                 p.log(f"all-reduce of outer step {k + 1} failed in epoch {ep.epoch_id}: {e}; retrying")
                 retry_of = ep.epoch_id

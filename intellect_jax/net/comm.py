@@ -346,6 +346,9 @@ class SocketCommunicator:
         self.absent: frozenset[int] = frozenset()  # ranks sitting the round out (the butterfly leaves them out)
         # after a call: (predecessor rank, reason, evidence: its signed piece, see net.evidence)
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
+        # the same for every member whose bad piece we hold, one each (a butterfly owner sees all
+        # members' pieces of its segment; the ring's successor only its predecessor's): suspect first
+        self.suspects: list[tuple[int, str, dict[str, Any]]] = []
         # after a butterfly call that our audit failed (AuditFailed): (rank at fault, why, the audited
         # piece as evidence, net.audit.to_wire; None when too large to report)
         self.audited: tuple[int, str, dict[str, Any] | None] | None = None
@@ -587,16 +590,18 @@ class SocketCommunicator:
                     findings.extend((c, r, f) for r, f in by)
                     held.extend((c, h) for h in disputed)
 
-            self.suspect, self.audited, self.steered, self.held = None, None, [], []
+            self.suspect, self.suspects, self.audited, self.steered, self.held = None, [], None, [], []
             result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out, dropped=dropped,
                                         encoded=enc is not None)
-            if findings:
-                c, r, f = findings[0]
+            for c, r, f in findings:
+                if any(r == s[0] for s in self.suspects):  # (the first bad piece of each sender)
+                    continue
                 k = (r - self.rank - 1) % self.world_size if cfg.exchange == "butterfly" else 0
-                self.suspect = (r, f.why, evidence.evidence(
+                self.suspects.append((r, f.why, evidence.evidence(
                     step=self.step, epoch=self.epoch, call=c, segment=f.segment, piece=f.piece, numel=f.numel,
                     mode=cfg.mode, block=cfg.block_size, payload=f.payload, signature=f.signature,
-                    cert=links.inn[k].cert))
+                    cert=links.inn[k].cert)))
+            self.suspect = self.suspects[0] if self.suspects else None
             self.steered = [(r, evidence.outsize_evidence(
                 step=self.step, epoch=self.epoch, call=c, segment=self.rank, piece=ev.piece, numel=ev.numel,
                 mode=cfg.mode, block=cfg.block_size, ratio=ev.ratio, payloads=ev.payloads, signatures=ev.signatures))

@@ -165,6 +165,7 @@ class _Comm:
         self.last_stats = CommStats(world_size=ep.world_size, mode=sim.ring_cfg.mode)
         self.inspect: Any = None  # as the socket ring's: shown the predecessor's own contribution
         self.suspect: tuple[int, str, dict[str, Any]] | None = None
+        self.suspects: list[tuple[int, str, dict[str, Any]]] = []  # (the butterfly's: one per sender)
         self.audited: tuple[int, str, dict[str, Any] | None] | None = None  # as SocketCommunicator.audited
         self.missing: tuple[int, ...] = ()  # as SocketCommunicator.missing: the ranks that never came
         self.steered: list[tuple[int, dict[str, Any]]] = []  # as SocketCommunicator.steered
@@ -236,13 +237,14 @@ class _Comm:
         sim.gate(self.proc, "allreduce", "after")
         self.proc.ring = (self.epoch, self.step - 1)
         if self.inspect is not None and self.world_size > 1 and self.over_present:
-            self.suspect = self._butterfly_suspect(g)
+            self.suspects = self._butterfly_suspects(g)
+            self.suspect = self.suspects[0] if self.suspects else None
             self.steered = self._butterfly_steering(g)
         elif self.inspect is not None and self.world_size > 1:
             prev = (self.rank - 1) % self.world_size
             found = unsigned_evidence(ring_view(g.inputs[prev], self.world_size, prev, self.sim.ring_cfg), self.inspect,
                                       step=self.step - 1, epoch=self.epoch, piece_numel=self.sim.ring_cfg.piece_numel)
-            self.suspect = (prev, *found) if found else None
+            self.suspect, self.suspects = (prev, *found) if found else None, []
             if sim.frames(self.proc, self.step):  # a malicious successor: the honest piece as its evidence
                 self.suspect = (prev, "framed", unsigned_evidence(_flat(g.inputs[prev]), lambda _: "framed",
                                                                   step=self.step - 1, epoch=self.epoch,
@@ -262,11 +264,12 @@ class _Comm:
         sim.clock.sleep(sim.p.ring_time)
         raise PeerTimeout(f"sim ring epoch {self.epoch}: we withheld our pieces")
 
-    def _butterfly_suspect(self, g: Group) -> tuple[int, str, dict[str, Any]] | None:
-        """As a butterfly owner sees them: every other member's own pieces, the first bad one
-        (a sitter's that is not zeros, or one ``inspect`` rejects) as evidence signed by its
-        sender under the run's test authority (the coordinator checks it as over sockets)."""
+    def _butterfly_suspects(self, g: Group) -> list[tuple[int, str, dict[str, Any]]]:
+        """As a butterfly owner sees them: every other member's own pieces, the first bad one of
+        each sender (a sitter's that is not zeros, or one ``inspect`` rejects) as evidence signed
+        by its sender under the run's test authority (the coordinator checks it as over sockets)."""
         cfg, n = self.sim.ring_cfg, self.world_size
+        found: list[tuple[int, str, dict[str, Any]]] = []
         for sender in ((self.rank + 1 + k) % n for k in range(n - 1)):
             look = (lambda v: SAT_OUT if v.any() else None) if sender in self.absent else self.inspect
             for bi, j, values in owner_pieces(g.inputs[sender], n, self.rank, cfg):
@@ -280,10 +283,12 @@ class _Comm:
                 said = statement(self.sim.run_id, self.step - 1, self.epoch, call, who, me, self.rank, j, numel,
                                  cfg.mode, cfg.block_size, payload)
                 key = credentials(who)
-                return sender, why, evidence(step=self.step - 1, epoch=self.epoch, call=call, segment=self.rank,
-                                             piece=j, numel=numel, mode=cfg.mode, block=cfg.block_size, payload=payload,
-                                             signature=raw_signature(key.sign(said)), cert=key.cert_der)
-        return None
+                found.append((sender, why, evidence(
+                    step=self.step - 1, epoch=self.epoch, call=call, segment=self.rank, piece=j, numel=numel,
+                    mode=cfg.mode, block=cfg.block_size, payload=payload, signature=raw_signature(key.sign(said)),
+                    cert=key.cert_der)))
+                break
+        return found
 
     def _butterfly_steering(self, g: Group) -> list[tuple[int, dict[str, Any]]]:
         """As a butterfly owner weighs them (``net.butterfly.Weighing``): the senders whose rows
