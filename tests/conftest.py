@@ -26,8 +26,18 @@ from helpers import coordinator  # noqa: E402,F401  (the shared socket-coordinat
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """One tokenizer/data cache for the session's small trainers."""
-    return str(tmp_path_factory.mktemp("cache"))
+    """One tokenizer/data cache for the session's small trainers and the node processes of the
+    multi-process tests, built here once (the bundled corpus's BPE tokenizer of the tiny model's
+    vocabulary and its token shard: ~4 s of CPU), not by each of several processes that start at
+    once on an empty cache (`test_launch.py` still has its nodes build their own)."""
+    from helpers import TINY_DATA
+    from intellect_jax.data import DataConfig, load_tokenizer, prepare_sources
+
+    d = str(tmp_path_factory.mktemp("cache"))
+    cfg = DataConfig(cache_dir=d, seq_len=TINY_DATA["seq_len"], batch_size=TINY_DATA["batch_size"],
+                     bpe_vocab_size=TINY_DATA["bpe_vocab_size"])
+    prepare_sources(cfg, load_tokenizer(cfg))
+    return d
 
 
 def pytest_collection_modifyitems(config, items):

@@ -277,15 +277,17 @@ LAUNCH_TINY = ["--run.steps", "20", "--diloco.inner_steps", "5", *TINY_ARGS, "--
                "--run.log_every", "1", "--ckpt.every", "0"]
 
 
-def launch(tmp_path, *args, port=None, env=None, tiny=LAUNCH_TINY, module="intellect_jax.launch"):
-    """A launcher (or chaos) run of configs/debug_diloco.toml under ``tmp_path``, output piped."""
+def launch(tmp_path, *args, port=None, env=None, tiny=LAUNCH_TINY, module="intellect_jax.launch", cache=None):
+    """A launcher (or chaos) run of configs/debug_diloco.toml under ``tmp_path``, output piped.
+    ``cache``: the data cache (tokenizer, token shards); by default a new one under ``tmp_path``,
+    which the nodes then build as they start, each its own copy (the first to finish publishes it)."""
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", module, "--config", "configs/debug_diloco.toml",
            "--out-dir", str(tmp_path / "runs"), "--table-every", "0", "--timeout", "500",
            *(["--port", str(port)] if port else []), *tiny, *args,
-           "--data.cache_dir", str(tmp_path / "cache")]
+           "--data.cache_dir", str(cache or tmp_path / "cache")]
     return subprocess.Popen(cmd, cwd=ROOT, env=env or dict(os.environ), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 

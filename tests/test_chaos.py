@@ -40,7 +40,7 @@ def test_chaos_arguments_reference_and_one_line_errors(capsys, monkeypatch):
 CHAOS_SEEDS = (155,)
 
 
-def _reference_val_loss(tmp_path, nodes: int = 1) -> float:
+def _reference_val_loss(tmp_path, cache_dir, nodes: int = 1) -> float:
     """The chaos run's fault-free reference on ``nodes`` nodes, in this process: the same config
     and data shards, real trainers and the same outer loop over the in-process ring (no processes
     to start, no checkpoints to write); the mean final validation loss of its nodes."""
@@ -50,7 +50,7 @@ def _reference_val_loss(tmp_path, nodes: int = 1) -> float:
     def cfg(i):
         return parse_args(["--config", os.path.join(ROOT, "configs", "debug_diloco.toml"), *CHAOS,
                            "--run.out_dir", str(tmp_path / "reference"), "--run.name", f"node{i}",
-                           "--run.no-progress", "--data.cache_dir", str(tmp_path / "cache"),
+                           "--run.no-progress", "--data.cache_dir", cache_dir,
                            "--diloco.data_rank", str(i), "--diloco.data_ranks", str(nodes)])
 
     cfgs = [cfg(i) for i in range(nodes)]
@@ -68,7 +68,7 @@ def _reference_val_loss(tmp_path, nodes: int = 1) -> float:
 
 
 @pytest.mark.slow
-def test_chaos_real_processes(tmp_path):
+def test_chaos_real_processes(tmp_path, cache_dir):
     """A seeded schedule of five faults of five kinds (CHAOS_SEEDS), 30 outer steps, each round's
     data leased from the coordinator: no fork, every node ends cleanly, every unit of data
     trained once (the journal's bookkeeping holds; what the faults threw away is counted). Every outer step keeps at least one contributor, so each run ends
@@ -77,16 +77,17 @@ def test_chaos_real_processes(tmp_path):
     data shard and outer loop: `--reference 1` of the chaos tool without its processes), on a thread
     while the chaos run's processes wait out their faults. How far
     below it the run lands depends on how long the faults kept nodes out (timing), so it is
-    printed, not asserted."""
+    printed, not asserted. The data cache is the session's (built once, not by each of the
+    three nodes and the reference as they start: `test_launch` keeps that)."""
     summaries = []
     with ThreadPoolExecutor(1) as pool:
         for i, seed in enumerate(CHAOS_SEEDS):
             args = ["--nodes", "3", "--seed", str(seed), "--faults", "5", "--heartbeat-timeout", "5", "--diloco.leases",
                     "--diloco.unit_steps", "1"]
-            p = launch(tmp_path, *args, tiny=CHAOS, module="intellect_jax.testing.chaos")
+            p = launch(tmp_path, *args, tiny=CHAOS, module="intellect_jax.testing.chaos", cache=cache_dir)
             if i == 0:  # while the faults keep the run's processes waiting (SIGSTOPs, restarts)
                 t0 = time.monotonic()
-                ref_job = pool.submit(lambda: (_reference_val_loss(tmp_path), time.monotonic() - t0))
+                ref_job = pool.submit(lambda: (_reference_val_loss(tmp_path, cache_dir), time.monotonic() - t0))
             out = p.communicate(timeout=900)[0]
             line = [ln for ln in out.splitlines() if ln.startswith('{"seed"')]
             assert line, out[-4000:]

@@ -180,7 +180,7 @@ def _rows(tmp_path, name):
 
 
 @pytest.mark.slow
-def test_a_two_process_node_shares_one_history_loses_a_process_and_joins_again_late(tmp_path):
+def test_a_two_process_node_shares_one_history_loses_a_process_and_joins_again_late(tmp_path, cache_dir):
     """One run (`outer` outer steps of H inner steps) of node a, 2 processes x 4 CPU devices (one
     jax.distributed runtime), and node b, 1 process x 8 devices, in two parts:
 
@@ -209,7 +209,7 @@ def test_a_two_process_node_shares_one_history_loses_a_process_and_joins_again_l
                               "--journal", str(tmp_path / "coordinator.journal")],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = [sys.executable, "-m", "intellect_jax.train", "--config", "configs/debug_diloco.toml", *TINY,
-            "--run.out_dir", str(tmp_path / "runs"), "--data.cache_dir", str(tmp_path / "cache"),
+            "--run.out_dir", str(tmp_path / "runs"), "--data.cache_dir", cache_dir,
             "--run.steps", str(H * outer), "--diloco.inner_steps", str(H), "--diloco.coordinator",
             f"127.0.0.1:{port}", "--diloco.leases", "--diloco.unit_steps", "2", "--diloco.heartbeat_interval", "1",
             "--run.eval_every", str(3 * H), "--ckpt.every", str(3 * H), "--ckpt.keep", "10"]

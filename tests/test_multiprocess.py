@@ -32,8 +32,8 @@ def _losses(run_dir):
     return [r["loss"] for r in rows(run_dir)]
 
 
-def test_two_hosts_times_four_devices_equal_one_host_times_eight(tmp_path):
-    cache = tmp_path / "cache"
+def test_two_hosts_times_four_devices_equal_one_host_times_eight(tmp_path, cache_dir):
+    cache = cache_dir  # the session's, built once (conftest.py)
     one = subprocess.run(_args(tmp_path, cache, "one", 3), env=_env(8), capture_output=True,
                          text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-2000:]
@@ -54,10 +54,10 @@ def test_two_hosts_times_four_devices_equal_one_host_times_eight(tmp_path):
         assert abs(x - y) < 1e-5 * abs(x), (a, b)
 
 
-def test_sigkill_during_async_save_keeps_last_checkpoint(tmp_path):
+def test_sigkill_during_async_save_keeps_last_checkpoint(tmp_path, cache_dir):
     from intellect_jax.trainer.checkpoint import Checkpointer
 
-    cache = tmp_path / "cache"
+    cache = cache_dir  # the session's, built once (conftest.py)
     argv = _args(tmp_path, cache, "k", 400, "--ckpt.every", "1", "--ckpt.keep", "50")
     proc = subprocess.Popen(argv, env=_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ckdir = tmp_path / "k" / "ckpt"
