@@ -4,6 +4,7 @@ names what it needs."""
 
 import copy
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -109,9 +110,24 @@ def test_local_feedback_equals_the_reference_bit_for_bit_and_ends_on_the_outer_p
     assert reference(n, H, R, fb)[0][R] != want[R]  # and it is not plain error feedback
 
 
-def test_local_feedback_resumes_where_it_stopped():
+class LateStore(MemoryStore):
+    """A checkpoint read ``late`` seconds late (a slow disk): its node registers after the others."""
+
+    def __init__(self, initial, late):
+        super().__init__(initial)
+        self.late = late
+
+    def latest(self):
+        time.sleep(self.late)
+        return super().latest()
+
+
+@pytest.mark.parametrize("late", [0.0, 0.3])
+def test_local_feedback_resumes_where_it_stopped(late):
     """Stopped after 3 of 6 outer steps and resumed from each node's checkpoint (its residual
-    included): the trainer restarts from the shifted point, and the run equals the unbroken one."""
+    included): the trainer restarts from the shifted point, and the run equals the unbroken one.
+    (``late``: nodes 1 and 2 read their checkpoints later; run_local's nodes still resume together,
+    not node 0 alone through the rebuilt run's first barrier.)"""
     n, H, R, fb, alpha = 3, 5, 6, 1.0, 0.5
     targets, init, goal = _task(n)
     want = reference(n, H, R, fb, alpha=alpha)[0]
@@ -121,7 +137,7 @@ def test_local_feedback_resumes_where_it_stopped():
     run_local(dataclasses.replace(cfg, stop_at=3), first, TOPK, stores=stores)
     assert all(st.states[3 * H].residual is not None for st in stores)
     again = [NumpyInner(targets[i], init, goal) for i in range(n)]
-    run_local(cfg, again, TOPK, stores=[MemoryStore(st.states[3 * H]) for st in stores])
+    run_local(cfg, again, TOPK, stores=[LateStore(st.states[3 * H], late * (i > 0)) for i, st in enumerate(stores)])
     for a, b in zip(first, again):
         assert [m["outer_step"] for _, m in b.records] == [4, 5, 6]  # resumed, not started over
         assert {m["outer_step"]: m["outer_hash"] for _, m in a.records + b.records} == want

@@ -18,7 +18,7 @@ from intellect_jax.coordinator.client import CoordinatorClient
 from intellect_jax.coordinator.clock import REAL, Clock
 from intellect_jax.diloco.loop import NodeLoop
 from intellect_jax.diloco.parts import Inner, LoopConfig, NodeParts, Outcome, TransferFailed
-from intellect_jax.coordinator.protocol import Admission, CoordinatorConfig, DataPlan, Epoch
+from intellect_jax.coordinator.protocol import Admission, CoordinatorConfig, DataPlan, Epoch, RegisterReply, Resume
 from intellect_jax.testing.local_coordinator import LocalCoordinator
 from intellect_jax.diloco.state import DilocoState, MomentumState, init_state, pseudo_gradient
 from intellect_jax.diloco.store import MemoryStore
@@ -199,6 +199,40 @@ class _Endpoint:
             return self.hub._boxes.pop(key)
 
 
+class _Together:
+    """The nodes of one :func:`run_local` call, each once: registered, or ended without."""
+
+    def __init__(self, n: int) -> None:
+        self._n, self._in, self._cond = n, set[str](), threading.Condition()
+
+    def arrive(self, name: str) -> None:
+        with self._cond:
+            self._in.add(name)
+            self._cond.notify_all()
+
+    def wait(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._in) >= self._n)
+
+
+class _TogetherClient(CoordinatorClient):
+    """A node's coordinator client whose first registration returns once every node of the
+    run has registered (or ended): the threads start together, as :func:`run_local` means."""
+
+    def __init__(self, *args: Any, together: _Together, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.together: _Together | None = together
+
+    def register(self, claim: Resume | None = None) -> RegisterReply:
+        try:
+            return super().register(claim)
+        finally:
+            together, self.together = self.together, None
+            if together is not None:
+                together.arrive(self.node_id)
+                together.wait()
+
+
 def run_local(loop_cfg: LoopConfig, inners: list[Inner], ring: RingConfig, *,
               coordinator: CoordinatorConfig | None = None, log: Callable[[str], None] | None = None,
               heartbeat_interval: float = 1.0, stores: list[MemoryStore] | None = None,
@@ -206,8 +240,11 @@ def run_local(loop_cfg: LoopConfig, inners: list[Inner], ring: RingConfig, *,
     """Run every node to the end in threads; returns their outcomes (raises a node's error).
     ``stores``: each node's checkpoint store (default: a fresh :class:`MemoryStore` each);
     ``ring_hook(node, communicator)``: what node ``node`` gets instead of each communicator (an
-    attacker's, in a benchmark)."""
+    attacker's, in a benchmark). The nodes start together: none goes past its first registration
+    before every node has registered (nodes resuming from their ``stores`` are members of a run
+    being rebuilt, and the first barrier, join window 0, would close with whichever were there)."""
     stores = stores or [MemoryStore() for _ in inners]
+    together = _Together(len(inners))
     coord = LocalCoordinator(coordinator or CoordinatorConfig(min_nodes=len(inners), join_window=0.0,
                                                               outer_steps=loop_cfg.outer_steps))
     rings, transport = LocalRing(ring), LocalTransport()
@@ -215,9 +252,9 @@ def run_local(loop_cfg: LoopConfig, inners: list[Inner], ring: RingConfig, *,
 
     def node(i: int) -> None:
         name = f"node{i}"
-        client = CoordinatorClient(None, None, name, f"local://{name}", wire=coord.wire(name),
-                                   heartbeat_interval=heartbeat_interval, outer_steps=loop_cfg.outer_steps,
-                                   data=DataPlan(True) if loop_cfg.data_units else None)
+        client = _TogetherClient(None, None, name, f"local://{name}", wire=coord.wire(name),
+                                 heartbeat_interval=heartbeat_interval, outer_steps=loop_cfg.outer_steps,
+                                 data=DataPlan(True) if loop_cfg.data_units else None, together=together)
         ring_of = rings if ring_hook is None else (lambda ep: ring_hook(name, rings(ep)))
         parts = NodeParts(name, inners[i], client, ring_of, transport.endpoint(name), stores[i],
                           log=(lambda line: log(f"[{name}] {line}")) if log else (lambda line: None))
@@ -226,6 +263,7 @@ def run_local(loop_cfg: LoopConfig, inners: list[Inner], ring: RingConfig, *,
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             outcomes[i] = e
         finally:
+            together.arrive(name)  # (ended before registering: the others go on)
             client.close()
 
     threads = [threading.Thread(target=node, args=(i,), name=f"node{i}") for i in range(len(inners))]
