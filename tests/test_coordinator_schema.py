@@ -294,3 +294,22 @@ def test_a_ring_address_nobody_can_dial_is_refused_at_registration(coordinator: 
         assert reply["ok"] is False and reply["reason"] == "malformed", reply
         assert reply["message"].startswith("malformed 'register' request: addr: not a") and "\n" not in reply["message"]
     assert coord.status()["nodes"] == []
+
+
+@pytest.mark.parametrize(("senders", "numel", "want"), [(70, 64, 64), (20, 1 << 18, 8)])
+def test_a_report_on_many_bad_senders_still_parses(senders: int, numel: int, want: int) -> None:
+    """An owner holding bad pieces of many senders reports the first and as many more as the
+    schema takes (64) and the report's size budget leaves (``net.audit.MAX_CASE_BYTES``: here
+    eight more fp32 pieces of 2^18 values): a longer list would get the whole sync refused."""
+    from intellect_jax.coordinator.schema import Report
+    from intellect_jax.diloco.loop import round_report
+    from intellect_jax.net.evidence import evidence
+
+    ids = [f"n{i}" for i in range(senders + 1)]
+    ev = evidence(step=3, epoch=4, call=0, segment=0, piece=0, numel=numel, mode="fp32", block=64,
+                  payload=b"\xff" * (4 * numel), signature=b"\x01" * 64, cert=b"\x02" * 400)
+    report = round_report(False, ids, [(r, "non-finite values", ev) for r in range(1, senders + 1)], [], None)
+    parsed = Report.model_validate(report)
+    assert parsed.accused == ["n1", "non-finite values"] and len(parsed.more) == want
+    assert [a.accused[0] for a in parsed.more] == ids[2:2 + want]
+    assert len(json.dumps(report)) < (16 << 20)  # the coordinator's MAX_MSG

@@ -37,8 +37,9 @@ from intellect_jax.net import (
 )
 
 CHANNEL = "coordinator"
-MAX_MSG = 16 << 20  # a sync carries one piece of evidence and one audited piece or the rows that show
-# members steering (net.audit.MAX_CASE_BYTES each; a report has the first only after a failed call)
+MAX_MSG = 16 << 20  # a sync carries one piece of evidence (1 MiB at most) and, within net.audit.MAX_CASE_BYTES,
+# after a call that succeeded the rows that show members steering and further accusations, after a failed
+# one an audited piece, the members missing and the holdings of an all-gather
 log = logging.getLogger("intellect_jax.coordinator")
 
 

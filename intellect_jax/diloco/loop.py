@@ -18,6 +18,7 @@ history did not keep.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,7 @@ from intellect_jax.diloco.overlap import Gate, Round
 from intellect_jax.diloco.parts import DilocoError, LoopConfig, NodeParts, Outcome, TransferFailed
 from intellect_jax.diloco.state import DilocoState, hash_opening, host_copy, nesterov_sgd, outer_step, state_hash
 from intellect_jax.diloco.transfer import vet_received
-from intellect_jax.net.audit import MAX_CASE_BYTES
+from intellect_jax.net.audit import MAX_CASE_BYTES, MAX_CASE_RANKS
 from intellect_jax.net.errors import NetError, PeerTimeout
 from intellect_jax.net.evidence import reference_rms, seal, verdict
 
@@ -82,6 +83,36 @@ def _finite(tree: Any) -> bool:
 
 def claim_of(s: DilocoState | None) -> Resume | None:
     return Resume(s.outer_step, state_hash=state_hash(s)) if s is not None else None
+
+
+def round_report(failed: bool, ids: list[str], suspects: list, steered: list, opening: dict | None) -> dict:
+    """Our report on the last round for the next sync (``coordinator.schema.Report``): whether
+    its average failed our checks; the first member we hold a bad piece of (``suspects``: rank,
+    why, evidence) and the others in ``more``; the members our owner's weighing showed steering
+    (``steered``: rank, evidence). The steering evidence and then the further accusations take
+    at most ``MAX_CASE_BYTES`` and ``MAX_CASE_RANKS`` entries each; the rest is only logged."""
+    accusations = [{"accused": [ids[r], why], "evidence": {**ev, "opening": opening}} for r, why, ev in suspects]
+    report = {"avg_failed": failed, **(accusations[0] if accusations else {"accused": None, "evidence": None})}
+    size = 0
+    if steered:  # (net.evidence.outsized: the coordinator evicts a member most of the others show so)
+        report["steering"] = shown = []
+        for r, ev in steered:  # what the coordinator's schema takes, as many as a sync carries
+            entry = {"accused": ids[r], **ev}
+            try:
+                Steering.model_validate(entry)
+            except ValidationError:
+                continue
+            size += sum(len(x or "") + 200 for x in ev["payloads"])
+            if size <= MAX_CASE_BYTES and len(shown) < MAX_CASE_RANKS:
+                shown.append(entry)
+    more: list[dict] = []
+    for a in accusations[1:]:  # one per accused (a butterfly owner sees every member's pieces), as many as fit
+        size += len(json.dumps(a))
+        if size <= MAX_CASE_BYTES and len(more) < MAX_CASE_RANKS:
+            more.append(a)
+    if more:
+        report["more"] = more
+    return report
 
 
 class NodeLoop:
@@ -397,25 +428,7 @@ class NodeLoop:
         for r, ev in steered:
             p.log(f"WARNING {ep.node_ids[r]}'s own pieces of our segment in outer step {k + 1}'s all-reduce were "
                   f"outsized in most pieces ({ev['ratio']:.1f}x the median row in piece {ev['piece']})")
-        accusations = [{"accused": [ep.node_ids[r], why], "evidence": {**ev, "opening": opening if ref is not None
-                                                                        else None}} for r, why, ev in suspects]
-        report = {"avg_failed": bool(skip), **(accusations[0] if accusations else {"accused": None, "evidence": None})}
-        size = 0  # (what the further accusations and the steering evidence take of a sync: MAX_CASE_BYTES)
-        for a in accusations[1:]:  # one per accused (a butterfly owner sees every member's pieces), as many as fit
-            size += len(a["evidence"]["payload"]) + 400
-            if size <= MAX_CASE_BYTES:
-                report.setdefault("more", []).append(a)
-        if steered:  # (net.evidence.outsized: the coordinator evicts a member most of the others show so)
-            report["steering"] = shown = []
-            for r, ev in steered:  # what the coordinator's schema takes, as many as a sync carries; the rest logged
-                entry = {"accused": ep.node_ids[r], **ev}
-                try:
-                    Steering.model_validate(entry)
-                except ValidationError:
-                    continue
-                size += sum(len(x or "") + 200 for x in ev["payloads"])
-                if size <= MAX_CASE_BYTES:
-                    shown.append(entry)
+        report = round_report(bool(skip), ep.node_ids, suspects, steered, opening if ref is not None else None)
         return OuterResult(s, ep, stats, tries, report, pg_norm, avg_norm, sits_out, skip, None if skip else avg)
 
     def _with_feedback(self, s: DilocoState, pg: Any, sits_out: str | None) -> tuple[Any, Any]:
