@@ -143,6 +143,28 @@ def test_local_feedback_resumes_where_it_stopped(late):
         assert {m["outer_step"]: m["outer_hash"] for _, m in a.records + b.records} == want
 
 
+def test_a_node_resuming_behind_the_run_joins_at_its_own_data_position():
+    """Nodes 0 and 2 resume from their checkpoints of outer step 3, node 1 from its older one of
+    step 2: node 1 joins and receives the run's state from a donor, and goes on from its own
+    checkpoint's data position, not from the start of its shard as a fresh trainer would."""
+    n, H, R = 3, 5, 6
+    targets, init, goal = _task(n)
+    stores = [MemoryStore() for _ in range(n)]
+    cfg = LoopConfig(inner_steps=H, outer_steps=R, ckpt_every=H)
+    run_local(dataclasses.replace(cfg, stop_at=3), [NumpyInner(targets[i], init, goal) for i in range(n)], TOPK,
+              stores=stores)
+    own = stores[1].states[2 * H].data
+    assert own == {"pos": 2 * H}
+    again = [NumpyInner(targets[i], init, goal) for i in range(n)]
+    lines: list[str] = []
+    resumed = [MemoryStore(st.states[(2 if i == 1 else 3) * H]) for i, st in enumerate(stores)]
+    run_local(cfg, again, TOPK, stores=resumed, log=lines.append)
+    assert any(line.startswith("[node1] admitted") for line in lines), lines
+    received = min(k for k in resumed[1].states)  # the received state, saved as it came
+    assert resumed[1].states[received].data == own, resumed[1].states[received].data
+    assert again[1].data["pos"] == own["pos"] + (R * H - received)  # and trained on from there
+
+
 def test_local_feedback_in_overlapped_rounds_merges_onto_the_shifted_start():
     """Overlapped rounds merge each average onto outer - alpha x fb x residual, keeping the
     progress since the window: one history, every node ends on the outer params, and the run

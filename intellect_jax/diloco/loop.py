@@ -208,7 +208,7 @@ class NodeLoop:
                   f"{adm.outer_step} from {adm.donor_id}")
             t0 = p.clock.now()
             try:
-                s = self._receive(adm)
+                s = self._receive(adm, held)
             except TransferFailed as e:
                 p.log(f"state transfer from {adm.donor_id} failed ({e}); asking for another donor")
                 requeue = True
@@ -219,9 +219,11 @@ class NodeLoop:
                 return s
             requeue = True
 
-    def _receive(self, adm: Admission) -> DilocoState:
+    def _receive(self, adm: Admission, held: DilocoState | None = None) -> DilocoState:
         """The donor's state, once checked (:func:`~.transfer.vet_received`: nothing of the donor's
-        is trusted unchecked), saved and restored through the store."""
+        is trusted unchecked), saved and restored through the store with this node's own data
+        position: where its trainer is, or, before it trained in this process, where the state it
+        ``held`` (its own checkpoint) left it, not at the start of its shard."""
         p = self.p
         try:
             meta, got = p.transport.receive(adm, p.inner.template(), lambda: p.client.admission_revoked(adm),
@@ -231,11 +233,13 @@ class NodeLoop:
         got, h = vet_received(adm, meta, got, self.cfg.inner_steps, p.inner.vet_opt_state)
         # one path to a state: through the checkpoint store, with this node's own data position
         # (the donor's is another shard's), so a crash before the next checkpoint resumes from it
-        p.store.save(got._replace(data=p.inner.data_state()), wait=True)
+        own = self.state is None and held is not None and held.data is not None  # (its trainer not there yet)
+        p.store.save(got._replace(data=held.data if own else p.inner.data_state()), wait=True)  # type: ignore
         s = p.store.load(got.inner_step)
         if state_hash(s) != h:
             raise TransferFailed(f"the checkpoint of the received state hashes to {state_hash(s)[:12]}, not {h[:12]}")
-        return self._adopt(s._replace(data=None, residual=None))  # a joiner's feedback starts from zeros
+        # (a joiner's feedback starts from zeros; its trainer goes to the data position only if it was not there)
+        return self._adopt(s._replace(data=s.data if own else None, residual=None))
 
     # ---- rounds --------------------------------------------------------------------------------
     def _rounds(self) -> Outcome:
