@@ -34,6 +34,9 @@ class MetricsLogger:
 
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a", buffering=1)
+        # (made here: tensorboardX checks, then creates, and two processes of one run directory, say
+        # a node refused at registration and another, can race between the two)
+        (run_dir / "tb").mkdir(parents=True, exist_ok=True)
         self._tb = SummaryWriter(str(run_dir / "tb"), flush_secs=10)
         self._bar = tqdm(total=total_steps, initial=start_step, disable=not progress,
                          unit="step", dynamic_ncols=True, mininterval=0.5)
