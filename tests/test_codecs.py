@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from intellect_jax.coordinator.policing import REVOKED, Police, weigh, weigh_holdings
+from intellect_jax.coordinator.holdings import weigh_holdings
+from intellect_jax.coordinator.policing import REVOKED, Police, weigh
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Arrival, Node, Role
 from intellect_jax.coordinator.schema import Evidence, Holding, Report

@@ -49,6 +49,7 @@ from cryptography import x509
 
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Node
+from intellect_jax.coordinator.holdings import EQUIVOCATED, weigh_holdings
 from intellect_jax.coordinator.schema import Audit, Evidence, Holding, Steering
 from intellect_jax.net import audit, codecs, quant
 from intellect_jax.net.evidence import (EVERYONE, OUTSIZE, SUSPECT_FACTOR, clear_cut, der_signature, digest, outsized,
@@ -64,7 +65,6 @@ def follows(ring: tuple[str, ...], accuser: str, accused: str) -> bool:
     return accused in ring and accuser in ring and ring.index(accuser) == (ring.index(accused) + 1) % len(ring)
 
 
-EQUIVOCATED = "signed two versions of its piece"  # (an all-gather's origin: weigh_holdings)
 REVOKED = "the evidence's piece is signed with a revoked certificate of "  # (shows nothing, against nobody)
 
 
@@ -143,53 +143,6 @@ def weigh_audit(ev: Audit, *, run_id: str, step: int, epoch_id: int, accuser: st
 
     guilty, why, right = audit.judge(case, signed)
     return (ring[guilty], why, False) if guilty is not None else (None, why, right)
-
-
-def weigh_holdings(held: list[tuple[str, Holding]], *, run_id: str, epoch_id: int, ring: tuple[str, ...],
-                   ca: bytes | None, revoked: Callable[[int], bool] | None = None,
-                   checks: int = 4) -> dict[str, tuple[str, tuple[str, str]]]:
-    """The all-gather origins that signed two versions of one piece, from the holdings members
-    reported after a failed call of epoch ``epoch_id`` (``ring``): (reporter, holding) pairs.
-    Two reporters' holdings of one origin in one call that differ in a piece, each digest under
-    the origin's signature by a certificate the run authority ``ca`` issued to it (and did not
-    revoke), are its own word on two versions: origin -> (why, the two reporters). Nobody else
-    can sign them, whatever a reporter claims: a holding whose signatures do not verify shows
-    nothing. At most ``checks`` differing pieces are checked per pair of holdings (an honest pair
-    differs in the pieces signed twice alone). In-process runs (``ca`` None) sign nothing."""
-    if ca is None:
-        return {}
-    groups: dict[tuple, dict[str, Holding]] = {}
-    for reporter, h in held:
-        if h.epoch != epoch_id or reporter not in ring or h.origin not in ring or h.origin == reporter \
-                or not len(h.numels) == len(h.digests) == len(h.signatures):
-            continue
-        groups.setdefault((h.step, h.call, h.origin, h.mode, h.block, tuple(h.numels)), {}).setdefault(reporter, h)
-    verified: dict[tuple[str, int, str, str], bool] = {}
-
-    def signed(h: Holding, j: int) -> bool:
-        key = (h.cert, j, h.digests[j], h.signatures[j])
-        if key not in verified:
-            said = piece_statement(run_id, h.step, h.epoch, h.call, h.origin, EVERYONE, 0, j, h.numels[j], h.mode,
-                                   h.block, h.digests[j])
-            ok = vouched(ca, h.cert, h.origin, said, der_signature(bytes.fromhex(h.signatures[j])).hex())
-            if ok and revoked is not None:
-                ok = not revoked(x509.load_der_x509_certificate(bytes.fromhex(h.cert)).serial_number)
-            verified[key] = ok
-        return verified[key]
-
-    guilty: dict[str, tuple[str, tuple[str, str]]] = {}
-    for (_, call, origin, *_), by in groups.items():
-        reporters = sorted(by)
-        for x, a in enumerate(reporters):
-            for b in reporters[x + 1:]:
-                if origin in guilty:
-                    break
-                ha, hb = by[a], by[b]
-                differ = [j for j, (da, db) in enumerate(zip(ha.digests, hb.digests)) if da != db][:checks]
-                j = next((j for j in differ if signed(ha, j) and signed(hb, j)), None)
-                if j is not None:
-                    guilty[origin] = (f"{EQUIVOCATED} {j} (call {call}) in an all-gather", (a, b))
-    return guilty
 
 
 def weigh_steering(ev: Steering, *, run_id: str, step: int, epoch_id: int, accuser: str, ring: tuple[str, ...],
