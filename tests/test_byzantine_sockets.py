@@ -174,3 +174,27 @@ def test_an_origin_that_signs_two_versions_in_a_real_all_gather_is_banned(monkey
     log = "\n".join(r["events"])
     assert "hold n0's signatures on two versions of its piece" in log and "outer step 0's all-reduce" in log, \
         log[-2000:]
+
+
+def test_a_rank_that_signs_false_digests_in_a_real_all_gather_is_banned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """n1 signs a false digest of n3's contribution in the digests that go round before every
+    sum of an all-gather: every call would fail naming nobody, and the honest nodes would leave
+    after the step's last try. Each rank's retry sync now shows every digest list it has and its
+    holdings: the three honest lists agree against n1's entry, which no holding signed by n3
+    bears out, so the retry's barrier evicts and bans n1, and the three others finish the run
+    with one state."""
+    from intellect_jax.net import gather
+    from intellect_jax.testing.identities import credentials
+
+    honest_held = gather._GatherRun._held
+
+    def _held(self: Any, o: int) -> bytes:
+        liar = self.certs.get(self.rank) == credentials("n1").cert_der
+        return b"\x5a" * 32 if liar and self.certs.get(o) == credentials("n3").cert_der else honest_held(self, o)
+
+    monkeypatch.setattr(gather._GatherRun, "_held", _held)
+    ring = RingConfig(mode="top1of4", block_size=256, piece_numel=1024, deadline=30.0)
+    r = socket_run(4, "byz-false-digest", ring, outer_steps=STEPS, dim=4096)
+    _check(r, "n1", "signed a digest of n3's contribution (call 0) in an all-gather that more than half of the ring")
+    assert r["outcomes"][1].startswith("RegistrationRefused") and "banned from this run" in r["outcomes"][1]
+    assert "shows n1's signed digest list, which gives it away" in "\n".join(r["events"])

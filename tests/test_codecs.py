@@ -13,11 +13,11 @@ from intellect_jax.coordinator.holdings import weigh_holdings
 from intellect_jax.coordinator.policing import REVOKED, Police, weigh
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Arrival, Node, Role
-from intellect_jax.coordinator.schema import Evidence, Holding, Report
+from intellect_jax.coordinator.schema import Evidence, Holding, Report, Vouch
 from intellect_jax.net import NetNode, RingConfig, codecs, gather, quant
 from intellect_jax.net.comm import bucket_call
 from intellect_jax.net.evidence import SAT_OUT, digest, verdict
-from intellect_jax.net.frames import HEADER_LEN
+from intellect_jax.net.frames import HEADER_LEN, MsgType
 from intellect_jax.testing.identities import credentials, transport_config
 from intellect_jax.testing.local_ring import LocalGroup, ring_bytes
 
@@ -396,25 +396,32 @@ def test_socket_gather_a_forwarder_cannot_change_what_it_passes_on(monkeypatch: 
             nd.close()
 
 
-def _judged(comms: list, revoked: bool = False, alter: Any = None) -> tuple[list, dict[str, str], list[str]]:
-    """What the coordinator makes of every rank's holdings after a failed all-gather of epoch 0:
-    (evicted (node, why), banned, its log); ``alter(holding)`` changes each holding first."""
+def _judged(comms: list, revoked: bool = False, alter: Any = None, shows: Any = None,
+            gone: tuple[str, ...] = (), vouches: dict[str, list] | None = None) -> tuple[list, dict[str, str], list[str]]:
+    """What the coordinator makes of every rank's holdings and vouches after a failed all-gather
+    of epoch 0: (evicted (node, why), banned, its log); ``alter(holding)`` changes each holding
+    first, ``shows(node, holdings)`` what each node shows of its own, ``vouches`` further lists
+    a node shows; the ``gone`` are not at the barrier."""
     said: list[str] = []
     ids = tuple(c.ids[c.rank] for c in comms)
     police = Police(CoordinatorConfig(), said.append, ca=credentials("g0").ca_der)
     police.revoked = lambda serial: revoked
     police.formed(0, 0, ids)
+    held = {i: (shows or (lambda _, hs: hs))(i, [(alter or (lambda h: h))(Holding.model_validate(h)) for h in c.held])
+            for i, c in zip(ids, comms)}
     members = [Node(i, f"127.0.0.1:{k + 1}", 1, "s", Role.MEMBER, (k, 0), 0.0, arrival=Arrival(
-        1, 0.0, "h", False, report=Report(holdings=[(alter or (lambda h: h))(Holding.model_validate(h))
-                                                   for h in c.held]) if c.held else None))
-        for k, (i, c) in enumerate(zip(ids, comms))]
+        1, 0.0, "h", False, report=Report(holdings=held[i] or None,
+                                          vouches=[Vouch.model_validate(v) for v in c.vouched]
+                                          + (vouches or {}).get(i, []) or None)
+        if held[i] or c.vouched else None))
+        for k, (i, c) in enumerate(zip(ids, comms)) if i not in gone]
     _, evict = police.judge(1, members, "gather-test")
     return [(n.node_id, why) for n, why in evict], police.frauds, said
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_socket_gather_an_origin_that_signs_two_versions_is_banned_on_the_holdings(monkeypatch: Any,
-                                                                                     masked: bool) -> None:
+@pytest.mark.parametrize("masked,silenced", [(False, False), (True, False), (False, True)])
+def test_socket_gather_an_origin_that_signs_two_versions_is_banned_on_the_holdings(monkeypatch: Any, masked: bool,
+                                                                                     silenced: bool) -> None:
     """An origin signs a second version of its first piece and an accomplice passes that one on
     to a single rank: the call fails, and every rank reports its holding of the origin (each
     piece's digest under the origin's signature) with its retry. Two holdings that differ in a
@@ -422,13 +429,24 @@ def test_socket_gather_an_origin_that_signs_two_versions_is_banned_on_the_holdin
     colluders cannot hide it (a holding sent round the ring could be altered by them, who stand
     between the two sides). ``masked``: the origin also lies about an honest rank's
     contribution in its signed digests, so that ranks dispute that one too: its holdings all
-    agree, and only the origin is banned. A holding altered, or signed with a revoked
-    certificate, shows nothing."""
+    agree, and only the origin is banned. ``silenced``: the accomplice also passes none of the
+    signed digests on to the victim, which so never learns that its own are disputed; it still
+    shows its holding of every origin, so it bears out its own signed digests and is not banned
+    with the origin. A holding signed with a revoked certificate shows nothing, and one altered
+    shows its reporter's own signed digests false."""
     world, n = 4, 6000
     origin, accomplice, victim = (1, 3, 0) if masked else (0, 2, 3)
-    cfg = RingConfig(mode="top1of4", block_size=512, piece_numel=2048, deadline=10)
+    cfg = RingConfig(mode="top1of4", block_size=512, piece_numel=2048, deadline=3 if silenced else 10)
     xs = [_x(n, s) for s in range(world)]
-    real_put, real_held = gather._GatherRun.put, gather._GatherRun._held
+    real_put, real_held, real_pass = gather._GatherRun.put, gather._GatherRun._held, gather._GatherRun._pass
+
+    def _pass(self: Any, out: Any, inn: Any, item: bytes, n: int) -> bytearray:
+        if self.rank != accomplice:
+            return real_pass(self, out, inn, item, n)
+        hdr = inn.recv_header(MsgType.DATA, deadline=self.deadline, length=n)  # (it sends nothing on)
+        buf = bytearray(hdr.length)
+        inn.recv_payload_into(hdr, buf, deadline=self.deadline)
+        return buf
 
     def put(self: Any, m: int, *item: Any) -> None:
         s, j = divmod(m, self.plan.pieces)
@@ -446,24 +464,95 @@ def test_socket_gather_an_origin_that_signs_two_versions_is_banned_on_the_holdin
 
     monkeypatch.setattr(gather._GatherRun, "put", put)
     monkeypatch.setattr(gather._GatherRun, "_held", _held)
+    if silenced:
+        monkeypatch.setattr(gather._GatherRun, "_pass", _pass)
     nodes = _nodes(world)
     try:
         comms = [nd.ring([(m.name, m.address) for m in nodes], r, config=cfg) for r, nd in enumerate(nodes)]
         outs, errs = _run(comms, xs, [None] * world)
-        assert all(o is None for o in outs) and all("hold other contributions than we do" in str(e) for e in errs)
+        assert all(o is None for o in outs) and all(silenced or "hold other contributions than we do" in str(e)
+                                                    for e in errs), errs
         g = f"g{origin}"
-        assert all({h["origin"] for h in c.held} == ({"g0", g} if masked else {g}) - {c.ids[c.rank]} for c in comms)
+        assert not silenced or [v["holder"] for v in comms[victim].vouched] == ["g3"] and comms[victim].held
+        for c in comms:  # every other origin's, those disputed first
+            first = set() if silenced else ({"g0", g} if masked else {g}) - {c.ids[c.rank]}
+            held = [h["origin"] for h in c.held]
+            assert set(held[:len(first)]) == first and sorted(held) == sorted(set(c.ids) - {c.ids[c.rank]}), held
         why = "signed two versions of its piece 0 (call 0) in an all-gather"
         evicted, banned, said = _judged(comms)
         assert evicted == [(g, why)] and banned == {g: why}, said
         assert any(f"hold {g}'s signatures on two versions of its piece" in line for line in said), said
+        if silenced:  # (had it shown only the holdings it knew disputed, none, its digest list would convict it)
+            assert "g3" in _judged(comms, shows=lambda i, hs: [] if i == "g3" else hs)[1]
+            assert _judged(comms, gone=("g3",))[1] == {}  # (gone: not judged, and nobody shows the second version)
         assert _judged(comms, revoked=True)[:2] == ([], {})
         flip = lambda h: h.model_copy(update={"digests": [("0" if d[0] != "0" else "1") + d[1:]  # noqa: E731
                                                           for d in h.digests]})
-        assert _judged(comms, alter=flip)[:2] == ([], {})
+        # altered holdings show the origin nothing; the victim's digest list, against the ring's
+        # majority, is then borne out by no holding signed by the origin, and gives it away
+        # (and masked, the origin's lie about g0's contribution gives it away the same way)
+        lie = ("signed a digest of {0}'s contribution (call 0) in an all-gather that more than half of the ring "
+               "contradict under their signatures, and no holding of it signed by {0} bears it out").format
+        assert _judged(comms, alter=flip)[1] == {f"g{victim}": lie(g)} | ({g: lie("g0")} if masked else {})
         for c in comms:  # a coordinator that signs nothing (in process) convicts nobody
             assert weigh_holdings([(c.ids[c.rank], Holding.model_validate(h)) for h in c.held], run_id="gather-test",
                                   epoch_id=0, ring=tuple(x.ids[x.rank] for x in comms), ca=None) == {}
+    finally:
+        for nd in nodes:
+            nd.close()
+
+
+@pytest.mark.parametrize("about", ["another", "itself"])
+def test_socket_gather_a_rank_that_signs_a_false_digest_is_banned_on_its_own_signature(monkeypatch: Any,
+                                                                                        about: str) -> None:
+    """A rank signs a false digest of one contribution (``about`` another rank's or its own) in
+    the digest lists that go round before the sum: every other rank holds other digests than it
+    signed, so the call fails. Each shows the coordinator its holdings and every list it has; the
+    three honest lists agree, and the liar's entry against them is borne out by no holding signed
+    by the origin: the liar alone is banned, whatever it shows (its true holdings, none, or the
+    false one without the origin's signatures), and so is a rank that signed two lists for one
+    call. A reporter that shows an honest rank's holding cut down to one piece convicts nobody;
+    one that is gone from the barrier, or whose certificate is revoked, is not judged."""
+    world, n, liar = 4, 6000, 2
+    target = 0 if about == "another" else liar
+    cfg = RingConfig(mode="top1of4", block_size=512, piece_numel=2048, deadline=10)
+    real_held, fake = gather._GatherRun._held, "ee" * 32  # (the liar's digest of the target's first piece)
+
+    def _held(self: Any, o: int) -> bytes:
+        if (self.rank, o) != (liar, target):
+            return real_held(self, o)
+        return digest(bytes.fromhex(fake) + b"".join(self.digests[o][1:]))
+
+    monkeypatch.setattr(gather._GatherRun, "_held", _held)
+    nodes = _nodes(world)
+    try:
+        comms = [nd.ring([(m.name, m.address) for m in nodes], r, config=cfg) for r, nd in enumerate(nodes)]
+        outs, errs = _run(comms, [_x(n, s) for s in range(world)], [None] * world)
+        assert all(o is None for o in outs) and all("hold other contributions than we do" in str(e) for e in errs)
+        assert all(sorted(v["holder"] for v in c.vouched) == ["g0", "g1", "g2", "g3"] for c in comms)
+        why = ("signed a digest of g0's contribution (call 0) in an all-gather that more than half of the ring "
+               "contradict under their signatures, and no holding of it signed by g0 bears it out") \
+            if about == "another" else "signed a digest of its own contribution (call 0) in an all-gather other " \
+                                       "than the one it sent"
+        evicted, banned, said = _judged(comms)
+        assert evicted == [("g2", why)] and banned == {"g2": why}, said
+        assert any("shows g2's signed digest list, which gives it away" in line for line in said), said
+        if about == "another":
+            assert _judged(comms, shows=lambda i, hs: [] if i == "g2" else hs)[1] == {"g2": why}
+            assert _judged(comms, shows=lambda i, hs: [h.model_copy(update={"digests": [fake, *h.digests[1:]]})
+                                                       if (i, h.origin) == ("g2", "g0") else h for h in hs]
+                           )[1] == {"g2": why}
+            assert _judged(comms, shows=lambda i, hs: [] if i == "g2" else hs, gone=("g2",))[1] == {}
+        cut = lambda h: h.model_copy(update={k: getattr(h, k)[:1] for k in ("numels", "digests", "signatures")})  # noqa: E731
+        assert _judged(comms, shows=lambda i, hs: [cut(h) for h in hs] if i == "g1" else hs)[1] == {"g2": why}
+        assert _judged(comms, revoked=True)[:2] == ([], {})
+        v = Vouch.model_validate(comms[0].vouched[0])  # g0's own list, and a second one signed by g0 (a trick)
+        entries = ["11" * 32, *v.entries[1:]]
+        second = v.model_copy(update={"entries": entries, "signature": comms[0]._origin_seal(0).vouch(
+            digest(b"".join(bytes.fromhex(e) for e in entries))).hex()})
+        two = _judged(comms, vouches={"g1": [second]})[1]
+        # (a rank with two lists counts for no majority: two honest lists of four make none against g2)
+        assert two == {"g0": "signed two digest lists for one call (call 0) in an all-gather"}, two
     finally:
         for nd in nodes:
             nd.close()

@@ -1,27 +1,48 @@
-"""What the ranks of a failed all-gather hold, weighed: an origin that signed two versions.
+"""What the ranks of a failed all-gather hold, weighed: who signed what it cannot stand behind.
 
 In the all-gather (``net.gather``) every piece travels under its origin's signature, and before
-it sums, each rank signs the digest of every contribution as it holds it and these go round the
-ring. When they differ the call fails, and each rank's retry sync shows the coordinator its
-holding of every origin concerned (each piece's digest under the origin's signature,
-:class:`~.schema.Holding`). Two holdings of one origin that differ in a piece, each digest under
-the origin's signature, are its own word on two versions of that piece (:func:`weigh_holdings`):
-an eviction and a ban. Evidence signed with a revoked certificate shows nothing (its key may be
-another's by now); in-process runs sign nothing.
+it sums, each rank signs the digest of every contribution as it holds it (its *vouch*: per
+origin, the digest of that origin's piece digests) and the vouches go round the ring. When they
+differ the call fails, and each rank's retry sync shows the coordinator its holding of every
+origin (each piece's digest under the origin's signature, :class:`~.schema.Holding`) and every
+vouch it got that differs from its own (:class:`~.schema.Vouch`). Two rules, each on a member's
+own signatures, so that no member's word decides, and each an eviction and a ban:
+
+* :func:`weigh_holdings`: two holdings of one origin that differ in a piece, each digest under
+  the origin's signature, are its own word on two versions of that piece.
+* :func:`weigh_vouches`: a rank's digest lists. One that signed two for one call is convicted.
+  The honest ranks' entries for an origin agree (they hold what it signed, unless it signed
+  two versions), so where more than half of the ring signed one entry and a rank signed
+  another, that rank lies, unless the origin's own signatures on a holding that hashes to its
+  entry show it was given a second version (such a rank fails the call, since it gets the
+  others' lists or misses one and times out, so it shows its holdings; of every origin, not
+  only those it saw disputed, since a colluder before it may pass it none). A rank that shows
+  no such holding is convicted where its report had room for it. No absence convicts anyone
+  else, and no minority can make a majority.
+
+Without the second rule a rank could sign a false digest in every call: the others would fail
+every try of the step, naming nobody, and leave. Evidence signed with a revoked certificate
+shows nothing (its key may be another's by now); in-process runs sign nothing.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from itertools import islice
 
 from cryptography import x509
 
-from intellect_jax.coordinator.schema import Holding
-from intellect_jax.net.evidence import EVERYONE, der_signature, piece_statement
+from intellect_jax.coordinator.schema import Holding, Vouch
+from intellect_jax.net.audit import MAX_CASE_BYTES
+from intellect_jax.net.gather import MAX_CERT
+from intellect_jax.net.evidence import (EVERYONE, der_signature, digest, holding_size, holding_statement,
+                                        piece_statement)
 from intellect_jax.net.identity import issued, vouched
 
 EQUIVOCATED = "signed two versions of its piece"  # (an all-gather's origin: weigh_holdings)
+UNBACKED = "signed a digest of"  # (an all-gather's rank whose digest list gives it away: weigh_vouches)
+TWO_LISTS = "signed two digest lists"  # (the same)
 
 
 class _Signatures:
@@ -101,3 +122,86 @@ def weigh_holdings(held: list[tuple[str, Holding]], *, run_id: str, epoch_id: in
                 if j is not None:
                     guilty[origin] = (f"{EQUIVOCATED} {j} (call {call}) in an all-gather", (a, b))
     return guilty
+
+
+def _entry(h: Holding) -> str:
+    """A holding's entry in a vouch: the digest of its piece digests (hex)."""
+    return digest(b"".join(bytes.fromhex(d) for d in h.digests)).hex()
+
+
+def weigh_vouches(vouches: list[tuple[str, Vouch]], held: list[tuple[str, Holding]], present: set[str], *,
+                  run_id: str, epoch_id: int, ring: tuple[str, ...], ca: bytes | None,
+                  revoked: Callable[[int], bool] | None = None,
+                  budget: int = MAX_CASE_BYTES) -> dict[str, tuple[str, str]]:
+    """The all-gather ranks whose signed digest lists (``vouches``: (reporter, vouch) pairs; each
+    failed rank shows its own and those it got) give them away, after a failed call of epoch
+    ``epoch_id`` (``ring``), with the holdings (``held``: (reporter, holding)) shown with them:
+    holder -> (why, the reporter that showed its list). A list counts only under a live
+    certificate issued to its holder. A holder that signed two lists for one call is convicted;
+    so is one whose entry for an origin differs from the entry that more than half of the ring
+    signed (the honest ranks, whose entries agree unless the origin signed two versions), where
+    no holding of that origin under its signatures bears the entry out (an honest rank given the
+    origin's second version holds one, and shows it) and the holder, at the barrier
+    (``present``), shows none whose absence its report's room (``budget``) explains."""
+    if ca is None:
+        return {}
+    shown: dict[tuple[int, int, str, tuple[str, ...]], str] = {}  # (step, call, holder, entries) -> reporter
+    lists: dict[tuple[int, int], dict[str, set[tuple[str, ...]]]] = {}  # (step, call) -> holder -> its lists
+    for reporter, v in vouches:
+        key = (v.step, v.call, v.holder, tuple(v.entries))
+        if v.epoch != epoch_id or reporter not in ring or v.holder not in ring or len(v.entries) != len(ring) \
+                or key in shown:
+            continue
+        said = holding_statement(run_id, v.step, v.epoch, v.call, v.holder,
+                                 digest(b"".join(bytes.fromhex(e) for e in v.entries)).hex())
+        try:
+            serial = issued(ca, bytes.fromhex(v.cert), v.holder)
+        except ValueError:
+            continue
+        if serial is None or revoked is not None and revoked(serial) or \
+                not vouched(ca, v.cert, v.holder, said, der_signature(bytes.fromhex(v.signature)).hex()):
+            continue  # (shows nothing: not the holder's word)
+        shown[key] = reporter
+        lists.setdefault((v.step, v.call), {}).setdefault(v.holder, set()).add(key[3])
+    mine: dict[tuple[int, int, str], dict[str, Holding]] = {}  # (step, call, reporter) -> origin -> its holding
+    for reporter, h in held:
+        if _valid(h, epoch_id, ring, reporter):
+            mine.setdefault((h.step, h.call, reporter), {}).setdefault(h.origin, h)
+    backs = _Signatures(run_id, ca, None)  # (an origin's own signatures back an entry, even if revoked since)
+    guilty: dict[str, tuple[str, str]] = {}
+    for (step, call), by in lists.items():
+        for holder, ls in by.items():
+            if len(ls) > 1 and holder not in guilty:
+                guilty[holder] = (f"{TWO_LISTS} for one call (call {call}) in an all-gather",
+                                  shown[step, call, holder, min(ls)])
+        single = {holder: next(iter(ls)) for holder, ls in by.items() if len(ls) == 1}
+        for i, origin in enumerate(ring):
+            top, n = Counter(ls[i] for ls in single.values()).most_common(1)[0]
+            if 2 * n <= len(ring):
+                continue  # (no entry more than half of the ring signed)
+            for holder, ls in single.items():
+                if ls[i] == top or holder in guilty:
+                    continue
+                why = _unbacked(step, call, holder, origin, ls[i], mine, backs, holder in present, budget)
+                if why:
+                    guilty[holder] = (why, shown[step, call, holder, ls])
+    return guilty
+
+
+def _unbacked(step: int, call: int, holder: str, origin: str, e: str, mine: dict, backs: _Signatures,
+              present: bool, budget: int) -> str | None:
+    """Why ``holder``'s entry ``e`` for ``origin``, against the ring's majority, convicts it (None:
+    a holding signed by the origin bears it out, or the holder is not judged)."""
+    if origin == holder:  # (what it sent: everyone holds it as it signed it)
+        return f"{UNBACKED} its own contribution (call {call}) in an all-gather other than the one it sent"
+    for hs in (v for (st, c, _), v in mine.items() if (st, c) == (step, call)):
+        h = hs.get(origin)
+        if h is not None and _entry(h) == e and backs.whole(h):
+            return None
+    own = mine.get((step, call, holder), {})
+    room = sum(holding_size(len(h.numels), len(h.cert) // 2) for h in own.values())
+    pieces = next((len(h.numels) for h in own.values()), None)
+    if not present or origin not in own and pieces is not None and room + holding_size(pieces, MAX_CERT) > budget:
+        return None  # (gone, or its report may have had no room left for that holding)
+    return (f"{UNBACKED} {origin}'s contribution (call {call}) in an all-gather that more than half of the ring "
+            f"contradict under their signatures, and no holding of it signed by {origin} bears it out")

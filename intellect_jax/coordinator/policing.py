@@ -49,8 +49,8 @@ from cryptography import x509
 
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Node
-from intellect_jax.coordinator.holdings import EQUIVOCATED, weigh_holdings
-from intellect_jax.coordinator.schema import Audit, Evidence, Holding, Steering
+from intellect_jax.coordinator.holdings import EQUIVOCATED, TWO_LISTS, UNBACKED, weigh_holdings, weigh_vouches
+from intellect_jax.coordinator.schema import Audit, Evidence, Holding, Steering, Vouch
 from intellect_jax.net import audit, codecs, quant
 from intellect_jax.net.evidence import (EVERYONE, OUTSIZE, SUSPECT_FACTOR, clear_cut, der_signature, digest, outsized,
                                         piece_statement, reference_rms, row_norm, seal, statement, verdict)
@@ -257,7 +257,7 @@ class Police:
             n.stalls = n.stalls + 1 if n.node_id in stalled else 0
             if n.node_id in frauds:
                 why = frauds[n.node_id]
-                evict.append((n, why if why.startswith(EQUIVOCATED) else f"shown at fault by an audit: {why}"))
+                evict.append((n, why if why.startswith((EQUIVOCATED, TWO_LISTS, UNBACKED)) else f"shown at fault by an audit: {why}"))
             elif n.node_id in steered:
                 evict.append((n, f"steered the average: {steered[n.node_id]}"))
             elif n.stalls >= self.config.stall_calls:
@@ -337,12 +337,15 @@ class Police:
                 self._say(f"WARNING {n.node_id}'s audit of {owner}'s segment (piece {ev.piece}, call {ev.call}) in "
                           f"outer step {ev.step}'s all-reduce (epoch {epoch_id}) shows {guilty} at fault by its own "
                           f"signature: {why}")
-        by_step: dict[int, list[tuple[str, Holding]]] = {}  # an all-gather's origin that signed two versions
+        by_step: dict[int, tuple[list[tuple[str, Holding]], list[tuple[str, Vouch]]]] = {}  # an all-gather's
         for n, r in reports:
             for h in r.holdings or ():
                 if h.step in self._rings:
-                    by_step.setdefault(h.step, []).append((n.node_id, h))
-        for k, held in by_step.items():
+                    by_step.setdefault(h.step, ([], []))[0].append((n.node_id, h))
+            for v in r.vouches or ():
+                if v.step in self._rings:
+                    by_step.setdefault(v.step, ([], []))[1].append((n.node_id, v))
+        for k, (held, vouches) in by_step.items():
             epoch_id, ring, _ = self._rings[k]
             try:
                 found = weigh_holdings(held, run_id=run_id, epoch_id=epoch_id, ring=ring, ca=self.ca,
@@ -351,11 +354,23 @@ class Police:
                 found = {}
                 self._say(f"WARNING the holdings reported on outer step {k}'s all-reduce could not be checked "
                           f"({type(e).__name__})")
+            try:
+                unbacked = weigh_vouches(vouches, held, set(by_id), run_id=run_id, epoch_id=epoch_id, ring=ring,
+                                         ca=self.ca, revoked=self.revoked)
+            except Exception as e:  # noqa: BLE001 - whatever a peer sent, the barrier goes on
+                unbacked = {}
+                self._say(f"WARNING the digest lists reported on outer step {k}'s all-reduce could not be checked "
+                          f"({type(e).__name__})")
             for origin, (why, (a, b)) in found.items():
                 if origin not in frauds:
                     frauds[origin] = why
                     self._say(f"WARNING {a} and {b} hold {origin}'s signatures on two versions of its piece: {why}, "
                               f"in outer step {k}'s all-reduce (epoch {epoch_id})")
+            for holder, (why, a) in unbacked.items():
+                if holder not in frauds:
+                    frauds[holder] = why
+                    self._say(f"WARNING {a} shows {holder}'s signed digest list, which gives it away: {why}, in "
+                              f"outer step {k}'s all-reduce (epoch {epoch_id})")
         return frauds
 
     def _steering(self, step: int, reports: list, run_id: str) -> dict[str, str]:

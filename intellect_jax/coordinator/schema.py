@@ -170,7 +170,7 @@ class Accusation(Msg):
 
 class Holding(Msg):
     """An all-gather origin's contribution to a failed call as the reporter held it
-    (``net.gather``: the codecs that travel whole), after ranks found they hold other ones: the
+    (``net.gather``: the codecs that travel whole), after the ranks' digest lists went round: the
     certificate it came with (DER, hex) and per piece its values' count, digest and the origin's
     signature (r || s, hex)."""
 
@@ -184,6 +184,20 @@ class Holding(Msg):
     numels: Annotated[list[Annotated[int, Field(ge=1, le=2**31)]], Field(min_length=1, max_length=MAX_PIECES)]
     digests: Annotated[list[Hex32], Field(min_length=1, max_length=MAX_PIECES)]
     signatures: Annotated[list[Raw64], Field(min_length=1, max_length=MAX_PIECES)]
+
+
+class Vouch(Msg):
+    """An all-gather rank's (``holder``) signed digests of every contribution as it held them,
+    per origin in ring order, and the certificate (DER, hex) the reporter checked the signature
+    with (``net.gather.Vouch``)."""
+
+    step: Count
+    epoch: Count
+    call: Count
+    holder: NodeId
+    entries: Annotated[list[Hex32], Field(min_length=1, max_length=MAX_CASE_RANKS)]
+    signature: Raw64
+    cert: Annotated[str, Field(pattern=r"^(?:[0-9a-f]{2}){16,8192}$")]  # the holder's, as the reporter checked it
 
 
 class Missing(Msg):
@@ -202,9 +216,9 @@ class Report(Msg):
     it holds a bad piece of in ``more``, one each: a butterfly owner sees every member's pieces
     of its segment), and the piece its audit of a butterfly owner found at fault (``audit``);
     after a failed butterfly call, whose own pieces never reached it (``missing``), and after a
-    failed all-gather its holding of each origin whose contribution ranks hold otherwise
-    (``holdings``); after one that succeeded, the members whose own pieces it found outsized
-    against the others' (``steering``)."""
+    failed all-gather its holding of each origin (``holdings``) and the ranks' signed digest
+    lists, its own and those it got (``vouches``); after one that succeeded, the members whose own pieces it found outsized against the
+    others' (``steering``)."""
 
     avg_failed: bool = False
     accused: Annotated[list[Text], Field(min_length=2, max_length=2)] | None = None
@@ -213,6 +227,7 @@ class Report(Msg):
     audit: Audit | None = None
     missing: Missing | None = None
     holdings: Annotated[list[Holding], Field(max_length=MAX_CASE_RANKS)] | None = None
+    vouches: Annotated[list[Vouch], Field(max_length=MAX_CASE_RANKS)] | None = None
     steering: Annotated[list[Steering], Field(max_length=MAX_CASE_RANKS)] | None = None
 
 

@@ -557,24 +557,26 @@ class NodeLoop:
     def _failed(self, k: int, ep: Epoch, comm: Any) -> dict | None:
         """Our report on a failed call, for the retry's sync: the case, if our audit failed it
         (:mod:`~intellect_jax.net.audit`), whose own pieces never reached us (the butterfly), and
-        our holding of each origin whose contribution ranks hold otherwise (the all-gather,
-        :mod:`~intellect_jax.net.gather`: its signatures on two versions of a piece convict it)."""
+        after an all-gather that failed once the signed digests went round (:mod:`~intellect_jax.net.gather`)
+        our holding of each origin and the ranks' signed digest lists: an origin's signatures on
+        two versions of a piece convict it, and a list against the ring's majority that no holding
+        signed by the origin bears out convicts its signer."""
         audited, missing = getattr(comm, "audited", None), getattr(comm, "missing", ())
-        held = getattr(comm, "held", [])
+        held, vouched = getattr(comm, "held", []), getattr(comm, "vouched", [])
         if held:
-            self.p.log(f"outer step {k + 1}'s all-reduce: ranks hold other contributions of "
-                       f"{', '.join(h['origin'] for h in held)} than we do; our holdings go to the coordinator")
+            self.p.log(f"outer step {k + 1}'s all-reduce failed once the ranks' digest lists went round; ours, "
+                       "theirs and our holdings go to the coordinator")
         if audited:
             self.p.log(f"WARNING our audit in outer step {k + 1}'s all-reduce shows {ep.node_ids[audited[0]]} at "
                        f"fault: {audited[1]}" + ("" if audited[2] else " (the case is too large to report)"))
         if missing:
             self.p.log(f"outer step {k + 1}'s all-reduce: the own pieces of "
                        f"{', '.join(ep.node_ids[r] for r in missing)} never reached us")
-        if not audited and not missing and not held:
+        if not audited and not missing and not held and not vouched:
             return None
         return {"avg_failed": False, "accused": None, "evidence": None, "audit": audited[2] if audited else None,
                 "missing": {"step": k, "epoch": ep.epoch_id, "nodes": [ep.node_ids[r] for r in missing]}
-                if missing else None, "holdings": held or None}
+                if missing else None, "holdings": held or None, "vouches": vouched or None}
 
     def _serve(self, ep: Epoch, s: DilocoState) -> None:
         if not ep.serve:

@@ -25,7 +25,8 @@ from intellect_jax.net.butterfly import RING_MODES, MeshSeal, Weighing, butterfl
 from intellect_jax.net.errors import AuditFailed, ConfigMismatch, NetError, PeerTimeout, RingClosed
 from intellect_jax.net.identity import issued, verify
 from intellect_jax.net.schema import Nat, Wire, recv_model
-from intellect_jax.net.gather import Encoded, Holding, OriginSeal, check_own, combine, gather_plan, ring_all_gather_mean
+from intellect_jax.net.gather import (Encoded, Holding, OriginSeal, Vouch, check_own, combine, gather_plan,
+                                     ring_all_gather_mean)
 from intellect_jax.net.ring import Finding, Links, Seal, Workspace, ring_all_reduce
 from intellect_jax.net.listener import Listener
 from intellect_jax.net.transport import (
@@ -355,10 +356,12 @@ class SocketCommunicator:
         # after a butterfly call that failed (not aborted from outside): the ranks whose own pieces of
         # our segment of the first bucket did not all reach us, link or header failures included (net.mesh)
         self.missing: tuple[int, ...] = ()
-        # after an all-gather call that failed because ranks hold other contributions than we do:
-        # our holding of each origin concerned (net.evidence.holding_evidence), for the coordinator
-        # to compare with the others' (an origin that signed two versions of a piece)
+        # after an all-gather call that failed once our signed digests went out: our holding of each
+        # origin (net.evidence.holding_evidence), for the coordinator to compare with the others' (an
+        # origin that signed two versions of a piece), and our signed digest list and every rank's we
+        # got (net.evidence.vouch_evidence: a rank whose list gives it away)
         self.held: list[dict[str, Any]] = []
+        self.vouched: list[dict[str, Any]] = []
         # after a butterfly call that succeeded: (rank, evidence) for each member whose rows were
         # outsized in most pieces of our segment (net.evidence.outsize_evidence, its first such piece)
         self.steered: list[tuple[int, dict[str, Any]]] = []
@@ -530,7 +533,8 @@ class SocketCommunicator:
         # later bucket's step 1 comes after the earlier buckets' step 3: a rank that failed there, or
         # was made to fail there by another, never sends its later pieces, and is no withholder)
         gaps: list[int] = []
-        held: list[tuple[int, Holding]] = []  # (call, our holding of an origin) from an all-gather that disagreed
+        held: list[tuple[int, Holding]] = []  # (call, our holding of an origin) from an all-gather that failed
+        vouched: list[tuple[int, Vouch]] = []  # (call, our signed digest list or a rank's we got) from it
         meshed = cfg.exchange == "butterfly"  # (its links open with the call's header, link by link: _mesh)
         opening = t0 + mesh.OPENING * cfg.deadline if meshed else deadline
         self.missing = ()
@@ -561,6 +565,7 @@ class SocketCommunicator:
                 found: list[Finding] = []
                 by: list[tuple[int, Finding]] = []
                 disputed: list[Holding] = []
+                differing: list[Vouch] = []
                 c = bucket_call(call, bi)
                 try:
                     if cfg.exchange == "butterfly":
@@ -580,7 +585,7 @@ class SocketCommunicator:
                                                     deadline=deadline, out=o, dropped=d, inspect=self.inspect,
                                                     findings=found, seal=self._origin_seal(c),
                                                     own=None if enc is None else enc.payloads[bi],
-                                                    absent=self.absent, disputed=disputed)
+                                                    absent=self.absent, disputed=disputed, vouches=differing)
                     return ring_all_reduce(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                            block=cfg.block_size, piece_numel=cfg.piece_numel, seed=seed,
                                            call=c, deadline=deadline, out=o, workspace=self._workspace,
@@ -589,8 +594,10 @@ class SocketCommunicator:
                     findings.extend((c, prv, f) for f in found)
                     findings.extend((c, r, f) for r, f in by)
                     held.extend((c, h) for h in disputed)
+                    vouched.extend((c, v) for v in differing)
 
-            self.suspect, self.suspects, self.audited, self.steered, self.held = None, [], None, [], []
+            self.suspect, self.suspects, self.audited, self.steered = None, [], None, []
+            self.held, self.vouched = [], []
             result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out, dropped=dropped,
                                         encoded=enc is not None)
             for c, r, f in findings:
@@ -610,14 +617,18 @@ class SocketCommunicator:
             if verdicts:  # our audit failed the call: the case goes with our next sync
                 r, why, case = verdicts[0]
                 self.audited = (r, why, audit.to_wire(case) if audit.reportable(case) else None)
-            size = 0
-            for c, h in held:  # ranks hold other contributions than we do: ours, for the coordinator to compare
-                size += 200 * len(h.numels) + 2 * len(h.cert)
-                if size <= audit.MAX_CASE_BYTES:
-                    self.held.append(evidence.holding_evidence(
-                        step=self.step, epoch=self.epoch, call=c, origin=self.ids[h.origin], mode=cfg.mode,
-                        block=cfg.block_size, cert=h.cert, numels=h.numels, digests=h.digests,
-                        signatures=h.signatures))
+            size = sum(evidence.vouch_size(len(v.entries), len(v.cert)) for _, v in vouched)
+            if self.world_size <= audit.MAX_CASE_RANKS:  # (larger rings' are too large to report)
+                self.vouched = [evidence.vouch_evidence(
+                    step=self.step, epoch=self.epoch, call=c, holder=self.ids[v.holder], entries=v.entries,
+                    signature=v.signature, cert=v.cert) for c, v in vouched]
+            for c, h in held:  # ours, for the coordinator to compare: a prefix that fits (coordinator.holdings)
+                size += evidence.holding_size(len(h.numels), len(h.cert))
+                if size > audit.MAX_CASE_BYTES or len(self.held) >= audit.MAX_CASE_RANKS:
+                    break
+                self.held.append(evidence.holding_evidence(
+                    step=self.step, epoch=self.epoch, call=c, origin=self.ids[h.origin], mode=cfg.mode,
+                    block=cfg.block_size, cert=h.cert, numels=h.numels, digests=h.digests, signatures=h.signatures))
             if not self._aborted:  # (aborted from outside: the call was cut short, its gaps say nothing)
                 self.missing = tuple(sorted(set(gaps)))
             self._teardown()  # neighbours see the connections close and fail fast too

@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import blake3
@@ -187,6 +188,26 @@ def holding_evidence(*, step: int, epoch: int, call: int, origin: str, mode: str
     return {"step": step, "epoch": epoch, "call": call, "origin": origin, "mode": mode, "block": block,
             "cert": cert.hex(), "numels": list(numels), "digests": [d.hex() for d in digests],
             "signatures": [g.hex() for g in signatures]}
+
+
+def holding_size(pieces: int, cert_bytes: int) -> int:
+    """What a holding of ``pieces`` pieces with a certificate of ``cert_bytes`` counts against a
+    report's budget (``MAX_CASE_BYTES``): a bound on its JSON, the same at both ends."""
+    return 200 * pieces + 2 * cert_bytes
+
+
+def vouch_evidence(*, step: int, epoch: int, call: int, holder: str, entries: Sequence[bytes], signature: bytes,
+                   cert: bytes) -> dict[str, Any]:
+    """A rank's signed digests of every all-gather contribution as it held them, with the
+    certificate its signature was checked with (``net.gather.Vouch``), as a report carries it
+    (``coordinator.schema.Vouch``)."""
+    return {"step": step, "epoch": epoch, "call": call, "holder": holder, "entries": [e.hex() for e in entries],
+            "signature": signature.hex(), "cert": cert.hex()}
+
+
+def vouch_size(ranks: int, cert_bytes: int) -> int:
+    """What a vouch over ``ranks`` contributions counts against a report's budget (its JSON, bounded)."""
+    return 70 * ranks + 2 * cert_bytes + 400
 
 
 def outsize_evidence(*, step: int, epoch: int, call: int, segment: int, piece: int, numel: int, mode: str,

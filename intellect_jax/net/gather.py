@@ -26,6 +26,11 @@ it would part from the others with nobody to blame). An origin could still sign 
 a piece and have an accomplice further on swap in the second; so before it sums, each rank
 signs the digest of every contribution as it holds it, the digests go once round the ring
 under their signatures, and a rank sums only if every one equals its own (:meth:`_GatherRun.agree`).
+When they differ the call fails, and each rank shows the coordinator its holding of every origin
+(each piece's digest under the origin's signature) and every signed list of digests it got that
+differs from its own: an origin that signed two versions is shown by two holdings, and a rank
+whose signed digest of an origin's contribution no holding it shows bears out by the origin's
+own signatures is shown by its own signature (``coordinator.holdings``).
 Its predecessor's own pieces are shown to ``inspect`` whole, as they arrive; one that does not
 decode is evidence against its sender too, and adds nothing to the mean on any rank. The
 contributions of ranks sitting the round out (``absent``, the same on every rank) add nothing
@@ -183,11 +188,25 @@ def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: i
 
 
 @dataclass(frozen=True)
+class Vouch:
+    """A rank's signed digest of every contribution as it held them (``entries``: per origin, in
+    rank order, the digest of that origin's piece digests), as it went round the ring in
+    :meth:`_GatherRun.agree`: shown to the coordinator after the call failed, where the ranks'
+    lists convict one that signed an entry more than half of the ring contradict, unless a
+    holding signed by the origin bears it out (``coordinator.holdings.weigh_vouches``)."""
+
+    holder: int
+    entries: tuple[bytes, ...]
+    signature: bytes
+    cert: bytes  # the holder's certificate, that the signature was checked with
+
+
+@dataclass(frozen=True)
 class Holding:
     """``origin``'s contribution to one call as a rank held it: the certificate it came with, and
     per piece its values' count, its digest and ``origin``'s signature of it. Two ranks' holdings
     that differ in a piece, each under a valid signature, are the origin's own word on two
-    versions of it (``coordinator.policing.weigh_holdings``)."""
+    versions of it (``coordinator.holdings.weigh_holdings``)."""
 
     origin: int
     cert: bytes
@@ -214,6 +233,8 @@ class _GatherRun(Pipeline):
         self.digests: list[list[bytes]] = [[b""] * self.plan.pieces for _ in range(world)]  # signed: each piece's
         self.sigs: list[list[bytes]] = [[b""] * self.plan.pieces for _ in range(world)]  # signed: its origin's signature
         self.disputed: list[int] = []  # origins whose contributions ranks hold otherwise than we do (agree)
+        self.vouches: list[Vouch] = []  # our signed digests, then every rank's we got (agree)
+        self.agreeing = self.agreed = False  # our signed digests went out; every rank's came and equals ours
         self.own, self.absent = own, absent
         self.pays: list[list[np.ndarray | None]] = [[None] * self.plan.pieces for _ in range(world)]
         self.findings: list[Finding] = []
@@ -329,24 +350,32 @@ class _GatherRun(Pipeline):
         our signature, and every rank's comes to us the same way; each must equal ours (FrameError
         otherwise: an origin signed two versions of a piece and ranks on either side of an
         accomplice hold different ones). So no rank sums bytes another rank that completes does
-        not. The origins concerned go to :attr:`disputed`: each rank then shows the coordinator its
-        :meth:`holding` of them, and wherever two holdings of an origin differ in a piece, each
-        under the origin's signature, the origin signed two versions (a holding passed on round
-        the ring could be altered by the colluders, who stand between the two sides)."""
+        not. The origins concerned go to :attr:`disputed`. After a failure each rank shows the
+        coordinator its :meth:`holdings` (those first) and the lists (:attr:`vouches`): wherever
+        two holdings of an origin differ in a piece, each under the origin's signature, the origin
+        signed two versions (a holding passed on round the ring could be altered by the
+        colluders, who stand between the two sides); a list against the ring's majority that no
+        holding signed by the origin bears out convicts its signer."""
         held = b"".join(self._held(o) for o in range(self.world))
         seal, out, inn, differ = self.oseal, self.links.out[0], self.links.inn[0], set()
         item = held + seal.vouch(digest(held))  # type: ignore[union-attr]
+        self.vouches = [Vouch(self.rank, tuple(held[32 * o:32 * o + 32] for o in range(self.world)),
+                              item[-SIG_BYTES:], seal.cert)]  # type: ignore[union-attr]
+        self.agreeing = True  # (from here on a failed call shows the coordinator our holdings: holdings)
         for s in range(self.world - 1):
             buf = self._pass(out, inn, item, len(item))
             theirs, sig, holder = bytes(buf[:-SIG_BYTES]), bytes(buf[-SIG_BYTES:]), (self.rank - 1 - s) % self.world
             if not seal.vouched(holder, self.certs[holder], digest(theirs), sig):  # type: ignore[union-attr]
                 raise FrameError(f"{inn.peer}: rank {holder}'s digest of the contributions does not carry its "
                                  "signature")
+            self.vouches.append(Vouch(holder, tuple(theirs[32 * o:32 * o + 32] for o in range(self.world)), sig,
+                                      self.certs[holder]))
             differ.update(o for o in range(self.world) if theirs[32 * o:32 * o + 32] != held[32 * o:32 * o + 32])
             self.disputed = sorted(differ)  # (so far, should a holder stop passing them on)
             item = bytes(buf)
         if differ:  # (an origin signed two versions of a piece, or a rank lies about what it holds)
             raise FrameError(f"ranks hold other contributions than we do of rank(s) {self.disputed}")
+        self.agreed = True
 
     def _held(self, origin: int) -> bytes:
         """The digest of ``origin``'s piece digests, as we hold them."""
@@ -368,6 +397,16 @@ class _GatherRun(Pipeline):
         numels = tuple(b - a for a, b in (self.plan.piece(0, j) for j in range(self.plan.pieces)))
         return Holding(origin, self.certs[origin], numels, tuple(self.digests[origin]), tuple(self.sigs[origin]))
 
+    def holdings(self) -> list[Holding]:
+        """After our signed digests went out and the call failed: our holding of every other
+        origin, those ranks dispute first. Not only theirs: a rank that got none of the others'
+        digests (a colluder before it passed none on) cannot know that its own are disputed, yet
+        must bear out every one it signed (``coordinator.holdings.weigh_vouches``)."""
+        if not self.agreeing or self.agreed:
+            return []
+        rest = [o for o in range(self.world) if o not in self.disputed]
+        return [self.holding(o) for o in self.disputed + rest if o != self.rank]
+
     def run(self) -> np.ndarray:
         self.spawn(self.encoder, self.sender, self.receiver)
         if self.oseal is not None:
@@ -381,15 +420,16 @@ def ring_all_gather_mean(links: Links, x: np.ndarray, rank: int, world: int, *, 
                          dropped: np.ndarray | None = None, inspect: Inspect | None = None,
                          findings: list[Finding] | None = None, seal: OriginSeal | None = None,
                          own: Sequence[np.ndarray] | None = None, absent: frozenset[int] = frozenset(),
-                         disputed: list[Holding] | None = None) -> np.ndarray:
+                         disputed: list[Holding] | None = None, vouches: list[Vouch] | None = None) -> np.ndarray:
     """Mean of ``x`` (flat float32) over the ring by an all-gather of encoded contributions,
     bit-identical on every rank (``out``: flat float32, not overlapping ``x``). ``dropped``:
     receives ``x - decode(encode(x))``. ``own``: this rank's payload pieces, encoded already
     (then ``x`` only gives the length, and no ``dropped``). ``inspect``, ``findings``: as the
     ring's; ``seal``: every piece signed by its origin and checked by every rank. ``absent``: the
     ranks sitting the round out (their contributions add nothing; the mean is still over N, as
-    the ring's). ``disputed``: when ranks hold other contributions than we do (the call fails),
-    our holding of each origin concerned but us, signed by it, for the coordinator to compare."""
+    the ring's). ``disputed``: when the call fails once our signed digests went out, our holding
+    of every origin but us (:meth:`_GatherRun.holdings`), signed by it, for the coordinator to
+    compare; ``vouches``: then our signed digests and every rank's we got."""
     if not codecs.gathered(mode):
         raise ValueError(f"{mode} is not a gathered codec")
     out = np.empty(x.shape[0], np.float32) if out is None else out
@@ -414,4 +454,6 @@ def ring_all_gather_mean(links: Links, x: np.ndarray, rank: int, world: int, *, 
         if findings is not None:
             findings.extend(run.findings)
         if disputed is not None:
-            disputed.extend(run.holding(o) for o in run.disputed if o != rank)
+            disputed.extend(run.holdings())
+        if vouches is not None and not run.agreed:
+            vouches.extend(run.vouches)
