@@ -37,7 +37,7 @@ from intellect_jax.coordinator.schema import Holding, Vouch
 from intellect_jax.net.audit import MAX_CASE_BYTES
 from intellect_jax.net.gather import MAX_CERT
 from intellect_jax.net.evidence import (EVERYONE, der_signature, digest, holding_size, holding_statement,
-                                        piece_statement)
+                                        piece_statement, vouch_size)
 from intellect_jax.net.identity import issued, vouched
 
 EQUIVOCATED = "signed two versions of its piece"  # (an all-gather's origin: weigh_holdings)
@@ -147,10 +147,11 @@ def weigh_vouches(vouches: list[tuple[str, Vouch]], held: list[tuple[str, Holdin
         return {}
     shown: dict[tuple[int, int, str, tuple[str, ...]], str] = {}  # (step, call, holder, entries) -> reporter
     lists: dict[tuple[int, int], dict[str, set[tuple[str, ...]]]] = {}  # (step, call) -> holder -> its lists
+    listed: dict[str, set[tuple]] = {}  # reporter -> the lists it showed whose signatures verify (its room)
     for reporter, v in vouches:
         key = (v.step, v.call, v.holder, tuple(v.entries))
         if v.epoch != epoch_id or reporter not in ring or v.holder not in ring or len(v.entries) != len(ring) \
-                or key in shown:
+                or (key, v.cert) in listed.get(reporter, ()):
             continue
         said = holding_statement(run_id, v.step, v.epoch, v.call, v.holder,
                                  digest(b"".join(bytes.fromhex(e) for e in v.entries)).hex())
@@ -158,9 +159,11 @@ def weigh_vouches(vouches: list[tuple[str, Vouch]], held: list[tuple[str, Holdin
             serial = issued(ca, bytes.fromhex(v.cert), v.holder)
         except ValueError:
             continue
-        if serial is None or revoked is not None and revoked(serial) or \
-                not vouched(ca, v.cert, v.holder, said, der_signature(bytes.fromhex(v.signature)).hex()):
+        if serial is None or not vouched(ca, v.cert, v.holder, said, der_signature(bytes.fromhex(v.signature)).hex()):
             continue  # (shows nothing: not the holder's word)
+        listed.setdefault(reporter, set()).add((key, v.cert))
+        if revoked is not None and revoked(serial) or key in shown:
+            continue
         shown[key] = reporter
         lists.setdefault((v.step, v.call), {}).setdefault(v.holder, set()).add(key[3])
     mine: dict[tuple[int, int, str], dict[str, Holding]] = {}  # (step, call, reporter) -> origin -> its holding
@@ -175,33 +178,43 @@ def weigh_vouches(vouches: list[tuple[str, Vouch]], held: list[tuple[str, Holdin
                 guilty[holder] = (f"{TWO_LISTS} for one call (call {call}) in an all-gather",
                                   shown[step, call, holder, min(ls)])
         single = {holder: next(iter(ls)) for holder, ls in by.items() if len(ls) == 1}
+        held_in = {r: hs for (st, c, r), hs in mine.items() if (st, c) == (step, call)}
         for i, origin in enumerate(ring):
+            if not single:
+                break
             top, n = Counter(ls[i] for ls in single.values()).most_common(1)[0]
             if 2 * n <= len(ring):
                 continue  # (no entry more than half of the ring signed)
+            ref = next((hs[origin] for hs in held_in.values() if origin in hs and _entry(hs[origin]) == top), None)
             for holder, ls in single.items():
                 if ls[i] == top or holder in guilty:
                     continue
-                why = _unbacked(step, call, holder, origin, ls[i], mine, backs, holder in present, budget)
+                room = sum(vouch_size(len(k[3]), len(cert) // 2) for k, cert in listed.get(holder, ()))
+                why = _unbacked(call, holder, origin, ls[i], ref, held_in.get(holder, {}), backs,
+                                holder in present, budget - room)
                 if why:
                     guilty[holder] = (why, shown[step, call, holder, ls])
     return guilty
 
 
-def _unbacked(step: int, call: int, holder: str, origin: str, e: str, mine: dict, backs: _Signatures,
-              present: bool, budget: int) -> str | None:
-    """Why ``holder``'s entry ``e`` for ``origin``, against the ring's majority, convicts it (None:
-    a holding signed by the origin bears it out, or the holder is not judged)."""
+def _unbacked(call: int, holder: str, origin: str, e: str, ref: Holding | None, own: dict[str, Holding],
+              backs: _Signatures, present: bool, budget: int) -> str | None:
+    """Why ``holder``'s entry ``e`` for ``origin``, against the ring's majority (a holding of that
+    entry: ``ref``), convicts it (None: its own holding of the origin bears it out, or it is not
+    judged). ``own``: its holdings of the call; ``budget``: what its report had for them."""
     if origin == holder:  # (what it sent: everyone holds it as it signed it)
         return f"{UNBACKED} its own contribution (call {call}) in an all-gather other than the one it sent"
-    for hs in (v for (st, c, _), v in mine.items() if (st, c) == (step, call)):
-        h = hs.get(origin)
-        if h is not None and _entry(h) == e and backs.whole(h):
+    if not present or ref is None:
+        return None  # (gone; or nobody shows the majority's holding, so not even the piece count is known)
+    pieces, h = len(ref.numels), own.get(origin)
+    if h is None:  # (excused where its report may have had no room left: the holdings that verify, a prefix)
+        used = sum(holding_size(pieces, len(x.cert) // 2) for x in own.values()
+                   if len(x.numels) == pieces and backs.piece(x, 0))
+        if used + holding_size(pieces, MAX_CERT) > budget:
             return None
-    own = mine.get((step, call, holder), {})
-    room = sum(holding_size(len(h.numels), len(h.cert) // 2) for h in own.values())
-    pieces = next((len(h.numels) for h in own.values()), None)
-    if not present or origin not in own and pieces is not None and room + holding_size(pieces, MAX_CERT) > budget:
-        return None  # (gone, or its report may have had no room left for that holding)
+    elif _entry(h) == e and len(h.digests) == pieces:
+        differ = list(islice((j for j, (a, b) in enumerate(zip(h.digests, ref.digests)) if a != b), 4))
+        if differ and all(backs.piece(h, j) for j in differ):  # (the origin signed a second version: its fault)
+            return None
     return (f"{UNBACKED} {origin}'s contribution (call {call}) in an all-gather that more than half of the ring "
             f"contradict under their signatures, and no holding of it signed by {origin} bears it out")
