@@ -53,17 +53,6 @@ class _Signatures:
         self.run_id, self.ca, self.revoked = run_id, ca, revoked
         self.seen: dict[tuple[str, int, str, str], bool] = {}
 
-    def live(self, h: Holding) -> bool | None:
-        """Whether ``h``'s certificate was issued to its origin and is not revoked (None: revoked,
-        which shows nothing either way)."""
-        try:
-            serial = issued(self.ca, bytes.fromhex(h.cert), h.origin)
-        except ValueError:
-            return False
-        if serial is None:
-            return False
-        return None if self.revoked is not None and self.revoked(serial) else True
-
     def piece(self, h: Holding, j: int) -> bool:
         key = (h.cert, j, h.digests[j], h.signatures[j])
         if key not in self.seen:
@@ -74,11 +63,6 @@ class _Signatures:
                 ok = not self.revoked(x509.load_der_x509_certificate(bytes.fromhex(h.cert)).serial_number)
             self.seen[key] = ok
         return self.seen[key]
-
-    def whole(self, h: Holding) -> bool | None:
-        """Every piece of ``h`` under its origin's signature (None: its certificate is revoked)."""
-        live = self.live(h)
-        return live if not live else all(self.piece(h, j) for j in range(len(h.digests)))
 
 
 def _valid(h: Holding, epoch_id: int, ring: tuple[str, ...], reporter: str) -> bool:
