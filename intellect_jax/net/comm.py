@@ -565,7 +565,7 @@ class SocketCommunicator:
                 found: list[Finding] = []
                 by: list[tuple[int, Finding]] = []
                 disputed: list[Holding] = []
-                differing: list[Vouch] = []
+                lists: list[Vouch] = []
                 c = bucket_call(call, bi)
                 try:
                     if cfg.exchange == "butterfly":
@@ -585,7 +585,7 @@ class SocketCommunicator:
                                                     deadline=deadline, out=o, dropped=d, inspect=self.inspect,
                                                     findings=found, seal=self._origin_seal(c),
                                                     own=None if enc is None else enc.payloads[bi],
-                                                    absent=self.absent, disputed=disputed, vouches=differing)
+                                                    absent=self.absent, disputed=disputed, vouches=lists)
                     return ring_all_reduce(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                            block=cfg.block_size, piece_numel=cfg.piece_numel, seed=seed,
                                            call=c, deadline=deadline, out=o, workspace=self._workspace,
@@ -594,7 +594,7 @@ class SocketCommunicator:
                     findings.extend((c, prv, f) for f in found)
                     findings.extend((c, r, f) for r, f in by)
                     held.extend((c, h) for h in disputed)
-                    vouched.extend((c, v) for v in differing)
+                    vouched.extend((c, v) for v in lists)
 
             self.suspect, self.suspects, self.audited, self.steered = None, [], None, []
             self.held, self.vouched = [], []
@@ -617,11 +617,12 @@ class SocketCommunicator:
             if verdicts:  # our audit failed the call: the case goes with our next sync
                 r, why, case = verdicts[0]
                 self.audited = (r, why, audit.to_wire(case) if audit.reportable(case) else None)
+            if self.world_size > audit.MAX_CASE_RANKS:  # (larger rings' lists are too large to report)
+                vouched = []
             size = sum(evidence.vouch_size(len(v.entries), len(v.cert)) for _, v in vouched)
-            if self.world_size <= audit.MAX_CASE_RANKS:  # (larger rings' are too large to report)
-                self.vouched = [evidence.vouch_evidence(
-                    step=self.step, epoch=self.epoch, call=c, holder=self.ids[v.holder], entries=v.entries,
-                    signature=v.signature, cert=v.cert) for c, v in vouched]
+            self.vouched = [evidence.vouch_evidence(
+                step=self.step, epoch=self.epoch, call=c, holder=self.ids[v.holder], entries=v.entries,
+                signature=v.signature, cert=v.cert) for c, v in vouched]
             for c, h in held:  # ours, for the coordinator to compare: a prefix that fits (coordinator.holdings)
                 size += evidence.holding_size(len(h.numels), len(h.cert))
                 if size > audit.MAX_CASE_BYTES or len(self.held) >= audit.MAX_CASE_RANKS:

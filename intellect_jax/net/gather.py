@@ -27,10 +27,10 @@ a piece and have an accomplice further on swap in the second; so before it sums,
 signs the digest of every contribution as it holds it, the digests go once round the ring
 under their signatures, and a rank sums only if every one equals its own (:meth:`_GatherRun.agree`).
 When they differ the call fails, and each rank shows the coordinator its holding of every origin
-(each piece's digest under the origin's signature) and every signed list of digests it got that
-differs from its own: an origin that signed two versions is shown by two holdings, and a rank
-whose signed digest of an origin's contribution no holding it shows bears out by the origin's
-own signatures is shown by its own signature (``coordinator.holdings``).
+(each piece's digest under the origin's signature), its own signed list and every one it got:
+an origin that signed two versions is shown by two holdings, and a rank whose list goes against
+the ring's majority, with no holding signed by the origin to bear it out, by its own signature
+(``coordinator.holdings``).
 Its predecessor's own pieces are shown to ``inspect`` whole, as they arrive; one that does not
 decode is evidence against its sender too, and adds nothing to the mean on any rank. The
 contributions of ranks sitting the round out (``absent``, the same on every rank) add nothing
@@ -359,8 +359,7 @@ class _GatherRun(Pipeline):
         held = b"".join(self._held(o) for o in range(self.world))
         seal, out, inn, differ = self.oseal, self.links.out[0], self.links.inn[0], set()
         item = held + seal.vouch(digest(held))  # type: ignore[union-attr]
-        self.vouches = [Vouch(self.rank, tuple(held[32 * o:32 * o + 32] for o in range(self.world)),
-                              item[-SIG_BYTES:], seal.cert)]  # type: ignore[union-attr]
+        self.vouches = [Vouch(self.rank, self._entries(held), item[-SIG_BYTES:], seal.cert)]  # type: ignore[union-attr]
         self.agreeing = True  # (from here on a failed call shows the coordinator our holdings: holdings)
         for s in range(self.world - 1):
             buf = self._pass(out, inn, item, len(item))
@@ -368,14 +367,18 @@ class _GatherRun(Pipeline):
             if not seal.vouched(holder, self.certs[holder], digest(theirs), sig):  # type: ignore[union-attr]
                 raise FrameError(f"{inn.peer}: rank {holder}'s digest of the contributions does not carry its "
                                  "signature")
-            self.vouches.append(Vouch(holder, tuple(theirs[32 * o:32 * o + 32] for o in range(self.world)), sig,
-                                      self.certs[holder]))
-            differ.update(o for o in range(self.world) if theirs[32 * o:32 * o + 32] != held[32 * o:32 * o + 32])
+            entries = self._entries(theirs)
+            self.vouches.append(Vouch(holder, entries, sig, self.certs[holder]))
+            differ.update(o for o, e in enumerate(entries) if e != self.vouches[0].entries[o])
             self.disputed = sorted(differ)  # (so far, should a holder stop passing them on)
             item = bytes(buf)
         if differ:  # (an origin signed two versions of a piece, or a rank lies about what it holds)
             raise FrameError(f"ranks hold other contributions than we do of rank(s) {self.disputed}")
         self.agreed = True
+
+    def _entries(self, held: bytes) -> tuple[bytes, ...]:
+        """A digest list cut into its per-origin entries."""
+        return tuple(held[32 * o:32 * o + 32] for o in range(self.world))
 
     def _held(self, origin: int) -> bytes:
         """The digest of ``origin``'s piece digests, as we hold them."""
