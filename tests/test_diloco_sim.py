@@ -113,6 +113,22 @@ def test_joiner_whose_donor_dies_mid_transfer_is_served_by_another_within_a_hear
     assert any(row["outer_step"] == 10 for name, _, row in sim.rows if name == "n3#0")
 
 
+def test_a_donor_trains_its_round_while_a_long_transfer_goes_on() -> None:
+    """The donor streams the state from a background thread: with a transfer of 3 s (7 rounds),
+    its next round's inner steps are done long before the joiner has the state, and it then
+    waits at the barrier as long as the other founders do (for the joiner's first round)."""
+    sim, r = run(Script(events=[(2.5, "join", "n3")]), nodes=3, inner_steps=40, transfer_time=3.0)
+    (t_served, serving), = lines(r, r"\] serving the state of outer step \d+ to n3")
+    donor, step = re.search(r"\[(n\d)#0\] serving the state of outer step (\d+)", serving).groups()
+    (t_restored, _), = lines(r, r"n3#0\] restored the state of outer step")
+    assert t_restored - t_served >= 3.0
+    nxt = {name.split("#")[0]: row for name, _, row in sim.rows if row["outer_step"] == int(step) + 1}
+    assert set(nxt) == {"n0", "n1", "n2", "n3"}
+    ours = nxt[donor]
+    assert ours["round_start_s"] + ours["compute_s"] <= t_served + 1.0 < t_restored - 1.0
+    assert all(abs(ours["sync_s"] - row["sync_s"]) < 0.05 for n, row in nxt.items() if n not in (donor, "n3"))
+
+
 def test_node_stopped_for_20s_at_the_barrier_is_evicted_and_rejoins() -> None:
     sim, r = run(Script(faults={"n1#0": [Fault("sync", 3, "stall", seconds=20.0)]}), nodes=3,
                  inner_steps=400)  # rounds of 4 s: the run outlasts the stall

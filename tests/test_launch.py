@@ -125,25 +125,15 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     first = joiner[0]["outer_step"]
     assert first >= 2 and joiner[0]["nodes"] == 3
     assert joiner[0]["outer_hash"] == ref[first]  # the joiner's state is the founders'
-    # the donor kept training while it streamed the state: no pause in its inner steps around the
-    # transfer longer than its longest pause elsewhere (a boundary's exchange; the transfer starts at
-    # the boundary where the joiner is admitted, and a short one may end before that exchange does),
-    # or than the other founder's pause across the transfer's start (the same barrier, which may wait
-    # out the coordinator's restart: not the transfer's doing), plus 2 s
+    # the donor served from a background thread and trained on after it; that it trains *while* it
+    # serves is shown with a transfer of many rounds in process
+    # (test_diloco_sim.py::test_a_donor_trains_its_round_while_a_long_transfer_goes_on): here the
+    # transfer takes milliseconds, and the nodes' pauses around it are the barrier's and the
+    # loaded machine's (a founder that reaches the barrier first waits longest)
     m = re.search(r"\[(node\d)\] served node2: .* \(wall ([\d.]+) -> ([\d.]+)\)", out)
     assert m, out[-3000:]
-    donor, t0, t1 = m.group(1), float(m.group(2)), float(m.group(3))
-
-    def pauses(node):
-        times = sorted(r["time"] for r in run_rows(tmp_path, node)[1])
-        return times, list(zip(times, times[1:]))
-
-    times, gaps = pauses(donor)
-    around = [y - x for x, y in gaps if x <= t1 and y >= t0]  # the pauses the transfer falls in, if any
-    elsewhere = [y - x for x, y in gaps if y < t0 or x > t1]
-    barrier = [y - x for x, y in pauses({"node0": "node1", "node1": "node0"}[donor])[1] if x <= t0 <= y]
-    assert times[-1] > t1 and max(around, default=0.0) <= max(elsewhere + barrier) + 2.0, \
-        (t0, t1, around, max(elsewhere), barrier)
+    donor, t1 = m.group(1), float(m.group(3))
+    assert max(r["time"] for r in run_rows(tmp_path, donor)[1]) > t1
     # every round's data was leased (units of 1 inner step): across the joiner and the coordinator's
     # SIGKILL, each recorded step trained exactly its contributors' units, none twice, nothing out
     assert "data leased from the coordinator in units of 1 inner steps" in out
