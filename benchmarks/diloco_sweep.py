@@ -70,6 +70,10 @@ def main() -> None:
     ap.add_argument("--attack", default=None, help="node1 (and node5, ...: --attackers) sends, from the first "
                     "outer step on: flip (-N x its own), push (7x its norm, one direction), ratchet (1.6^k x), x1000")
     ap.add_argument("--attackers", type=int, default=1)
+    ap.add_argument("--evict", action="store_true",
+                    help="evict each attacker at the barrier after every round it attacked, as the real "
+                         "coordinator does on its owners' signed evidence (rule 11: flip, push, x1000 at "
+                         "boundary 1 in benchmarks/byzantine_sim.py); it registers again, joins, attacks again")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/sweep", help="data cache and run directories")
     a = ap.parse_args()
@@ -151,8 +155,8 @@ def main() -> None:
         dpg = (lambda: DevicePseudoGradient(64, host_quantize)) if device else (lambda: None)
         enc = (lambda: DeviceEncoder(ring.mode, ring.block_size, ring.bucket_numel, ring.piece_numel)) \
             if a.encode_device else (lambda: None)
-        hook, cosines = attacker(a) if a.attack else (None, [])
-        run_local(loop, [Inner(t, dpg(), enc()) for t in trainers], ring, ring_hook=hook)
+        hook, cosines, seen = attacker(a) if a.attack else (None, [], None)
+        run_local(loop, [Inner(t, dpg(), enc()) for t in trainers], ring, ring_hook=hook, on_coordinator=seen)
     vl = val_loss(t0.state.params)
     print(f"final val loss {vl:.4f} ({time.time() - start:.0f} s); {sent} bytes sent per node per outer step "
           f"({numel} values)", flush=True)
@@ -168,8 +172,11 @@ def main() -> None:
 
 def attacker(a: argparse.Namespace) -> tuple:
     """(ring_hook for run_local, the list it fills with each exchange's cosine between the
-    average and the honest contributors' mean): the attackers' communicators corrupt what they
-    send (``testing.sim_world``'s attacks), every exchange's inputs and result are recorded."""
+    average and the honest contributors' mean, run_local's on_coordinator): the attackers'
+    communicators corrupt what they send (``testing.sim_world``'s attacks), every exchange's
+    inputs and result are recorded; with ``--evict`` an attacker is evicted once the call it
+    attacked has returned (the in-process ring produces no evidence; the coordinator's verdict on
+    it is measured in ``benchmarks/byzantine_sim.py``)."""
     import jax
     import numpy as np
 
@@ -181,6 +188,7 @@ def attacker(a: argparse.Namespace) -> tuple:
     kept: list = []  # ... held, so that no id is reused
     rounds: dict[str, int] = {}
     cosines: list[float] = []
+    coord: list = []  # the in-process coordinator, once it runs
     honest_all = LocalGroup.all_reduce_mean_all
 
     def flat(tree) -> np.ndarray:
@@ -206,12 +214,17 @@ def attacker(a: argparse.Namespace) -> tuple:
             tree = attack(tree, a.attack, a.nodes, k) if a.attack in ATTACKS else corrupt(tree, a.attack)
             kept.append(jax.tree.leaves(tree)[0])
             sent.add(id(kept[-1]))
-            return inner(tree, **kw)
+            out = inner(tree, **kw)
+            if a.evict:
+                svc = coord[0].service
+                svc.locked(lambda now: svc.membership.disconnect(name, None, now, f"steered round {k} (emulated)"))
+                print(f"{name} evicted after attacked round {k}", flush=True)
+            return out
 
         comm.all_reduce_mean = attacked
         return comm
 
-    return hook, cosines
+    return hook, cosines, coord.append
 
 
 if __name__ == "__main__":

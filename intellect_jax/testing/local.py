@@ -236,17 +236,21 @@ class _TogetherClient(CoordinatorClient):
 def run_local(loop_cfg: LoopConfig, inners: list[Inner], ring: RingConfig, *,
               coordinator: CoordinatorConfig | None = None, log: Callable[[str], None] | None = None,
               heartbeat_interval: float = 1.0, stores: list[MemoryStore] | None = None,
-              ring_hook: Callable[[str, Any], Any] | None = None) -> list[Outcome]:
+              ring_hook: Callable[[str, Any], Any] | None = None,
+              on_coordinator: Callable[[LocalCoordinator], None] | None = None) -> list[Outcome]:
     """Run every node to the end in threads; returns their outcomes (raises a node's error).
     ``stores``: each node's checkpoint store (default: a fresh :class:`MemoryStore` each);
     ``ring_hook(node, communicator)``: what node ``node`` gets instead of each communicator (an
-    attacker's, in a benchmark). The nodes start together: none goes past its first registration
+    attacker's, in a benchmark); ``on_coordinator``: called with the in-process coordinator once it
+    runs (a benchmark's stand-in for evidence it does not produce). The nodes start together: none goes past its first registration
     before every node has registered (nodes resuming from their ``stores`` are members of a run
     being rebuilt, and the first barrier, join window 0, would close with whichever were there)."""
     stores = stores or [MemoryStore() for _ in inners]
     together = _Together(len(inners))
     coord = LocalCoordinator(coordinator or CoordinatorConfig(min_nodes=len(inners), join_window=0.0,
                                                               outer_steps=loop_cfg.outer_steps))
+    if on_coordinator is not None:
+        on_coordinator(coord)
     rings, transport = LocalRing(ring), LocalTransport()
     outcomes: list[Any] = [None] * len(inners)
 
