@@ -447,7 +447,9 @@ def test_fingerprint_mismatch_refused_run_unaffected(coordinator) -> None:
 
 def test_joiner_admission_serve_and_leave_over_sockets(coordinator) -> None:
     coord = coordinator(min_nodes=2)
-    a, b, j = (_client(coord.address, n, 9000 + i) for i, n in enumerate("abj"))
+    said: list[str] = []  # b's warnings: a leave it could not deliver is one
+    a, b, j = (_client(coord.address, n, 9000 + i, **({"say": said.append} if n == "b" else {}))
+               for i, n in enumerate("abj"))
     try:
         a.register(), b.register()
         with ThreadPoolExecutor(3) as ex:
@@ -468,8 +470,12 @@ def test_joiner_admission_serve_and_leave_over_sockets(coordinator) -> None:
             b.leave()
             eps = [f.result(10) for f in [ex.submit(c.sync, 3) for c in (a, j)]]
             assert eps[0].epoch_id == 3 and eps[0].node_ids == ["a", "j"]
+        # b left gracefully, unless its leave could not be delivered (a loaded machine: the client
+        # then says so and closes its session, which removes it too; seen once in CI as "connection
+        # lost" with no way to tell which came first)
         evictions = coord.status()["evictions"]
-        assert evictions[-1]["reason"] == "left", evictions  # (seen once as "connection lost": show them all)
+        assert evictions[-1]["reason"] == "left" or any("could not tell" in w for w in said), (evictions, said)
+        assert evictions[-1]["node_id"] == "b", evictions
     finally:
         for c in (a, b, j):
             c.close()
