@@ -121,6 +121,12 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     ref = one_history(rows(tmp_path / "runs" / "debug_diloco" / n) for n in ["node0", "node1"])
     steps = one_history(rows(tmp_path / "runs" / "debug_diloco" / n) for n in ["node0", "node1", "node2"])
     assert sorted(steps) == list(range(1, 21))
+    # every node kept the coordinator's signed record of each barrier it passed (coordinator.claims),
+    # beside its checkpoints: the newest is the final step's, with the hash the run recorded
+    for n in ("node0", "node1", "node2"):
+        kept = json.loads((tmp_path / "runs" / "debug_diloco" / n / "records.json").read_text())
+        assert (kept[-1]["outer_step"], kept[-1]["state_hash"]) == (20, steps[20]), (n, kept[-1])
+        assert all(steps.get(r["outer_step"], r["state_hash"]) == r["state_hash"] for r in kept)
     joiner, _ = run_rows(tmp_path, "node2")
     first = joiner[0]["outer_step"]
     assert first >= 2 and joiner[0]["nodes"] == 3

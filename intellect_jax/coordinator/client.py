@@ -31,7 +31,7 @@ from typing import Any, Self
 
 from intellect_jax.coordinator.clock import REAL, Clock
 from intellect_jax.coordinator.protocol import (PROTOCOL, Admission, CoordinatorError, CoordinatorUnavailable,
-                                                DataPlan, Epoch, Evicted, ProtocolError, RegisterReply,
+                                                DataPlan, Epoch, Evicted, ProtocolError, Record, RegisterReply,
                                                 RegistrationRefused, Resume, RunCompleted, StaleSession)
 from intellect_jax.coordinator.schema import (AdmissionOk, EpochOk, LeaseOk, Ok, ReceivedOk, RegisterOk, StatusOk,
                                               ViewOk, parse_reply)
@@ -78,6 +78,7 @@ class CoordinatorClient:
         self._seen_run = False  # this node has seen the run started (so it never founds it)
         self._has_state = False  # a member (holds the run's state)
         self._claim: Resume | None = None  # the state this node holds, claimed on re-registration
+        self._record: Record | None = None  # the newest barrier record the coordinator signed for us (.claims)
         self._reply: RegisterReply | None = None
         self._view: dict[str, Any] = {}
         self._view_seq = 0  # heartbeat replies received
@@ -151,7 +152,13 @@ class CoordinatorClient:
         """This node now holds the state after ``outer_step`` outer steps (claimed if it has to
         register again, e.g. with a restarted coordinator)."""
         with self._lock:
-            self._claim = Resume(outer_step, self._epoch, self._rank, state_hash, self._members)
+            self._claim = Resume(outer_step, self._epoch, self._rank, state_hash, self._members, self._record)
+
+    @property
+    def record(self) -> Record | None:
+        """The newest barrier record the coordinator signed for a state of ours (None: none yet,
+        or a coordinator that signs none)."""
+        return self._record
 
     # ---- requests ------------------------------------------------------------------------
     def register(self, claim: Resume | None = None) -> RegisterReply:
@@ -231,10 +238,14 @@ class CoordinatorClient:
         reply = self._call("sync", {"step": k, "state_hash": state_hash, "retry_of": retry_of, "sits_out": sits_out,
                                     "report": report, "vote": sig}, timeout)
         ep = parse_reply(EpochOk, reply, "sync", self._name).epoch.parsed()
+        r = ep.record
         with self._lock:
             self._epoch, self._rank, self._has_state, self._seen_run = ep.epoch_id, ep.rank, True, True
             self._members = tuple(ep.node_ids)
-            self._claim = Resume(k, ep.epoch_id, ep.rank, state_hash, self._members)
+            if r is not None and (r.outer_step, r.state_hash, r.epoch_id, r.members) == \
+                    (k, state_hash, ep.epoch_id, self._members):
+                self._record = r
+            self._claim = Resume(k, ep.epoch_id, ep.rank, state_hash, self._members, self._record)
         if ep.hash_mismatch:
             log.warning("node %s: state hashes disagree at outer step %d: %s", self.node_id, k,
                         ", ".join(f"{n}={h[:16]}" for n, h in ep.hash_mismatch))

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from intellect_jax.coordinator import admission
+from intellect_jax.coordinator.claims import Notary
 from intellect_jax.coordinator.history import History
 from intellect_jax.coordinator.journal import RunRecord
 from intellect_jax.coordinator.leases import LeaseError, Ledger, Ranges
@@ -49,6 +50,7 @@ class Membership:
         rec.outer_steps = rec.outer_steps or self.config.outer_steps
         self.history = History(rec, self.config, self._event)
         self.police = Police(self.config, self._event)
+        self.notary: Notary | None = None  # signs barrier records and demands them without history (.claims)
         self._sessions = Sessions(max(1024, 4 * self.config.max_handlers))
         self._nodes: dict[str, Node] = {}
         self._last: Barrier | None = None  # None: not started (fresh, restarted, or emptied)
@@ -121,6 +123,12 @@ class Membership:
         rec.outer_steps = rec.outer_steps or outer_steps
         self._first_reg = now if self._first_reg is None else self._first_reg
         role, order, fresh, note = Role.PENDING, (1, 0), False, ""
+        if resume is not None and resume.outer_step > 0 and rec.hwm_step is None and not self.started \
+                and self.notary is not None:
+            why = self.notary.unproven(resume)  # no history here to judge it by: it must show a record
+            if why:  # as good as no claim, and no founder either (it holds state): a joiner
+                note, resume, founder = f"its claim of outer step {resume.outer_step} is not proven ({why}): it joins", \
+                    None, False
         if resume is not None and resume.outer_step == 0 and rec.hwm_step is None and not self._resumed:
             resume = None  # no barrier ever completed: a fresh run, whoever restarted
         if resume is not None and rec.hwm_step is None:
@@ -452,8 +460,11 @@ class Membership:
         if rec.leases is not None:
             d = rec.leases.status()
             data = (d["tokens_trained"], d["tokens_discarded"])
+        recorded = rec.hashes.get(step)
+        signed = None if self.notary is None or recorded is None else \
+            self.notary.sign(step, recorded, epoch_id, [p[0] for p in pairs])
         self._last = Barrier(step, epoch_id, pairs, tuple(n.session for n in members), serve, mismatch, changed,
-                             sitting_out, data)
+                             sitting_out, data, signed)
         for n in members:
             n.outbox = view(self._last, n.node_id)
         if changed:

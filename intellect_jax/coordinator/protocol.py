@@ -17,8 +17,9 @@ from dataclasses import dataclass
 # 16: cclip back to three steps, its norms float32 still, 17: rows outsized against the
 # others', shown by their owners in the report after a butterfly call that succeeded,
 # 18: a gathered codec's pieces are signed to every rank, not to the successor: evidence of 17
-# would not verify)
-PROTOCOL = 18
+# would not verify, 19: barrier replies carry the coordinator's signed record and claims the
+# record that proves them, coordinator.claims)
+PROTOCOL = 19
 
 
 class CoordinatorError(Exception):
@@ -114,16 +115,34 @@ Peer = tuple[str, str]  # (node_id, "host:port")
 
 
 @dataclass(frozen=True)
+class Record:
+    """A barrier's record as the run's coordinator signed it (``net.identity.record``): the hash
+    it recorded for ``outer_step``, the epoch it formed and that epoch's members (ring order);
+    ``signature`` and the coordinator's ``cert`` (DER), both hex. A node keeps the newest with its
+    checkpoints: a coordinator that lost the run's history takes a claim only with one."""
+
+    outer_step: int
+    state_hash: str
+    epoch_id: int
+    members: tuple[str, ...]
+    signature: str
+    cert: str
+
+
+@dataclass(frozen=True)
 class Resume:
     """What a node registering with state claims: the outer step its state is at, that state's
     hash, and (after a coordinator restart) its last epoch, its rank and that epoch's members (a
-    coordinator that lost the run's history waits for most of them before rebuilding the run)."""
+    coordinator that lost the run's history waits for most of them before rebuilding the run);
+    ``record``: the newest barrier record it holds, of its step or the one before
+    (``coordinator.claims``)."""
 
     outer_step: int
     epoch_id: int = 0
     rank: int = 0
     state_hash: str | None = None
     members: tuple[str, ...] = ()
+    record: Record | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +172,7 @@ class Epoch:
     changed: bool = True  # membership differs from the previous epoch (or a retry)
     sitting_out: tuple[str, ...] = ()  # members that contribute zeros to this all-reduce (failed own checks)
     data: tuple[int, int] | None = None  # data leases: the run's tokens trained and discarded so far
+    record: Record | None = None  # this barrier's record, signed by the coordinator (None: it signs none)
 
     @property
     def world_size(self) -> int:

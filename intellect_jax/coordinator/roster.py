@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from intellect_jax.coordinator.protocol import Admission, DataPlan, Epoch, Peer, ProtocolError, Resume, StaleSession
+from intellect_jax.coordinator.protocol import (Admission, DataPlan, Epoch, Peer, ProtocolError, Record, Resume,
+                                                StaleSession)
 from intellect_jax.coordinator.schema import Report
 
 
@@ -71,6 +72,7 @@ class Barrier:
     changed: bool = True
     sitting_out: tuple[str, ...] = ()
     data: tuple[int, int] | None = None  # data leases: tokens trained and discarded when it formed
+    record: Record | None = None  # signed by the coordinator (claims.Notary), when it signs
 
 
 class Sessions:
@@ -140,4 +142,4 @@ def view(b: Barrier, node_id: str) -> Epoch:
     """Barrier ``b`` as member ``node_id`` receives it."""
     rank = [p[0] for p in b.members].index(node_id)
     return Epoch(b.epoch_id, b.step, b.members, rank, b.serve.get(node_id, ()), b.hash_mismatch, b.changed,
-                 b.sitting_out, b.data)
+                 b.sitting_out, b.data, b.record)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from intellect_jax.coordinator.protocol import Admission, Epoch, ProtocolError, RegisterReply
+from intellect_jax.coordinator.protocol import Admission, Epoch, ProtocolError, Record, RegisterReply, Resume
 from intellect_jax.net.audit import MAX_CASE_BYTES, MAX_CASE_RANKS, MAX_PIECES
 from intellect_jax.net.evidence import MAX_EVIDENCE_BYTES
 
@@ -38,6 +38,21 @@ class Msg(BaseModel):
 
 
 # ---- requests ----------------------------------------------------------------------------------
+class RecordMsg(Msg):
+    """A barrier's record signed by the coordinator (:class:`~.protocol.Record`)."""
+
+    outer_step: Count
+    state_hash: Hash
+    epoch_id: Count
+    members: Annotated[list[NodeId], Field(min_length=1, max_length=MAX_NODES)]
+    signature: Signature
+    cert: Annotated[str, Field(pattern=r"^(?:[0-9a-f]{2}){16,8192}$")]  # DER, hex
+
+    def parsed(self) -> Record:
+        return Record(self.outer_step, self.state_hash, self.epoch_id, tuple(self.members), self.signature,
+                      self.cert)
+
+
 class ResumeMsg(Msg):
     """The state a registering node holds (:class:`~.protocol.Resume`)."""
 
@@ -46,6 +61,11 @@ class ResumeMsg(Msg):
     rank: Count = 0
     state_hash: Hash | None = None
     members: NodeIds = []
+    record: RecordMsg | None = None
+
+    def parsed(self) -> Resume:
+        return Resume(self.outer_step, self.epoch_id, self.rank, self.state_hash, tuple(self.members),
+                      None if self.record is None else self.record.parsed())
 
 
 class DataMsg(Msg):
@@ -318,6 +338,7 @@ class EpochMsg(Msg):
     changed: bool = True
     sitting_out: NodeIds = []
     data: Annotated[list[Count], Field(min_length=2, max_length=2)] | None = None  # tokens trained, discarded
+    record: RecordMsg | None = None
 
     @model_validator(mode="after")
     def _rank_in_ring(self) -> EpochMsg:
@@ -331,7 +352,8 @@ class EpochMsg(Msg):
 
         return Epoch(self.epoch_id, self.outer_step, pairs(self.members), self.rank, pairs(self.serve),
                      pairs(self.hash_mismatch), self.changed, tuple(self.sitting_out),
-                     None if self.data is None else (self.data[0], self.data[1]))
+                     None if self.data is None else (self.data[0], self.data[1]),
+                     None if self.record is None else self.record.parsed())
 
 
 class EpochOk(Ok):

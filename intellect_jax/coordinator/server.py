@@ -95,7 +95,8 @@ class Coordinator:
         self.service = CoordinatorService(self.config, run_id=cfg.run_id, check_addr=dialable,
                                           crl=cfg.identity.revocations.current, ca=cfg.identity.ca_der,
                                           revoked=cfg.identity.revocations.revoked,
-                                          journal=Journal(journal) if journal else None)
+                                          journal=Journal(journal) if journal else None,
+                                          sign=cfg.identity.sign, cert=cfg.identity.cert_der)
         self.membership = self.service.membership
         self._lock = threading.Lock()
         self._stop = threading.Event()

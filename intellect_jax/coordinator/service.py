@@ -18,10 +18,11 @@ from dataclasses import asdict
 from typing import Any, TypeVar
 
 from intellect_jax.coordinator.clock import REAL, Clock
+from intellect_jax.coordinator.claims import Notary
 from intellect_jax.coordinator.journal import Journal, RunRecord
 from intellect_jax.coordinator.membership import Membership
 from intellect_jax.coordinator.protocol import (PROTOCOL, CoordinatorConfig, CoordinatorError, DataPlan, ProtocolError,
-                                                RegistrationRefused, Resume)
+                                                RegistrationRefused)
 from intellect_jax.coordinator.schema import (MAX_MESSAGE, Admit, Heartbeat, Lease, Leave, Received, Register, Request,
                                               Status, Sync, parse_request)
 from intellect_jax.net.errors import NetError, PeerClosed, PeerTimeout
@@ -48,7 +49,11 @@ class CoordinatorService:
                  on_event: Callable[[str], None] | None = None,
                  check_addr: Callable[[str], object] | None = None,
                  crl: Callable[[], tuple[int, bytes] | None] | None = None, ca: bytes | None = None,
-                 revoked: Callable[[int], bool] | None = None) -> None:
+                 revoked: Callable[[int], bool] | None = None,
+                 sign: Callable[[bytes], bytes] | None = None, cert: bytes | None = None) -> None:
+        """``sign``, ``cert``: the coordinator's own key and certificate (DER), with which it signs
+        each barrier's record (``claims``; with ``ca``, it then takes no claim without one while it
+        has no history of the run)."""
         self.config = config or CoordinatorConfig()
         self._check_addr = check_addr  # raises ValueError for a ring address nobody could dial
         self._crl = crl  # (identities revoked, PEM) of the run's revocation list in force, handed to members
@@ -57,6 +62,8 @@ class CoordinatorService:
         self.membership = Membership(self.config, instance or os.urandom(4).hex(), record)
         self.membership.police.ca = ca  # accusations must show pieces signed under this authority
         self.membership.police.revoked = revoked  # (serial) -> revoked: a strike's certificate must not be
+        if sign is not None and cert is not None and ca is not None:
+            self.membership.notary = Notary(run_id, sign, cert, ca)
         self._on_event = on_event
         self._cond = clock.Condition()
         self._stopped = False
@@ -248,7 +255,7 @@ class CoordinatorService:
             except ValueError as e:
                 raise ProtocolError(f"malformed 'register' request: addr: {e}", "malformed") from None
         r = msg.resume
-        resume = None if r is None else Resume(r.outer_step, r.epoch_id, r.rank, r.state_hash, tuple(r.members))
+        resume = None if r is None else r.parsed()
         d = msg.data
         data = None if d is None else DataPlan(d.leases, d.rank, d.ranks)
         reply = self.locked(lambda now: self.membership.register(

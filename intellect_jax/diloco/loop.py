@@ -19,6 +19,7 @@ history did not keep.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from pydantic import ValidationError
 
+from intellect_jax.coordinator.claims import best
 from intellect_jax.coordinator.clock import abort_when
-from intellect_jax.coordinator.protocol import Admission, Epoch, Evicted, Resume, RunCompleted
+from intellect_jax.coordinator.protocol import Admission, Epoch, Evicted, Record, Resume, RunCompleted
 from intellect_jax.coordinator.schema import Steering
 from intellect_jax.diloco.device_codec import DeviceContribution
 from intellect_jax.diloco.guard import OwnGuard, check_average, remember
@@ -81,8 +83,13 @@ def _finite(tree: Any) -> bool:
                for x in jax.tree.leaves(tree))
 
 
-def claim_of(s: DilocoState | None) -> Resume | None:
-    return Resume(s.outer_step, state_hash=state_hash(s)) if s is not None else None
+def claim_of(s: DilocoState | None, records: Sequence[Record] = ()) -> Resume | None:
+    """What a node holding ``s`` claims at registration, with the barrier record that proves it,
+    if it kept one (``coordinator.claims``)."""
+    if s is None:
+        return None
+    h = state_hash(s)
+    return Resume(s.outer_step, state_hash=h, record=best(records, s.outer_step, h))
 
 
 def round_report(failed: bool, ids: list[str], suspects: list, steered: list, opening: dict | None) -> dict:
@@ -162,7 +169,7 @@ class NodeLoop:
             held = p.inner.init_state(self.tx)
         try:
             while True:
-                reply = p.client.register(claim_of(held))
+                reply = p.client.register(claim_of(held, p.store.records()))
                 p.log(f"registered as {'member' if reply.member else 'joiner'} at outer step {reply.outer_step}"
                       + (f" ({reply.note})" if reply.note else ""))
                 try:
@@ -193,7 +200,7 @@ class NodeLoop:
                 adm = p.client.wait_admission(requeue=requeue, timeout=left)
             except Evicted as e:  # e.g. stalled past the heartbeat timeout while waiting
                 p.log(f"evicted while waiting for admission ({e}); registering again")
-                reply = p.client.register(claim_of(held))
+                reply = p.client.register(claim_of(held, p.store.records()))
                 if reply.member:  # the coordinator rebuilds the run from states like ours
                     return self._adopt(held)
                 requeue = False
@@ -501,7 +508,11 @@ class NodeLoop:
         return self._opened[1], self._opened[2]
 
     def _confirm(self, k: int, h: str) -> None:
-        """Barrier ``k`` completed with us in it: the run recorded ``h`` for outer step ``k``."""
+        """Barrier ``k`` completed with us in it: the run recorded ``h`` for outer step ``k`` (and
+        the record the coordinator signed of it is kept with the checkpoints)."""
+        r = self.p.client.record
+        if r is not None and (r.outer_step, r.state_hash) == (k, h):
+            self.p.store.keep_record(r)
         row = self._pending
         if row is not None and row["outer_step"] == k and row["outer_hash"] == h:
             self.p.inner.record(k * self.cfg.inner_steps, row)

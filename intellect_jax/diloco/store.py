@@ -20,11 +20,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from intellect_jax.coordinator.claims import RecordBook
+from intellect_jax.coordinator.protocol import Record
 from intellect_jax.diloco.state import DilocoState, MomentumState, state_hash, to_host
 from intellect_jax.trainer.checkpoint import Checkpointer, CheckpointError
 from intellect_jax.trainer.loop import Trainer, warn
 
 ITEM = "diloco"
+RECORDS = "records.json"  # in the run directory, beside ckpt/
 FEEDBACK = "feedback"  # the node's error-feedback residual, when it has one (an optional item)
 
 
@@ -36,6 +39,13 @@ class CheckpointStore:
                  meta: dict[str, Any] | None = None, warn: Callable[[str], None] = warn) -> None:
         self.t, self.resume, self.init_from, self.warn = trainer, resume, init_from, warn
         self.meta = meta or {}
+        self.book = RecordBook(trainer.run_dir / RECORDS)  # the coordinator's barrier records (coordinator.claims)
+
+    def records(self) -> list[Record]:
+        return list(self.book.records)
+
+    def keep_record(self, r: Record) -> None:
+        self.book.keep(r)
 
     def _abstract(self, feedback: bool = True) -> dict[str, Any]:
         """Restore targets: placed like the train state, or host numpy for a lead-only
@@ -115,6 +125,13 @@ class MemoryStore:
     def __init__(self, initial: DilocoState | None = None) -> None:
         self.states: dict[int, DilocoState] = {}
         self.initial = initial
+        self.book = RecordBook()
+
+    def records(self) -> list[Record]:
+        return list(self.book.records)
+
+    def keep_record(self, r: Record) -> None:
+        self.book.keep(r)
 
     def latest(self) -> DilocoState | None:
         return self.initial

@@ -25,6 +25,7 @@ import os
 import re
 import ssl
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -310,6 +311,14 @@ def peer_identity(sock: ssl.SSLSocket) -> tuple[str, int, bytes]:
 def vote(run_id: str, outer_step: int, state_hash: str) -> bytes:
     """What a node signs when it states its state's hash at a barrier."""
     return f"intellect_jax vote\nrun {run_id}\nouter step {outer_step}\nstate {state_hash}".encode()
+
+
+def record(run_id: str, outer_step: int, state_hash: str, epoch_id: int, members: Sequence[str]) -> bytes:
+    """What the run's coordinator signs when a barrier records ``state_hash`` for ``outer_step``
+    and forms epoch ``epoch_id`` of ``members`` (ring order): a node's proof that its state is
+    the run's, for a coordinator that lost the run's history (``coordinator.claims``)."""
+    return (f"intellect_jax record\nrun {run_id}\nouter step {outer_step}\nstate {state_hash}\nepoch {epoch_id}\n"
+            f"members {','.join(members)}").encode()
 
 
 def vouched(ca_der: bytes, cert_hex: str, name: str, data: bytes, signature_hex: str) -> bool:
