@@ -8,7 +8,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from intellect_jax.coordinator.claims import KEEP, Notary, RecordBook, best
+from intellect_jax.coordinator.claims import KEEP, Notary, RecordBook, best, proven
 from intellect_jax.coordinator.protocol import Resume
 from intellect_jax.net.identity import COORDINATOR
 from intellect_jax.testing.identities import credentials
@@ -28,7 +28,8 @@ def test_a_claim_is_proven_by_the_record_of_its_step_or_the_step_before() -> Non
     r = n.sign(7, "h7", 4, ["a", "b", "c"])
     ok = [Resume(7, state_hash="h7", record=r), Resume(7, 4, 1, "h7", ("a", "b", "c"), r),
           Resume(8, 4, 1, "h8-any", ("a", "b", "c"), r)]  # (the step after: its hash is the quorum's to settle)
-    assert [n.unproven(c) for c in ok] == ["", "", ""]
+    assert [n.unproven(c, "b") for c in ok] == ["", "", ""]
+    assert proven(ok[0], "b") == Resume(7, 4, 1, "h7", ("a", "b", "c"), r)  # the record's epoch, members, rank
     bad = {
         "no record": Resume(7, state_hash="h7"),
         "another hash": Resume(7, state_hash="h7x", record=r),
@@ -42,8 +43,12 @@ def test_a_claim_is_proven_by_the_record_of_its_step_or_the_step_before() -> Non
         "its members altered": Resume(7, 4, 0, "h7", ("a",), replace(r, members=("a",))),
         "a bad signature": Resume(7, state_hash="h7", record=replace(r, signature="00" * 70)),
         "no certificate": Resume(7, state_hash="h7", record=replace(r, cert="zz")),
+        "a huge epoch and no members": Resume(8, 2**53, 0, "h8", (), r),
     }
-    why = {k: n.unproven(c) for k, c in bad.items()}
+    why = {k: n.unproven(c, "a") for k, c in bad.items()}
+    why["not a member of its epoch"] = n.unproven(Resume(7, state_hash="h7", record=r), "m")
+    revoking = Notary(RUN, n._sign, n.cert, n.ca, revoked=lambda serial: True)
+    why["a revoked coordinator's"] = revoking.unproven(Resume(7, state_hash="h7", record=r), "a")
     assert all(why.values()), why
     assert "not of its state of step 9" in why["two steps on"] and "epoch 9" in why["an epoch of its own"]
     assert why["signed by a member"] == "its record does not carry the signature of a coordinator of this run"
@@ -69,6 +74,8 @@ def test_a_record_book_survives_a_restart_keeps_the_newest_and_forgets_a_rolled_
     assert [r.outer_step for r in RecordBook(path).records] == list(range(5, 11))
     path.write_text("{not json")
     assert RecordBook(path).records == []  # unreadable: a record only ever helps, so start afresh
+    path.write_text(json.dumps([{**json.loads(json.dumps(again.records[0].__dict__)), "outer_step": "5"}]))
+    assert RecordBook(path).records == []  # a value of another type: parsed like a peer's message
     assert not list(tmp_path.glob("*.tmp*"))
 
 
@@ -91,7 +98,7 @@ def test_without_history_a_signing_coordinator_takes_only_proven_claims() -> Non
                                                                                members=("m2",), state_hash="h40")))
     assert not forged.member and "signature of a coordinator" in forged.note
     assert r.reg("a", resume=Resume(12, 9, 0, "h12", ("a", "b"), old)).member
-    assert r.reg("b", resume=Resume(12, 9, 1, "h12", ("a", "b"), old)).member
+    assert r.reg("b", resume=Resume(12, 0, 0, "h12", (), old)).member  # (a restarted process names no epoch)
     r.arrive("a", 12, "h12"), r.arrive("b", 12, "h12")
     r.tick(2.0)  # (past the join window)
     eps = {n: r.result(n) for n in ("a", "b")}
@@ -110,7 +117,7 @@ def test_with_history_no_record_is_asked_for() -> None:
     assert {e.epoch_id for e in eps.values()} == {1} and r.m.record.hwm_step == 0
     rec = eps["a"].record
     assert rec is not None and (rec.outer_step, rec.state_hash, rec.members) == (0, "h0", ("a", "b"))
-    assert r.m.notary.unproven(Resume(0, 1, 0, "h0", ("a", "b"), rec)) == ""  # type: ignore[union-attr]
+    assert r.m.notary.unproven(Resume(0, 1, 0, "h0", ("a", "b"), rec), "a") == ""  # type: ignore[union-attr]
 
 
 def test_over_sockets_members_keep_records_and_a_coordinator_without_history_takes_only_theirs(coordinator) -> None:
@@ -157,3 +164,17 @@ def test_a_record_book_file_is_json_of_the_records(tmp_path) -> None:
     raw = json.loads((tmp_path / "r.json").read_text())
     assert raw == [{"outer_step": 3, "state_hash": "h3", "epoch_id": 2, "members": ["a", "b"],
                     "signature": r.signature, "cert": r.cert}]
+
+
+def test_a_resumed_client_keeps_its_record_in_the_claims_that_follow(coordinator) -> None:
+    """A node restarted from its checkpoint registers with the record that proves it; the
+    claims its client makes afterwards (hold, re-registration with a lost coordinator) keep it."""
+    coord = coordinator(min_nodes=1)
+    rec = _notary().sign(4, "h4", 3, ["a"])
+    a = _client(coord.address, "a", 9300)
+    try:
+        a.register(Resume(4, state_hash="h4", record=rec))
+        a.hold(5, "h5")
+        assert a._claim.record == rec and a.record == rec  # (step 5: proven by the record of 4)
+    finally:
+        a.close()

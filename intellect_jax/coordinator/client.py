@@ -181,6 +181,8 @@ class CoordinatorClient:
                     return self._reply
                 self._fatal, self._has_state = None, False
                 self._claim = claim if claim is not None else self._claim
+                if claim is not None and claim.record is not None:  # (kept in the claims that follow: hold)
+                    self._record = claim.record
             try:
                 return self._register_waiting()
             except CoordinatorError as e:  # no session follows (complete, refused, unreachable): say so

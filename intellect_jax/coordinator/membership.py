@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from intellect_jax.coordinator import admission
-from intellect_jax.coordinator.claims import Notary
+from intellect_jax.coordinator.claims import Notary, proven
 from intellect_jax.coordinator.history import History
 from intellect_jax.coordinator.journal import RunRecord
 from intellect_jax.coordinator.leases import LeaseError, Ledger, Ranges
@@ -125,10 +125,12 @@ class Membership:
         role, order, fresh, note = Role.PENDING, (1, 0), False, ""
         if resume is not None and resume.outer_step > 0 and rec.hwm_step is None and not self.started \
                 and self.notary is not None:
-            why = self.notary.unproven(resume)  # no history here to judge it by: it must show a record
+            why = self.notary.unproven(resume, node_id)  # no history here to judge it by: it must show a record
             if why:  # as good as no claim, and no founder either (it holds state): a joiner
                 note, resume, founder = f"its claim of outer step {resume.outer_step} is not proven ({why}): it joins", \
                     None, False
+            else:
+                resume = proven(resume, node_id)
         if resume is not None and resume.outer_step == 0 and rec.hwm_step is None and not self._resumed:
             resume = None  # no barrier ever completed: a fresh run, whoever restarted
         if resume is not None and rec.hwm_step is None:

@@ -63,7 +63,7 @@ class CoordinatorService:
         self.membership.police.ca = ca  # accusations must show pieces signed under this authority
         self.membership.police.revoked = revoked  # (serial) -> revoked: a strike's certificate must not be
         if sign is not None and cert is not None and ca is not None:
-            self.membership.notary = Notary(run_id, sign, cert, ca)
+            self.membership.notary = Notary(run_id, sign, cert, ca, revoked)
         self._on_event = on_event
         self._cond = clock.Condition()
         self._stopped = False

@@ -512,7 +512,10 @@ class NodeLoop:
         the record the coordinator signed of it is kept with the checkpoints)."""
         r = self.p.client.record
         if r is not None and (r.outer_step, r.state_hash) == (k, h):
-            self.p.store.keep_record(r)
+            try:
+                self.p.store.keep_record(r)
+            except OSError as e:  # (a full disk: the record only helps a coordinator that lost its journal)
+                self.p.log(f"WARNING could not keep the coordinator's record of outer step {k}: {e}")
         row = self._pending
         if row is not None and row["outer_step"] == k and row["outer_hash"] == h:
             self.p.inner.record(k * self.cfg.inner_steps, row)
