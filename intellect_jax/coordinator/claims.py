@@ -30,7 +30,7 @@ from pathlib import Path
 from intellect_jax.coordinator.protocol import Record, Resume
 from intellect_jax.coordinator.schema import RecordMsg
 from intellect_jax.files import atomic_write
-from intellect_jax.net.identity import COORDINATOR, issued, record, verify
+from intellect_jax.net.identity import COORDINATOR, record, vouched
 
 KEEP = 128  # records a node keeps (its newest checkpoint may be older than its newest record)
 
@@ -62,10 +62,8 @@ class Notary:
                     f"step {claim.outer_step} (hash {str(claim.state_hash)[:16]}) or the step before")
         if (claim.epoch_id or claim.members) and (claim.epoch_id, tuple(claim.members)) != (r.epoch_id, r.members):
             return f"it claims epoch {claim.epoch_id} of [{', '.join(claim.members)}], its record epoch {r.epoch_id}"
-        serial = issued(self.ca, _unhex(r.cert), COORDINATOR)
-        if serial is None or self.revoked is not None and self.revoked(serial) or not verify(
-                _unhex(r.cert), record(self.run_id, r.outer_step, r.state_hash, r.epoch_id, r.members),
-                _unhex(r.signature)):
+        if not vouched(self.ca, r.cert, COORDINATOR, record(self.run_id, r.outer_step, r.state_hash, r.epoch_id,
+                                                            r.members), r.signature, self.revoked):
             return "its record does not carry the signature of a coordinator of this run"
         return ""
 
@@ -77,13 +75,6 @@ def proven(claim: Resume, node_id: str) -> Resume:
     r = claim.record
     assert r is not None
     return replace(claim, epoch_id=r.epoch_id, members=r.members, rank=r.members.index(node_id))
-
-
-def _unhex(s: str) -> bytes:
-    try:
-        return bytes.fromhex(s)
-    except ValueError:
-        return b""
 
 
 def best(records: Sequence[Record], outer_step: int, state_hash: str | None) -> Record | None:

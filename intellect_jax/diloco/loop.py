@@ -169,7 +169,7 @@ class NodeLoop:
             held = p.inner.init_state(self.tx)
         try:
             while True:
-                reply = p.client.register(claim_of(held, p.store.records()))
+                reply = p.client.register(claim_of(held, p.store.book.records))
                 p.log(f"registered as {'member' if reply.member else 'joiner'} at outer step {reply.outer_step}"
                       + (f" ({reply.note})" if reply.note else ""))
                 try:
@@ -200,7 +200,7 @@ class NodeLoop:
                 adm = p.client.wait_admission(requeue=requeue, timeout=left)
             except Evicted as e:  # e.g. stalled past the heartbeat timeout while waiting
                 p.log(f"evicted while waiting for admission ({e}); registering again")
-                reply = p.client.register(claim_of(held, p.store.records()))
+                reply = p.client.register(claim_of(held, p.store.book.records))
                 if reply.member:  # the coordinator rebuilds the run from states like ours
                     return self._adopt(held)
                 requeue = False
@@ -513,7 +513,7 @@ class NodeLoop:
         r = self.p.client.record
         if r is not None and (r.outer_step, r.state_hash) == (k, h):
             try:
-                self.p.store.keep_record(r)
+                self.p.store.book.keep(r)
             except OSError as e:  # (a full disk: the record only helps a coordinator that lost its journal)
                 self.p.log(f"WARNING could not keep the coordinator's record of outer step {k}: {e}")
         row = self._pending

@@ -12,7 +12,8 @@ from typing import Any, Protocol
 
 from intellect_jax.coordinator.client import CoordinatorClient
 from intellect_jax.coordinator.clock import REAL, Clock
-from intellect_jax.coordinator.protocol import Admission, Epoch, Record
+from intellect_jax.coordinator.claims import RecordBook
+from intellect_jax.coordinator.protocol import Admission, Epoch
 from intellect_jax.diloco.guard import GuardConfig
 from intellect_jax.diloco.state import DilocoState
 from intellect_jax.net.comm import Communicator
@@ -90,9 +91,7 @@ class Store(Protocol):
 
     def load(self, inner_step: int) -> DilocoState: ...
 
-    def records(self) -> list[Record]: ...  # the barrier records kept (coordinator.claims), oldest first
-
-    def keep_record(self, r: Record) -> None: ...  # kept with the checkpoints: a lost coordinator asks for it
+    book: RecordBook  # the coordinator's barrier records, kept with the checkpoints (coordinator.claims)
 
 
 class Outcome(str, enum.Enum):

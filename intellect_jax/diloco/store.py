@@ -21,7 +21,6 @@ import jax
 import numpy as np
 
 from intellect_jax.coordinator.claims import RecordBook
-from intellect_jax.coordinator.protocol import Record
 from intellect_jax.diloco.state import DilocoState, MomentumState, state_hash, to_host
 from intellect_jax.trainer.checkpoint import Checkpointer, CheckpointError
 from intellect_jax.trainer.loop import Trainer, warn
@@ -40,12 +39,6 @@ class CheckpointStore:
         self.t, self.resume, self.init_from, self.warn = trainer, resume, init_from, warn
         self.meta = meta or {}
         self.book = RecordBook(trainer.run_dir / RECORDS)  # the coordinator's barrier records (coordinator.claims)
-
-    def records(self) -> list[Record]:
-        return list(self.book.records)
-
-    def keep_record(self, r: Record) -> None:
-        self.book.keep(r)
 
     def _abstract(self, feedback: bool = True) -> dict[str, Any]:
         """Restore targets: placed like the train state, or host numpy for a lead-only
@@ -126,12 +119,6 @@ class MemoryStore:
         self.states: dict[int, DilocoState] = {}
         self.initial = initial
         self.book = RecordBook()
-
-    def records(self) -> list[Record]:
-        return list(self.book.records)
-
-    def keep_record(self, r: Record) -> None:
-        self.book.keep(r)
 
     def latest(self) -> DilocoState | None:
         return self.initial

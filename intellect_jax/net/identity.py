@@ -25,7 +25,7 @@ import os
 import re
 import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -321,14 +321,17 @@ def record(run_id: str, outer_step: int, state_hash: str, epoch_id: int, members
             f"members {','.join(members)}").encode()
 
 
-def vouched(ca_der: bytes, cert_hex: str, name: str, data: bytes, signature_hex: str) -> bool:
+def vouched(ca_der: bytes, cert_hex: str, name: str, data: bytes, signature_hex: str,
+            revoked: Callable[[int], bool] | None = None) -> bool:
     """Whether ``signature_hex`` over ``data`` is by a certificate (``cert_hex``) that the
-    authority ``ca_der`` issued to ``name`` (a record checked after the fact, e.g. the journal)."""
+    authority ``ca_der`` issued to ``name`` and, if ``revoked`` (of its serial) is given, did not
+    revoke (a record checked after the fact, e.g. the journal)."""
     try:
         cert, sig = bytes.fromhex(cert_hex), bytes.fromhex(signature_hex)
     except (ValueError, TypeError):
         return False
-    return issued(ca_der, cert, name) is not None and verify(cert, data, sig)
+    serial = issued(ca_der, cert, name)
+    return serial is not None and not (revoked is not None and revoked(serial)) and verify(cert, data, sig)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -242,9 +242,10 @@ def run_local(loop_cfg: LoopConfig, inners: list[Inner], ring: RingConfig, *,
     ``stores``: each node's checkpoint store (default: a fresh :class:`MemoryStore` each);
     ``ring_hook(node, communicator)``: what node ``node`` gets instead of each communicator (an
     attacker's, in a benchmark); ``on_coordinator``: called with the in-process coordinator once it
-    runs (a benchmark's stand-in for evidence it does not produce). The nodes start together: none goes past its first registration
-    before every node has registered (nodes resuming from their ``stores`` are members of a run
-    being rebuilt, and the first barrier, join window 0, would close with whichever were there)."""
+    runs (a benchmark's stand-in for evidence it does not produce). The nodes start together:
+    none goes past its first registration before every node has registered (nodes resuming from
+    their ``stores`` are members of a run being rebuilt, and the first barrier, join window 0,
+    would close with whichever were there)."""
     stores = stores or [MemoryStore() for _ in inners]
     together = _Together(len(inners))
     coord = LocalCoordinator(coordinator or CoordinatorConfig(min_nodes=len(inners), join_window=0.0,

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from intellect_jax.coordinator.claims import RecordBook
-from intellect_jax.coordinator.protocol import Admission, Epoch, Record
+from intellect_jax.coordinator.protocol import Admission, Epoch
 from intellect_jax.diloco.parts import TransferFailed
 from intellect_jax.diloco.state import DilocoState, state_hash
 from intellect_jax.net.comm import CommStats, bucket_call
@@ -452,12 +452,6 @@ class _Disk:
     def __init__(self, sim: World, proc: Proc, held: DilocoState | None) -> None:
         self.sim, self.proc, self.held = sim, proc, held
         self.book = RecordBook()  # (the simulation's coordinator signs no records: it stays empty)
-
-    def records(self) -> list[Record]:
-        return list(self.book.records)
-
-    def keep_record(self, r: Record) -> None:
-        self.book.keep(r)
 
     def latest(self) -> DilocoState | None:
         return self.held
