@@ -1,7 +1,8 @@
 """Benchmark the ring all-reduce against torch.distributed gloo on the same links.
 
     python benchmarks/net_bench.py --nodes 4 --numel 25000000 --mode int8 \
-        [--repeats 5] [--shape-mbit 500] [--streams 1] [--block 64] [--no-gloo] [--butterfly cclip] [--unaudited]
+        [--repeats 5] [--shape-mbit 500] [--streams 1] [--block 64] [--no-gloo] [--butterfly cclip] [--unaudited] \
+        [--buckets 1]
 
 Spawns N node processes (each in its own network namespace with tbf-shaped links when
 ``--shape-mbit`` is given; root only). Every node times this layer's all-reduce and,
@@ -14,6 +15,9 @@ With ``--butterfly AGG`` every node also times the butterfly exchange (``net.but
 owners aggregating with AGG: mean, clip, trim<k>, cclip) on the same data, alternating with the
 ring, and the report gives its time over the ring's; ``--unaudited`` times it a third way,
 without the audits of its owners (``net.audit``), for the audits' own cost side by side.
+``--buckets K`` cuts the vector into K leaves reduced as K buckets (``bucket_numel``), as a
+model above 2^26 values is (the butterfly then sends every bucket's pieces before any
+aggregate); gloo still reduces one flat tensor.
 The workers' certificates come from a throwaway run authority made here (the test one).
 """
 
@@ -60,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-gloo", action="store_true", help="skip the torch.distributed gloo baseline")
     p.add_argument("--butterfly", metavar="AGG", default=None,
                    help="also time the butterfly exchange, its owners aggregating with AGG (mean, clip, trim<k>, cclip)")
+    p.add_argument("--buckets", type=int, default=1, help="leaves (and buckets) the vector is cut into")
     p.add_argument("--unaudited", action="store_true",
                    help="with --butterfly, also time it without the audits of its owners (net.audit), side by side")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before workers are killed")
@@ -89,6 +94,9 @@ def _worker(a: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
     members = [(f"bench{r}", p) for r, p in enumerate(peers)]
     x = _data(a.rank, a.numel)
     y = np.empty_like(x)
+    bucket = -(-a.numel // a.buckets)
+    xt = {f"{i:04d}": x[i * bucket:(i + 1) * bucket] for i in range(a.buckets)}  # (views: no copy)
+    yt = {f"{i:04d}": y[i * bucket:(i + 1) * bucket] for i in range(a.buckets)}
     gloo = None
     if a.gloo_port:
         import torch
@@ -102,26 +110,27 @@ def _worker(a: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
                            "butterfly": {"times": [], "cpu": []}, "unaudited": {"times": [], "cpu": []}}
     with NetNode(cfg, host, int(port)) as node:
         ring = node.ring(members, a.rank, epoch=0, config=RingConfig(
-            mode=a.mode, block_size=a.block, streams=a.streams, piece_numel=a.piece, deadline=a.timeout))
+            mode=a.mode, block_size=a.block, streams=a.streams, piece_numel=a.piece, deadline=a.timeout,
+            bucket_numel=bucket))
         barrier = node.ring(members, a.rank, epoch=1, config=RingConfig(mode="fp32", deadline=a.timeout))
         fly = None if a.butterfly is None else node.ring(members, a.rank, epoch=2, config=RingConfig(
             mode=a.mode, block_size=a.block, piece_numel=a.piece, deadline=a.timeout, exchange="butterfly",
-            robust=a.butterfly))
+            robust=a.butterfly, bucket_numel=bucket))
         bare = None if a.butterfly is None or not a.unaudited else node.ring(members, a.rank, epoch=3, config=RingConfig(
             mode=a.mode, block_size=a.block, piece_numel=a.piece, deadline=a.timeout, exchange="butterfly",
-            robust=a.butterfly, audit=False))
+            robust=a.butterfly, audit=False, bucket_numel=bucket))
         one = np.zeros(1, np.float32)
-        ring.all_reduce_mean(x, out=y)  # warm-up (connects, fills buffer pools)
+        ring.all_reduce_mean(xt, out=yt)  # warm-up (connects, fills buffer pools)
         for c in (fly, bare):
             if c is not None:
-                c.all_reduce_mean(x, out=y)
+                c.all_reduce_mean(xt, out=yt)
         for _ in range(a.repeats):
             for name, c in (("ring", ring), ("butterfly", fly), ("unaudited", bare)):  # one after another
                 if c is None:
                     continue
                 barrier.all_reduce_mean(one)
                 t0, c0 = time.perf_counter(), time.process_time()
-                c.all_reduce_mean(x, out=y)
+                c.all_reduce_mean(xt, out=yt)
                 out[name]["times"].append(time.perf_counter() - t0)
                 out[name]["cpu"].append(time.process_time() - c0)
             if gloo is not None:
@@ -196,7 +205,7 @@ def _launch(a: argparse.Namespace, net: netns.ShapedNet | None, gloo: bool) -> l
 def _passthrough(a: argparse.Namespace) -> list[str]:
     return ["--nodes", str(a.nodes), "--numel", str(a.numel), "--mode", a.mode, "--repeats", str(a.repeats),
             "--streams", str(a.streams), "--block", str(a.block), "--piece", str(a.piece),
-            "--integrity", a.integrity, "--timeout", str(a.timeout)] + \
+            "--integrity", a.integrity, "--timeout", str(a.timeout), "--buckets", str(a.buckets)] + \
         ([] if a.butterfly is None else ["--butterfly", a.butterfly]) + (["--unaudited"] if a.unaudited else [])
 
 
@@ -239,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         credentials(f"bench{r}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally below
     net = netns.ShapedNet(a.nodes, a.shape_mbit) if a.shape_mbit else None
-    report: dict[str, Any] = {"nodes": a.nodes, "numel": a.numel, "mode": a.mode, "block": a.block,
+    report: dict[str, Any] = {"nodes": a.nodes, "numel": a.numel, "mode": a.mode, "block": a.block, "buckets": a.buckets,
                               "streams": a.streams, "piece": a.piece, "integrity": a.integrity,
                               "shape_mbit": a.shape_mbit, "repeats": a.repeats, "butterfly_agg": a.butterfly,
                               "loadavg_before": round(os.getloadavg()[0], 2)}

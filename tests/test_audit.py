@@ -275,16 +275,16 @@ def test_judge_an_honest_case_and_each_kind_of_fault() -> None:
 
 def _wrap_link(monkeypatch: pytest.MonkeyPatch, world: int, bad: int, victim: int, wrap: Any) -> None:
     """Rank ``bad``'s link to ``victim`` becomes ``wrap(connection, run)`` in every call."""
-    run = butterfly._ButterflyRun.run
+    run = butterfly._Mesh.run
 
     def wrapped(self: Any) -> Any:
         if self.rank == bad:
             k = (victim - bad - 1) % world
             self.links = dataclasses.replace(self.links, out=list(self.links.out))
-            self.links.out[k] = wrap(self.links.out[k], self)
+            self.links.out[k] = wrap(self.links.out[k], self.buckets[0])
         return run(self)
 
-    monkeypatch.setattr(butterfly._ButterflyRun, "run", wrapped)
+    monkeypatch.setattr(butterfly._Mesh, "run", wrapped)
 
 
 class _Equivocating:

@@ -63,10 +63,12 @@ def test_a_late_nan_in_a_real_run_is_evicted_on_its_signed_piece(monkeypatch: py
     _check(r, "n2", "poisoned contributions")
 
 
+@pytest.mark.parametrize("later", [False, True], ids=["every-bucket", "second-bucket-only"])
 def test_a_member_that_withholds_its_pieces_in_a_real_run_is_evicted_and_the_others_finish(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """n3 comes to the first all-reduces, heartbeats and all, but sends none of its pieces: each
-    call fails at its deadline, the three others name n3 in their retry reports, and the
+        monkeypatch: pytest.MonkeyPatch, later: bool) -> None:
+    """n3 comes to the first all-reduces, heartbeats and all, but sends none of its pieces (or,
+    with two buckets, none of the second's: the model's 4096-value leaf, after the 8-value one):
+    each call fails at its deadline, the three others name n3 in their retry reports, and the
     coordinator evicts it at the second failed call (rejoining, it behaves)."""
     from intellect_jax.net import butterfly
 
@@ -74,13 +76,14 @@ def test_a_member_that_withholds_its_pieces_in_a_real_run_is_evicted_and_the_oth
 
     def withhold(self: Any, k: int) -> None:
         ctx = self.ledger.ctx
-        if ctx.ids[self.rank] == "n3" and ctx.step <= 1:
+        if ctx.ids[self.rank] == "n3" and ctx.step <= 1 and (not later or self.x.shape[0] == 4096):
             time.sleep(max(0.0, self.deadline - time.monotonic()))
             return
         honest(self, k)
 
     monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", withhold)
-    r = socket_run(4, "byz-stall", dataclasses.replace(RING, deadline=3.0), outer_steps=STEPS, dim=4096)
+    ring = dataclasses.replace(RING, deadline=3.0, bucket_numel=8 if later else RING.bucket_numel)
+    r = socket_run(4, "byz-stall", ring, outer_steps=STEPS, dim=4096)
     _check(r, "n3", "stalled the all-reduce")
     log = "\n".join(r["events"])
     assert "3 of the 3 others (n0, n1, n2) say n3's own pieces never reached them" in log, log[-2000:]

@@ -107,8 +107,9 @@ def _call(monkeypatch: pytest.MonkeyPatch, first: int, xs: list[Any], **cfg: Any
 
 def test_a_failure_in_one_bucket_gets_nobody_named_for_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two buckets: rank 2 withholds the last 4 bytes of its bucket-0 aggregate from rank 0 only.
-    Rank 0 fails in bucket 0 and never sends its bucket-1 pieces, which the others then lack;
-    only the first bucket's gaps count, so nobody is named (before, all three named rank 0)."""
+    Rank 0 fails in bucket 0's gather, but its bucket-1 pieces went out before any bucket's
+    gather, so nobody lacks them and nobody is named (when each bucket's step 1 followed the
+    bucket before, rank 0 never sent them, and all three named it)."""
     honest = butterfly._ButterflyRun._gather_to
 
     def gather(self: Any, k: int) -> None:
@@ -122,6 +123,28 @@ def test_a_failure_in_one_bucket_gets_nobody_named_for_the_next(monkeypatch: pyt
     a, b = _inputs(4, 5000), _inputs(4, 3000, seed=1)
     missing, errs = _call(monkeypatch, 360, [{"a": a[r], "b": b[r]} for r in range(4)], bucket_numel=5000)
     assert errs[0] is not None and all(m == () for m in missing), (missing, errs)
+
+
+def test_a_member_that_withholds_only_its_second_bucket_is_named_by_every_owner(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two buckets: rank 2 sends all its own pieces of bucket 0 and none of bucket 1. Every
+    bucket's step 1 comes before any bucket's step 3, so the three others name it (before, only
+    the first bucket's gaps counted, since a rank that failed in an earlier bucket's gather never
+    sent its later pieces, and a member withholding in a later bucket stalled every call
+    unnamed), and nobody names anyone else."""
+    honest = butterfly._ButterflyRun._scatter_to
+
+    def scatter(self: Any, k: int) -> None:
+        if self.rank == 2 and self.x.shape[0] == 3000:
+            time.sleep(max(0.0, self.deadline - time.monotonic()))
+            return
+        honest(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
+    a, b = _inputs(4, 5000), _inputs(4, 3000, seed=1)
+    missing, errs = _call(monkeypatch, 350, [{"a": a[r], "b": b[r]} for r in range(4)], bucket_numel=5000)
+    assert all(e is not None for e in errs), errs
+    assert missing == [(2,), (2,), (), (2,)], (missing, errs)
 
 
 def test_a_peer_that_reads_slowly_holds_nobody_s_pieces_back_until_the_deadline(

@@ -28,11 +28,14 @@ ready), and every rank audits one owner's segment (one piece
 drawn at random, recomputed from every member's signed piece of it); a fault fails the call
 everywhere, with the case that names the culprit.
 
-A failure on one link does not cut step 1 short on the others: every link sends and reads its
-own pieces to their end (or the deadline) before it is shut. So when a call fails, the ranks
-whose own pieces never reached an owner (its ``gaps``) are those that withheld them, whatever
-else failed: an honest rank's own pieces depend on nobody else. The coordinator evicts a member
-that most others name so in consecutive calls (``coordinator.policing``).
+A call reduces every bucket of the tree (one flat vector each) over the same links, and each
+link carries every bucket's step 1 before any bucket's step 3 (:class:`_Mesh`): what a rank sends
+in step 1 depends on nobody, so no failure in one bucket's gather keeps an honest rank's pieces
+of a later bucket from their owners. A failure on one link does not cut step 1 short on the
+others either: every link sends and reads its own pieces to their end (or the deadline) before
+it is shut. So when a call fails, the ranks whose own pieces of any bucket never reached an
+owner (its ``gaps``) are those that withheld them, whatever else failed. The coordinator evicts
+a member that most others name so in consecutive calls (``coordinator.policing``).
 
 Each rank sends ``(N - 1)/N`` of its contribution and ``N - 1`` copies of its segment's
 aggregate: ``2 (N - 1)/N`` of the vector, as the ring does, plus one signature frame per piece
@@ -82,19 +85,17 @@ class Outsize:
 
 @dataclass
 class Weighing:
-    """One call's weighing of the senders' rows of our segment, added to by the butterfly of
-    every bucket that succeeds: ``pieces`` weighed, per sender the pieces its row was outsized in
+    """One call's weighing of the senders' rows of our segment, every bucket's, once the call
+    succeeded: ``pieces`` weighed, per sender the pieces its row was outsized in
     (:func:`~.evidence.outsized`), and its first such piece (every row of it signed, each
-    signature checked as it arrived), with the ``call`` (``comm.bucket_call``) it was in (set
-    before each bucket)."""
+    signature checked as it arrived), with the bucket it was in."""
 
-    call: int = 0
     pieces: int = 0
     outsized: dict[int, int] = field(default_factory=dict)
     first: dict[int, tuple[int, Outsize]] = field(default_factory=dict)
 
     def steering(self) -> list[tuple[int, int, Outsize]]:
-        """(sender, call, its first outsized piece) for each sender outsized in most pieces."""
+        """(sender, bucket, its first outsized piece) for each sender outsized in most pieces."""
         return [(i, *self.first[i]) for i, n in sorted(self.outsized.items())
                 if 2 * n > self.pieces and i in self.first]
 
@@ -136,186 +137,56 @@ def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: i
     return out
 
 
-class _ButterflyRun(AuditFrames, Pipeline):
-    """State of one butterfly all-reduce of one flat vector (``links``: the mesh)."""
+class _Mesh(Pipeline):
+    """One butterfly call over the mesh ``links``: what its buckets (:class:`_ButterflyRun`, one
+    per flat vector) share. Its threads carry every bucket's step 1 on each link before any
+    bucket's step 3, so what an honest rank sends in step 1 depends on nobody; the first error,
+    each link's progress and its pacing are the call's, counted over all its buckets."""
 
     name = "butterfly"
 
-    def __init__(self, links: Links, x: np.ndarray, out: np.ndarray, rank: int, world: int, mode: str, block: int,
-                 piece_numel: int, how: str, deadline: float, inspect: Inspect | None, seal: MeshSeal | None,
-                 ws: Workspace, absent: frozenset[int], auditing: Auditing | None = None) -> None:
+    def __init__(self, links: Links, rank: int, world: int, deadline: float) -> None:
         super().__init__(links, deadline)
-        self.ws, self.absent = ws, absent
-        self.x, self.out, self.rank, self.world = x, out, rank, world
-        self.mode, self.block, self.how = mode, block, how
-        self.inspect, self.mseal = inspect, seal
-        self.plan: RingPlan = butterfly_plan(x.shape[0], world, block, piece_numel)
-        self.rows: list[list[np.ndarray | None]] = [[None] * world for _ in range(self.plan.pieces)]
-        self.agg: list[np.ndarray | None] = [None] * self.plan.pieces
-        self.findings: list[tuple[int, Finding]] = []  # (sender rank, its bad piece), first per sender
+        self.rank, self.world = rank, world
+        self.buckets: list[_ButterflyRun] = []
         self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
         self.stuck: list[set[int]] = [set(), set()]  # links left out of the pacing (per step): they did not move
-        self.got = [0] * world  # own pieces of our segment received whole from each rank (step 1)
         self.moved = [time.monotonic()] * (world - 1)  # when step 1 last moved on each link (see _after_step1)
         self.unpaced = (time.monotonic() + deadline) / 2  # from then on step 1 goes unpaced (see _pace)
         self.over = [[False] * (world - 1), [False] * (world - 1)]  # step 1 over on each out and inn link
-        # signed calls: each sender's own piece as it came with its signature, until aggregated (_weigh)
-        self.wires: list[list[tuple[np.ndarray, bytes] | None]] = [[None] * world for _ in range(self.plan.pieces)]
-        self.norms = [[0.0] * world for _ in range(self.plan.pieces)]  # of the rows kept in wires (row_norm)
-        self.weighed = 0  # pieces of our segment weighed (_weigh)
-        self.outsize: dict[int, list] = {}  # sender -> [pieces its row was outsized in, the first one's Outsize]
-        self.wide = [np.empty(0, np.float64) for _ in range(world - 1)]  # each link's row_norm scratch
-        if auditing is not None and seal is None:
-            raise ValueError("auditing owners needs signed pieces (a seal)")
-        self.ledger = None if auditing is None else Ledger(auditing, rank, x.shape[0], piece_numel, mode, block, how,
-                                                           absent)
-        self.verdict: tuple[int, str, Case] | None = None  # (guilty rank, why, the case) from our audit
-        self.judging, self.judged = threading.Lock(), None  # (judged: our audit's Judgement)
-        self.audit_sent = {}
 
-    def _wire(self, n: int) -> np.ndarray:
-        """A pooled buffer for ``n`` values on the wire (give it back with ``ws.release``)."""
-        return self.ws.get(quant.encoded_nbytes(n, self.mode, self.block))
-
-    def _row(self, n: int) -> np.ndarray:
-        """A pooled float32 row of ``n`` values (its buffer goes back with ``ws.release(row.base)``)."""
-        return self.ws.get(4 * n).view(np.float32)
-
-    def _encode(self, seg: int, j: int) -> np.ndarray:
-        """Our own piece ``j`` of segment ``seg`` on the wire, in a pooled buffer."""
-        a, b = self.plan.piece(seg, j)
-        buf = self._wire(b - a)
-        if self.mode == "fp32":
-            np.copyto(buf.view(np.float32), self.x[a:b])
-            return buf
-        return quant.encode(self.x[a:b], self.mode, self.block, buf)
-
-    def _weigh(self, j: int) -> None:
-        """Count the senders whose row of piece ``j`` is outsized against the others we may show
-        (:func:`~.evidence.outsized`: not ours, none of a sitter's), keeping each one's first such
-        piece as signed evidence (:class:`Outsize`); then the pieces go back to the pool."""
-        with self.cond:
-            wires, self.wires[j] = self.wires[j], [None] * self.world
-        try:
-            a, b = self.plan.piece(self.rank, j)
-            if b <= a:
-                return
-            self.weighed += 1
-            shown = [i for i, w in enumerate(wires) if w is not None]
-            norms = {i: self.norms[j][i] for i in shown}
-            for i in shown:
-                ratio = outsized(norms, i, self.world)
-                if ratio is None or not ratio > OUTSIZE:
-                    continue
-                seen = self.outsize.setdefault(i, [0, None])
-                seen[0] += 1
-                if seen[1] is None:  # (every row kept was checked as it arrived: _scatter_from)
-                    seen[1] = Outsize(j, b - a, ratio, tuple(None if w is None else w[0].tobytes() for w in wires),
-                                      tuple(None if w is None else w[1] for w in wires))
-        finally:
-            for w in wires:
-                if w is not None:
-                    self.ws.release(w[0])
-
-    def weigh_into(self, w: Weighing) -> None:
-        """Add this bucket's weighing to the call's."""
-        w.pieces += self.weighed
-        for i, (n, ev) in self.outsize.items():
-            w.outsized[i] = w.outsized.get(i, 0) + n
-            if ev is not None and i not in w.first:
-                w.first[i] = (w.call, ev)
-
-    def _release_rows(self, rows: list[np.ndarray | None]) -> None:
-        for r in rows:
-            if r is not None:
-                self.ws.release(r.base)
-
-    # -- threads -----------------------------------------------------------------------
     def encoder(self) -> None:
-        """The owner: aggregate each piece of our segment once every member's row is in (then,
-        when auditing, commit to them all)."""
-        me, P, led = self.rank, self.plan.pieces, self.ledger
-        for j in range(P):
-            a, b = self.plan.piece(me, j)
-            own = self._encode(me, j)  # our own row as every other member's: through the codec
-            row = self._row(b - a)
-            quant.decode(own, b - a, self.mode, self.block, out=row)
-            if led is not None:
-                led.own(j, own)
-            self.ws.release(own)
-            with self.cond:
-                self.rows[j][me] = row
-            if not self.wait_for(lambda: all(r is not None for r in self.rows[j]), f"the rows of piece {j}"):
+        """Every bucket's owner in turn (:meth:`_ButterflyRun.encoder`)."""
+        for b in self.buckets:
+            b.encoder()
+            if self.error is not None:
                 return
-            rows = self.rows[j]
-            wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a), self.absent,
-                                   self.ws.scratch)
-            quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
-            self._weigh(j)
-            if led is not None:
-                led.aggregated(j, wire)
-            with self.cond:
-                self.agg[j] = wire
-                self.rows[j] = [None] * self.world
-                self.cond.notify_all()
-            self._release_rows(rows)
-        if led is not None:
-            led.seal()
-            with self.cond:
-                self.cond.notify_all()
 
     def sender(self, k: int) -> None:
-        """To the owner of segment ``o``: our own pieces of it, signed; then our aggregates, and
-        when auditing, between them, our audit frames (:mod:`.audit_frames`: commitment, nonce,
-        row lists, challenge, answer, echo; the last piece's tail waits for our own audit:
-        without it nobody completes)."""
-        self._link(0, k, self._scatter_to, self._gather_to)
+        """To the owner of segment ``o``: our own pieces of it in every bucket, signed; then each
+        bucket's aggregates, and when auditing, between them, its audit frames
+        (:mod:`.audit_frames`: commitment, nonce, row lists, challenge, answer, echo; the last
+        piece's tail waits for our own audit: without it nobody completes)."""
+        self._link(0, k, "_scatter_to", "_gather_to")
 
-    def _link(self, side: int, k: int, step1: Callable[[int], None], step3: Callable[[int], None]) -> None:
-        """Link ``k``'s step 1, to its end whatever fails elsewhere, then its step 3 unless the
-        call failed meanwhile (``side`` 0: our link to its owner, 1: its sender's to us)."""
+    def receiver(self, k: int) -> None:
+        """From rank ``o``: its own pieces of our segment in every bucket; then each bucket's
+        aggregates of segment ``o``, and when auditing, between them, its audit frames."""
+        self._link(1, k, "_scatter_from", "_gather_from")
+
+    def _link(self, side: int, k: int, step1: str, step3: str) -> None:
+        """Link ``k``'s step 1 in every bucket, to its end whatever fails elsewhere, then every
+        bucket's step 3 unless the call failed meanwhile (``side`` 0: our link to its owner, 1:
+        its sender's to us)."""
         try:
-            step1(k)
+            for b in self.buckets:
+                getattr(b, step1)(k)
         finally:
             going = self._over(side, k)
-        if going:
-            step3(k)
-
-    def _scatter_to(self, k: int) -> None:
-        """Step 1 on link ``k``: our own pieces of its owner's segment, each with its signature;
-        on to the end even after the call failed elsewhere (see :meth:`fail`)."""
-        conn, o = self.links.out[k], peer_of(self.rank, self.world, k)
-        for j in range(self.plan.pieces):
-            self._pace(0, k, j)  # (paced while the call stands; after a failure, as fast as the link takes)
-            wire = self._encode(o, j)
-            conn.send(MsgType.DATA, wire, deadline=self.deadline)
-            if self.mseal is not None:
-                a, b = self.plan.piece(o, j)
-                conn.send(MsgType.DATA, self.mseal.sign(o, o, j, b - a, wire), deadline=self.deadline)
-            self.ws.release(wire)
-            self._sent(0, k)
-
-    def _gather_to(self, k: int) -> None:
-        """Step 3 on link ``k``: our aggregates; when auditing, each audit frame goes out between
-        them as soon as it is ready, and those not out by then before the last piece's tail."""
-        conn, o, P = self.links.out[k], peer_of(self.rank, self.world, k), self.plan.pieces
-        if not self._after_step1():
-            return
-        for j in range(P):
-            if not self.wait_for(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
+        for b in self.buckets if going else ():
+            getattr(b, step3)(k)
+            if self.error is not None:
                 return
-            if not self._pace(1, k, j):
-                return
-            if self.ledger is not None and not self._audit_out(conn, o, wait=False):  # (those ready by now)
-                return
-            wire: np.ndarray = self.agg[j]  # type: ignore[assignment]
-            if j == P - 1 and self.ledger is not None:  # all but its tail; the tail once our audit passed
-                conn.send(MsgType.DATA, wire[:-TAIL], deadline=self.deadline)
-                if not self._audit_end(conn, o):
-                    return
-                wire = wire[-TAIL:]
-            conn.send(MsgType.DATA, wire, deadline=self.deadline)
-            self._sent(1, k)
 
     def _after_step1(self) -> bool:
         """Hold step 3 until our step 1 is over on every link that still moves (one that has not
@@ -373,10 +244,231 @@ class _ButterflyRun(AuditFrames, Pipeline):
             self.stuck[phase].discard(k)  # it moved: it paces the others again
             self.cond.notify_all()
 
-    def receiver(self, k: int) -> None:
-        """From rank ``o``: its own pieces of our segment; then its aggregates of segment ``o``,
-        and when auditing, between them, its audit frames (:mod:`.audit_frames`)."""
-        self._link(1, k, self._scatter_from, self._gather_from)
+    def fail(self, exc: BaseException) -> None:
+        """Keep the first error and shut every link whose step 1 is over (every link, once past
+        the deadline). A link still in step 1 goes on to its end: a failure on one link stops
+        nobody's own pieces on the others, so what each owner lacks at the end (:meth:`gaps`)
+        is what its senders withheld, not the echo of a failure elsewhere."""
+        with self.cond:
+            if self.error is None:
+                self.error = exc
+            self.cond.notify_all()
+            late = time.monotonic() >= self.deadline
+            done = [c for side, conns in enumerate((self.links.out, self.links.inn)) for k, c in enumerate(conns)
+                    if late or self.over[side][k]]
+        for c in done:
+            c.abort()
+
+    def _over(self, side: int, k: int) -> bool:
+        """Step 1 is over on link ``k`` (``side`` 0: ours to its owner, 1: its sender's to us);
+        False, with the link shut, if the call failed meanwhile."""
+        with self.cond:
+            self.over[side][k] = True
+            failed = self.error is not None
+            self.cond.notify_all()  # (step 3 may wait for it: _after_step1)
+        if failed:
+            (self.links.out, self.links.inn)[side][k].abort()
+        return not failed
+
+    def gaps(self) -> list[int]:
+        """The ranks whose own pieces of our segment, in any bucket, did not all reach us."""
+        return [o for o in range(self.world) if o != self.rank
+                and any(b.got[o] < b.plan.pieces for b in self.buckets)]
+
+    def run(self) -> None:
+        self.spawn(self.encoder, self.sender, self.receiver)  # (after a failure nothing goes back to the pool)
+        for b in self.buckets:  # every sender is done with their aggregates
+            b.release()
+
+
+class _ButterflyRun(AuditFrames):
+    """State of one bucket (one flat vector) of a butterfly call (``mesh``)."""
+
+    def __init__(self, mesh: _Mesh, x: np.ndarray, out: np.ndarray, mode: str, block: int, piece_numel: int,
+                 how: str, inspect: Inspect | None, seal: MeshSeal | None, ws: Workspace, absent: frozenset[int],
+                 auditing: Auditing | None = None) -> None:
+        rank, world = mesh.rank, mesh.world
+        self.mesh, self.cond, self.deadline = mesh, mesh.cond, mesh.deadline
+        self.ws, self.absent = ws, absent
+        self.x, self.out, self.rank, self.world = x, out, rank, world
+        self.mode, self.block, self.how = mode, block, how
+        self.inspect, self.mseal = inspect, seal
+        self.plan: RingPlan = butterfly_plan(x.shape[0], world, block, piece_numel)
+        self.first = sum(b.plan.pieces for b in mesh.buckets)  # pieces each link carries in the buckets before
+        self.rows: list[list[np.ndarray | None]] = [[None] * world for _ in range(self.plan.pieces)]
+        self.agg: list[np.ndarray | None] = [None] * self.plan.pieces
+        self.findings: list[tuple[int, Finding]] = []  # (sender rank, its bad piece), first per sender
+        self.got = [0] * world  # own pieces of our segment received whole from each rank (step 1)
+        # signed calls: each sender's own piece as it came with its signature, until aggregated (_weigh)
+        self.wires: list[list[tuple[np.ndarray, bytes] | None]] = [[None] * world for _ in range(self.plan.pieces)]
+        self.norms = [[0.0] * world for _ in range(self.plan.pieces)]  # of the rows kept in wires (row_norm)
+        self.weighed = 0  # pieces of our segment weighed (_weigh)
+        self.outsize: dict[int, list] = {}  # sender -> [pieces its row was outsized in, the first one's Outsize]
+        self.wide = [np.empty(0, np.float64) for _ in range(world - 1)]  # each link's row_norm scratch
+        if auditing is not None and seal is None:
+            raise ValueError("auditing owners needs signed pieces (a seal)")
+        self.ledger = None if auditing is None else Ledger(auditing, rank, x.shape[0], piece_numel, mode, block, how,
+                                                           absent)
+        self.verdict: tuple[int, str, Case] | None = None  # (guilty rank, why, the case) from our audit
+        self.judging, self.judged = threading.Lock(), None  # (judged: our audit's Judgement)
+        self.audit_sent = {}
+
+    @property
+    def links(self) -> Links:
+        return self.mesh.links
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.mesh.error
+
+    def wait_for(self, ready: Callable[[], bool], what: str) -> bool:
+        return self.mesh.wait_for(ready, what)
+
+    their_signature = Pipeline.their_signature
+
+    def _pace(self, phase: int, k: int, j: int) -> bool:
+        return self.mesh._pace(phase, k, self.first + j)
+
+    def _sent(self, phase: int, k: int) -> None:
+        self.mesh._sent(phase, k)
+
+    def _after_step1(self) -> bool:
+        return self.mesh._after_step1()
+
+    def release(self) -> None:
+        """Our aggregates back to the pool."""
+        for w in self.agg:
+            if w is not None:
+                self.ws.release(w)
+
+    def _wire(self, n: int) -> np.ndarray:
+        """A pooled buffer for ``n`` values on the wire (give it back with ``ws.release``)."""
+        return self.ws.get(quant.encoded_nbytes(n, self.mode, self.block))
+
+    def _row(self, n: int) -> np.ndarray:
+        """A pooled float32 row of ``n`` values (its buffer goes back with ``ws.release(row.base)``)."""
+        return self.ws.get(4 * n).view(np.float32)
+
+    def _encode(self, seg: int, j: int) -> np.ndarray:
+        """Our own piece ``j`` of segment ``seg`` on the wire, in a pooled buffer."""
+        a, b = self.plan.piece(seg, j)
+        buf = self._wire(b - a)
+        if self.mode == "fp32":
+            np.copyto(buf.view(np.float32), self.x[a:b])
+            return buf
+        return quant.encode(self.x[a:b], self.mode, self.block, buf)
+
+    def _weigh(self, j: int) -> None:
+        """Count the senders whose row of piece ``j`` is outsized against the others we may show
+        (:func:`~.evidence.outsized`: not ours, none of a sitter's), keeping each one's first such
+        piece as signed evidence (:class:`Outsize`); then the pieces go back to the pool."""
+        with self.cond:
+            wires, self.wires[j] = self.wires[j], [None] * self.world
+        try:
+            a, b = self.plan.piece(self.rank, j)
+            if b <= a:
+                return
+            self.weighed += 1
+            shown = [i for i, w in enumerate(wires) if w is not None]
+            norms = {i: self.norms[j][i] for i in shown}
+            for i in shown:
+                ratio = outsized(norms, i, self.world)
+                if ratio is None or not ratio > OUTSIZE:
+                    continue
+                seen = self.outsize.setdefault(i, [0, None])
+                seen[0] += 1
+                if seen[1] is None:  # (every row kept was checked as it arrived: _scatter_from)
+                    seen[1] = Outsize(j, b - a, ratio, tuple(None if w is None else w[0].tobytes() for w in wires),
+                                      tuple(None if w is None else w[1] for w in wires))
+        finally:
+            for w in wires:
+                if w is not None:
+                    self.ws.release(w[0])
+
+    def weigh_into(self, w: Weighing, bucket: int) -> None:
+        """Add this bucket's weighing to the call's."""
+        w.pieces += self.weighed
+        for i, (n, ev) in self.outsize.items():
+            w.outsized[i] = w.outsized.get(i, 0) + n
+            if ev is not None and i not in w.first:
+                w.first[i] = (bucket, ev)
+
+    def _release_rows(self, rows: list[np.ndarray | None]) -> None:
+        for r in rows:
+            if r is not None:
+                self.ws.release(r.base)
+
+    # -- threads -----------------------------------------------------------------------
+    def encoder(self) -> None:
+        """The owner: aggregate each piece of our segment once every member's row is in (then,
+        when auditing, commit to them all)."""
+        me, P, led = self.rank, self.plan.pieces, self.ledger
+        for j in range(P):
+            a, b = self.plan.piece(me, j)
+            own = self._encode(me, j)  # our own row as every other member's: through the codec
+            row = self._row(b - a)
+            quant.decode(own, b - a, self.mode, self.block, out=row)
+            if led is not None:
+                led.own(j, own)
+            self.ws.release(own)
+            with self.cond:
+                self.rows[j][me] = row
+            if not self.wait_for(lambda: all(r is not None for r in self.rows[j]), f"the rows of piece {j}"):
+                return
+            rows = self.rows[j]
+            wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a), self.absent,
+                                   self.ws.scratch)
+            quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
+            self._weigh(j)
+            if led is not None:
+                led.aggregated(j, wire)
+            with self.cond:
+                self.agg[j] = wire
+                self.rows[j] = [None] * self.world
+                self.cond.notify_all()
+            self._release_rows(rows)
+        if led is not None:
+            led.seal()
+            with self.cond:
+                self.cond.notify_all()
+
+
+    def _scatter_to(self, k: int) -> None:
+        """Step 1 on link ``k``: our own pieces of its owner's segment, each with its signature;
+        on to the end even after the call failed elsewhere (see :meth:`fail`)."""
+        conn, o = self.links.out[k], peer_of(self.rank, self.world, k)
+        for j in range(self.plan.pieces):
+            self._pace(0, k, j)  # (paced while the call stands; after a failure, as fast as the link takes)
+            wire = self._encode(o, j)
+            conn.send(MsgType.DATA, wire, deadline=self.deadline)
+            if self.mseal is not None:
+                a, b = self.plan.piece(o, j)
+                conn.send(MsgType.DATA, self.mseal.sign(o, o, j, b - a, wire), deadline=self.deadline)
+            self.ws.release(wire)
+            self._sent(0, k)
+
+    def _gather_to(self, k: int) -> None:
+        """Step 3 on link ``k``: our aggregates; when auditing, each audit frame goes out between
+        them as soon as it is ready, and those not out by then before the last piece's tail."""
+        conn, o, P = self.links.out[k], peer_of(self.rank, self.world, k), self.plan.pieces
+        if not self._after_step1():
+            return
+        for j in range(P):
+            if not self.wait_for(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
+                return
+            if not self._pace(1, k, j):
+                return
+            if self.ledger is not None and not self._audit_out(conn, o, wait=False):  # (those ready by now)
+                return
+            wire: np.ndarray = self.agg[j]  # type: ignore[assignment]
+            if j == P - 1 and self.ledger is not None:  # all but its tail; the tail once our audit passed
+                conn.send(MsgType.DATA, wire[:-TAIL], deadline=self.deadline)
+                if not self._audit_end(conn, o):
+                    return
+                wire = wire[-TAIL:]
+            conn.send(MsgType.DATA, wire, deadline=self.deadline)
+            self._sent(1, k)
+
 
     def _scatter_from(self, k: int) -> None:
         """Step 1 on link ``k``: its sender's own pieces of our segment, each checked and counted
@@ -470,83 +562,63 @@ class _ButterflyRun(AuditFrames, Pipeline):
         with self.cond:
             self.findings.append((sender, Finding(why, seg, j, n, payload, sig)))
 
-    def fail(self, exc: BaseException) -> None:
-        """Keep the first error and shut every link whose step 1 is over (every link, once past
-        the deadline). A link still in step 1 goes on to its end: a failure on one link stops
-        nobody's own pieces on the others, so what each owner lacks at the end (:meth:`gaps`)
-        is what its senders withheld, not the echo of a failure elsewhere."""
-        with self.cond:
-            if self.error is None:
-                self.error = exc
-            self.cond.notify_all()
-            late = time.monotonic() >= self.deadline
-            done = [c for side, conns in enumerate((self.links.out, self.links.inn)) for k, c in enumerate(conns)
-                    if late or self.over[side][k]]
-        for c in done:
-            c.abort()
-
-    def _over(self, side: int, k: int) -> bool:
-        """Step 1 is over on link ``k`` (``side`` 0: ours to its owner, 1: its sender's to us);
-        False, with the link shut, if the call failed meanwhile."""
-        with self.cond:
-            self.over[side][k] = True
-            failed = self.error is not None
-            self.cond.notify_all()  # (step 3 may wait for it: _after_step1)
-        if failed:
-            (self.links.out, self.links.inn)[side][k].abort()
-        return not failed
-
-    def gaps(self) -> list[int]:
-        """The ranks whose own pieces of our segment did not all reach us."""
-        return [o for o in range(self.world) if o != self.rank and self.got[o] < self.plan.pieces]
-
-    def run(self) -> np.ndarray:
-        self.spawn(self.encoder, self.sender, self.receiver)  # (after a failure nothing goes back to the pool)
-        for w in self.agg:  # every sender is done with them
-            if w is not None:
-                self.ws.release(w)
-        return self.out
 
 
-def butterfly_all_reduce(links: Links, x: np.ndarray, rank: int, world: int, *, mode: str, block: int,
-                         piece_numel: int, deadline: float, how: str = "mean", out: np.ndarray | None = None,
-                         inspect: Inspect | None = None, findings: list[tuple[int, Finding]] | None = None,
-                         seal: MeshSeal | None = None, workspace: Workspace | None = None,
-                         absent: frozenset[int] = frozenset(), auditing: Auditing | None = None,
+def butterfly_all_reduce(links: Links, xs: Sequence[np.ndarray], rank: int, world: int, *, mode: str, block: int,
+                         piece_numel: int, deadline: float, how: str = "mean",
+                         outs: Sequence[np.ndarray | None] | None = None, inspect: Inspect | None = None,
+                         findings: list[tuple[int, int, Finding]] | None = None,
+                         seals: Sequence[MeshSeal | None] | None = None, workspace: Workspace | None = None,
+                         absent: frozenset[int] = frozenset(), auditings: Sequence[Auditing | None] | None = None,
                          verdicts: list[tuple[int, str, Case]] | None = None,
-                         gaps: list[int] | None = None, weighing: Weighing | None = None) -> np.ndarray:
-    """Robust mean (``how``: a :mod:`.robust` aggregator) of ``x`` (flat float32) over the
-    mesh ``links``, bit-identical on every rank. ``inspect(theirs)`` is shown every other
-    member's own piece of our segment; the first bad one of each sender goes to ``findings`` as
-    (sender rank, :class:`Finding`). ``seal``: sign our pieces, check a bad one's signature.
-    ``absent``: the ranks sitting the round out, whose rows must be zeros and are left out.
-    ``auditing`` (needs ``seal``): owners commit to their aggregates and every rank audits one
-    (:mod:`.audit`); a member our audit shows at fault goes to ``verdicts`` as (rank, why, case).
-    When the call fails, ``gaps`` gets the ranks whose own pieces of our segment did not all
-    reach us (links in ``links`` may be :class:`~.mesh.DeadLink`: their threads fail at once).
-    When it succeeds with ``seal``, what weighing the rows of our segment against each other
-    found (:func:`~.evidence.outsized`) is added to ``weighing``."""
+                         gaps: list[int] | None = None, weighing: Weighing | None = None) -> list[np.ndarray]:
+    """Robust mean (``how``: a :mod:`.robust` aggregator) of each bucket ``xs[i]`` (flat
+    float32, not empty) over the mesh ``links``, bit-identical on every rank, in one call: every
+    bucket's step 1 before any bucket's step 3. Results go to ``outs[i]`` where given.
+    ``inspect(theirs)`` is shown every other member's own piece of our segment; the first bad one
+    of each sender in each bucket goes to ``findings`` as (bucket, sender rank, :class:`Finding`).
+    ``seals[i]``: sign our pieces of bucket ``i``, check a bad one's signature. ``absent``: the
+    ranks sitting the round out, whose rows must be zeros and are left out. ``auditings[i]``
+    (needs a seal): owners commit to their aggregates of bucket ``i`` and every rank audits one
+    (:mod:`.audit`); a member our audit shows at fault goes to ``verdicts`` as (rank, why,
+    case). When the call fails, ``gaps`` gets the ranks whose own pieces of our segment did not
+    all reach us, in any bucket (links in ``links`` may be :class:`~.mesh.DeadLink`: their
+    threads fail at once). When it succeeds with seals, what weighing the rows of our segment
+    against each other found (:func:`~.evidence.outsized`) is added to ``weighing``."""
     if mode not in RING_MODES:
         raise ValueError(f"the butterfly exchange takes {', '.join(RING_MODES)}, not {mode}")
     robust.check_mode(how)
-    out = np.empty(x.shape[0], np.float32) if out is None else out
-    if out.shape != x.shape or out.dtype != np.float32 or np.may_share_memory(out, x):
-        raise ValueError(f"out must be float32 of shape {x.shape}, apart from the input")
+    n = len(xs)
+    outs = [None] * n if outs is None else list(outs)
+    seals = [None] * n if seals is None else list(seals)
+    auditings = [None] * n if auditings is None else list(auditings)
+    if not len(outs) == len(seals) == len(auditings) == n:
+        raise ValueError(f"{n} buckets need as many outs, seals and auditings")
+    for i, (x, o) in enumerate(zip(xs, outs)):
+        outs[i] = o = np.empty(x.shape[0], np.float32) if o is None else o
+        if x.ndim != 1 or not x.shape[0] or o.shape != x.shape or o.dtype != np.float32 or np.may_share_memory(o, x):
+            raise ValueError(f"bucket {i}: out must be float32 of shape {x.shape}, apart from the input, "
+                             "which must be flat and not empty")
     if world == 1:
-        out[...] = 0 if absent else x
-        return out
+        for x, o in zip(xs, outs):
+            o[...] = 0 if absent else x
+        return outs  # type: ignore[return-value]
     if len(links.out) != world - 1 or len(links.inn) != world - 1:
         raise ValueError(f"a butterfly of {world} needs {world - 1} links each way, not {len(links.out)}")
-    run = _ButterflyRun(links, x, out, rank, world, mode, block, piece_numel, how, deadline, inspect, seal,
-                        workspace or Workspace(), frozenset(absent), auditing)
+    mesh, ws = _Mesh(links, rank, world, deadline), workspace or Workspace()
+    for x, o, seal, auditing in zip(xs, outs, seals, auditings):
+        mesh.buckets.append(_ButterflyRun(mesh, x, o, mode, block, piece_numel, how, inspect,  # type: ignore[arg-type]
+                                          seal, ws, frozenset(absent), auditing))
     try:
-        return run.run()
+        mesh.run()
+        return outs  # type: ignore[return-value]
     finally:
-        if findings is not None:
-            findings.extend(run.findings)
-        if verdicts is not None and run.verdict is not None:
-            verdicts.append(run.verdict)
-        if gaps is not None and run.error is not None:
-            gaps.extend(run.gaps())
-        if weighing is not None and run.error is None:
-            run.weigh_into(weighing)
+        for i, b in enumerate(mesh.buckets):
+            if findings is not None:
+                findings.extend((i, r, f) for r, f in b.findings)
+            if verdicts is not None and b.verdict is not None:
+                verdicts.append(b.verdict)
+            if weighing is not None and mesh.error is None:
+                b.weigh_into(weighing, i)
+        if gaps is not None and mesh.error is not None:
+            gaps.extend(mesh.gaps())

@@ -173,14 +173,20 @@ def unpack_encoded(tree: Any, cfg: RingConfig, dropped: Any) -> tuple[Any, Encod
     return tree.like, tree
 
 
-def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Reduce, before: Callable[[dict[str, Any]], None] | None = None,
-                out: T | None = None, dropped: T | None = None, encoded: bool = False) -> tuple[T, int]:
+ReduceAll = Callable[[list[np.ndarray], list[int], list["np.ndarray | None"]], list[np.ndarray]]
+
+
+def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Reduce | None,
+                before: Callable[[dict[str, Any]], None] | None = None, out: T | None = None, dropped: T | None = None,
+                encoded: bool = False, reduce_all: ReduceAll | None = None) -> tuple[T, int]:
     """Flatten, bucket, reduce every bucket with ``reduce_flat(flat, bucket, out_flat, dropped_flat)``,
     rebuild.
 
     With ``out`` (same structure, C-contiguous float32 leaves) results are written there; with
     ``dropped`` (the same), what ``reduce_flat`` writes to ``dropped_flat`` lands there.
     ``encoded``: the leaves are placeholders (:class:`Encoded`); ``flat`` is one too.
+    ``reduce_all(flats, buckets, out_flats)`` instead reduces every bucket that is not empty in
+    one call (the butterfly's: every bucket's step 1 before any bucket's step 3).
     """
     leaves, rebuild, sig = treelib.flatten(tree)
     outs = None if out is None else leaves_like("out", out, sig)
@@ -189,15 +195,24 @@ def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Reduce, before: Callable[
     buckets = treelib.make_buckets(sizes, cfg.bucket_numel)
     if before is not None:
         before({"sig": sig, "buckets": [sum(sizes[i] for i in b) for b in buckets]})
+    directs = [outs[idx[0]].reshape(-1) if outs is not None and len(idx) == 1 else None for idx in buckets]
+    results: dict[int, np.ndarray] = {}
+    if reduce_all is not None:
+        full = [bi for bi, idx in enumerate(buckets) if sum(sizes[i] for i in idx)]
+        got = reduce_all([treelib.gather(leaves, buckets[bi]) for bi in full], full, [directs[bi] for bi in full])
+        results = dict(zip(full, got))
     result: list[np.ndarray] = []
     for bi, idx in enumerate(buckets):
-        flat = np.broadcast_to(np.float32(0), (sum(sizes[i] for i in idx),)) if encoded else treelib.gather(leaves, idx)
-        direct = outs[idx[0]].reshape(-1) if outs is not None and len(idx) == 1 else None
-        d = None if drops is None else (drops[idx[0]].reshape(-1) if len(idx) == 1 else np.empty(flat.size, np.float32))
-        res = reduce_flat(flat, bi, direct, d) if flat.size else np.empty(0, np.float32)
-        if drops is not None and flat.size and len(idx) > 1:
-            for o, r in zip((drops[i] for i in idx), treelib.scatter(d, leaves, idx)):
-                np.copyto(o, r)
+        n, direct = sum(sizes[i] for i in idx), directs[bi]
+        if reduce_all is not None:
+            res = results.get(bi, np.empty(0, np.float32))
+        else:
+            flat = np.broadcast_to(np.float32(0), (n,)) if encoded else treelib.gather(leaves, idx)
+            d = None if drops is None else (drops[idx[0]].reshape(-1) if len(idx) == 1 else np.empty(n, np.float32))
+            res = reduce_flat(flat, bi, direct, d) if n else np.empty(0, np.float32)  # type: ignore[misc]
+            if drops is not None and n and len(idx) > 1:
+                for o, r in zip((drops[i] for i in idx), treelib.scatter(d, leaves, idx)):
+                    np.copyto(o, r)
         if outs is None:
             result.extend(treelib.scatter(res, leaves, idx))
             continue
@@ -354,7 +369,7 @@ class SocketCommunicator:
         # piece as evidence, net.audit.to_wire; None when too large to report)
         self.audited: tuple[int, str, dict[str, Any] | None] | None = None
         # after a butterfly call that failed (not aborted from outside): the ranks whose own pieces of
-        # our segment of the first bucket did not all reach us, link or header failures included (net.mesh)
+        # our segment, in any bucket, did not all reach us, link or header failures included (net.mesh)
         self.missing: tuple[int, ...] = ()
         # after an all-gather call that failed once our signed digests went out: our holding of each
         # origin (net.evidence.holding_evidence), for the coordinator to compare with the others' (an
@@ -529,9 +544,8 @@ class SocketCommunicator:
             self._calls += 1
             return result
         verdicts: list[tuple[int, str, Case]] = []  # (rank, why, case) from our audits
-        # after a failed butterfly call: whose own pieces of the first bucket did not all reach us (a
-        # later bucket's step 1 comes after the earlier buckets' step 3: a rank that failed there, or
-        # was made to fail there by another, never sends its later pieces, and is no withholder)
+        # after a failed butterfly call: whose own pieces of our segment, in any bucket, did not all
+        # reach us (every bucket's step 1 comes before any bucket's step 3: net.butterfly)
         gaps: list[int] = []
         held: list[tuple[int, Holding]] = []  # (call, our holding of an origin) from an all-gather that failed
         vouched: list[tuple[int, Vouch]] = []  # (call, our signed digest list or a rank's we got) from it
@@ -557,28 +571,17 @@ class SocketCommunicator:
 
             findings: list[tuple[int, int, Finding]] = []  # (call, sender rank, its bad piece)
             weighing = Weighing()  # the owners' weighing of the rows of our segment, every bucket's
+            bucket_calls: list[int] = []  # the call id of each bucket the butterfly reduced, in its order
             prv = (self.rank - 1) % self.world_size
             chain: list[bytes] = []  # our nonce of each bucket (audits)
             last: dict[int, tuple[int, bytes]] = {}  # rank -> (bucket, its nonce there): the latest revealed
 
             def flat_reduce(flat: np.ndarray, bi: int, o: np.ndarray | None, d: np.ndarray | None) -> np.ndarray:
                 found: list[Finding] = []
-                by: list[tuple[int, Finding]] = []
                 disputed: list[Holding] = []
                 lists: list[Vouch] = []
                 c = bucket_call(call, bi)
                 try:
-                    if cfg.exchange == "butterfly":
-                        weighing.call = c
-                        return butterfly_all_reduce(links, flat, self.rank, self.world_size, mode=cfg.mode,
-                                                    block=cfg.block_size, piece_numel=cfg.piece_numel,
-                                                    deadline=deadline, how=cfg.robust, out=o, inspect=self.inspect,
-                                                    findings=by, seal=self._mesh_seal(c, links),
-                                                    workspace=self._workspace, absent=self.absent,
-                                                    auditing=self._auditing(c, links, chain[bi], bi, last)
-                                                    if cfg.audit else None,
-                                                    verdicts=verdicts, gaps=gaps if bi == 0 else None,
-                                                    weighing=weighing)
                     if codecs.gathered(cfg.mode):
                         return ring_all_gather_mean(links, flat, self.rank, self.world_size, mode=cfg.mode,
                                                     block=cfg.block_size, piece_numel=cfg.piece_numel,
@@ -592,14 +595,28 @@ class SocketCommunicator:
                                            inspect=self.inspect, findings=found, seal=self._seal(c, links))
                 finally:
                     findings.extend((c, prv, f) for f in found)
-                    findings.extend((c, r, f) for r, f in by)
                     held.extend((c, h) for h in disputed)
                     vouched.extend((c, v) for v in lists)
 
+            def mesh_reduce(flats: list[np.ndarray], bis: list[int], outs: list[np.ndarray | None]) -> list[np.ndarray]:
+                calls, by = [bucket_call(call, bi) for bi in bis], []  # (by: (bucket, sender rank, its bad piece))
+                try:
+                    return butterfly_all_reduce(links, flats, self.rank, self.world_size, mode=cfg.mode,
+                                                block=cfg.block_size, piece_numel=cfg.piece_numel, deadline=deadline,
+                                                how=cfg.robust, outs=outs, inspect=self.inspect, findings=by,
+                                                seals=[self._mesh_seal(c, links) for c in calls],
+                                                workspace=self._workspace, absent=self.absent,
+                                                auditings=[self._auditing(c, links, chain[bi], bi, last)
+                                                           for c, bi in zip(calls, bis)] if cfg.audit else None,
+                                                verdicts=verdicts, gaps=gaps, weighing=weighing)
+                finally:
+                    findings.extend((calls[i], r, f) for i, r, f in by)
+                    bucket_calls[:] = calls
+
             self.suspect, self.suspects, self.audited, self.steered = None, [], None, []
             self.held, self.vouched = [], []
-            result, numel = reduce_tree(tree, cfg, flat_reduce, before, out=out, dropped=dropped,
-                                        encoded=enc is not None)
+            result, numel = reduce_tree(tree, cfg, None if meshed else flat_reduce, before, out=out, dropped=dropped,
+                                        encoded=enc is not None, reduce_all=mesh_reduce if meshed else None)
             for c, r, f in findings:
                 if any(r == s[0] for s in self.suspects):  # (the first bad piece of each sender)
                     continue
@@ -610,9 +627,9 @@ class SocketCommunicator:
                     cert=links.inn[k].cert)))
             self.suspect = self.suspects[0] if self.suspects else None
             self.steered = [(r, evidence.outsize_evidence(
-                step=self.step, epoch=self.epoch, call=c, segment=self.rank, piece=ev.piece, numel=ev.numel,
+                step=self.step, epoch=self.epoch, call=bucket_calls[i], segment=self.rank, piece=ev.piece, numel=ev.numel,
                 mode=cfg.mode, block=cfg.block_size, ratio=ev.ratio, payloads=ev.payloads, signatures=ev.signatures))
-                for r, c, ev in weighing.steering()]
+                for r, i, ev in weighing.steering()]
         except BaseException as e:
             if verdicts:  # our audit failed the call: the case goes with our next sync
                 r, why, case = verdicts[0]
