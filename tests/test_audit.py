@@ -11,7 +11,7 @@ import pytest
 
 from intellect_jax.coordinator.policing import weigh_audit
 from intellect_jax.coordinator.schema import Audit
-from intellect_jax.net import RingConfig, audit, butterfly, comm as commlib, pairing, quant
+from intellect_jax.net import RingConfig, audit, butterfly, comm as commlib, mesh_call, pairing, quant
 from intellect_jax.net.audit import ENTRY, Case, judge
 from intellect_jax.net.errors import AuditFailed, FrameError
 from intellect_jax.net.evidence import digest
@@ -275,7 +275,7 @@ def test_judge_an_honest_case_and_each_kind_of_fault() -> None:
 
 def _wrap_link(monkeypatch: pytest.MonkeyPatch, world: int, bad: int, victim: int, wrap: Any) -> None:
     """Rank ``bad``'s link to ``victim`` becomes ``wrap(connection, run)`` in every call."""
-    run = butterfly._Mesh.run
+    run = mesh_call.MeshCall.run
 
     def wrapped(self: Any) -> Any:
         if self.rank == bad:
@@ -284,7 +284,7 @@ def _wrap_link(monkeypatch: pytest.MonkeyPatch, world: int, bad: int, victim: in
             self.links.out[k] = wrap(self.links.out[k], self.buckets[0])
         return run(self)
 
-    monkeypatch.setattr(butterfly._Mesh, "run", wrapped)
+    monkeypatch.setattr(mesh_call.MeshCall, "run", wrapped)
 
 
 class _Equivocating:

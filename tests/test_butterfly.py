@@ -12,7 +12,7 @@ import pytest
 
 from intellect_jax.coordinator.policing import weigh
 from intellect_jax.coordinator.schema import Evidence
-from intellect_jax.net import ConfigMismatch, RingConfig, butterfly
+from intellect_jax.net import ConfigMismatch, RingConfig, butterfly, mesh_call
 from intellect_jax.net.evidence import SAT_OUT, verdict
 from intellect_jax.net.frames import HEADER_LEN
 from intellect_jax.net.plan import butterfly_plan, make_plan
@@ -291,7 +291,7 @@ def test_our_own_pieces_go_before_our_aggregates_and_every_mesh_link_bounds_its_
     from intellect_jax.net import transport
 
     world, events = 4, {r: [] for r in range(4)}
-    sent, over, bound = butterfly._Mesh._sent, butterfly._Mesh._over, transport.Connection.bound_unsent
+    sent, over, bound = mesh_call.MeshCall._sent, mesh_call.MeshCall._over, transport.Connection.bound_unsent
     bounded: list[int] = []
 
     def on_sent(self: Any, phase: int, k: int) -> None:
@@ -306,9 +306,9 @@ def test_our_own_pieces_go_before_our_aggregates_and_every_mesh_link_bounds_its_
         bound(self, n)
         bounded.append(self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT))
 
-    monkeypatch.setattr(butterfly, "PACE_HOLD", 10.0)  # (no link counts as stuck on a loaded machine)
-    monkeypatch.setattr(butterfly._Mesh, "_sent", on_sent)
-    monkeypatch.setattr(butterfly._Mesh, "_over", on_over)
+    monkeypatch.setattr(mesh_call, "PACE_HOLD", 10.0)  # (no link counts as stuck on a loaded machine)
+    monkeypatch.setattr(mesh_call.MeshCall, "_sent", on_sent)
+    monkeypatch.setattr(mesh_call.MeshCall, "_over", on_over)
     monkeypatch.setattr(transport.Connection, "bound_unsent", on_bound)
     cfg = RingConfig(mode="int8", block_size=64, piece_numel=512, deadline=30, exchange="butterfly", robust="mean")
     xs = _inputs(world, 20_000)

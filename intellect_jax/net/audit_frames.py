@@ -6,8 +6,8 @@ each is ready (:meth:`AuditFrames._audit_out`), so the audit's round trips (comm
 nonces, then challenge, then answers) overlap the gather rather than follow it; those not out by the last
 aggregate go before its tail, and every one must be in before that tail is read.
 
-A mixin of :class:`~.butterfly._ButterflyRun`, whose sender and receiver threads call these
-steps in the frame order of docs/net.md; it uses the run's ``ledger`` (:class:`~.audit.Ledger`),
+A mixin of :class:`~.butterfly._ButterflyRun` (one bucket), whose link threads call these steps
+in the frame order of docs/net.md; it uses the bucket's ``ledger`` (:class:`~.audit.Ledger`),
 plan, links, codec and condition variable.
 """
 

@@ -1,0 +1,164 @@
+"""One butterfly call's threads over the mesh (:mod:`.butterfly`): the order of its steps on
+every link, and its pacing.
+
+A call reduces every bucket of the tree, and each link carries every bucket's step 1 (our own
+pieces, signed, to the owner at its other end) before any bucket's step 3 (the aggregates, with
+the audit frames between them): what an honest rank sends in step 1 depends on nobody, so what
+an owner lacks when a call fails names its senders whatever failed elsewhere. The first error,
+each link's progress (counted over all buckets) and its pacing are the call's; everything else
+is a bucket's (``butterfly._ButterflyRun``, whose step methods the threads call by name).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from intellect_jax.net.ring import Links, Pipeline
+
+WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
+PACE_HOLD = 0.5  # seconds a link waits before the slowest counts as stuck (a peer that does not read)
+
+
+class MeshCall(Pipeline):
+    """One butterfly call over the mesh ``links``: what its buckets (:class:`~.butterfly._ButterflyRun`, one
+    per flat vector) share. Its threads carry every bucket's step 1 on each link before any
+    bucket's step 3, so what an honest rank sends in step 1 depends on nobody; the first error,
+    each link's progress and its pacing are the call's, counted over all its buckets."""
+
+    name = "butterfly"
+
+    def __init__(self, links: Links, rank: int, world: int, deadline: float) -> None:
+        super().__init__(links, deadline)
+        self.rank, self.world = rank, world
+        self.buckets: list[Any] = []  # (each a butterfly._ButterflyRun)
+        self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
+        self.stuck: list[set[int]] = [set(), set()]  # links left out of the pacing (per step): they did not move
+        self.moved = [time.monotonic()] * (world - 1)  # when step 1 last moved on each link (see _after_step1)
+        self.unpaced = (time.monotonic() + deadline) / 2  # from then on step 1 goes unpaced (see _pace)
+        self.over = [[False] * (world - 1), [False] * (world - 1)]  # step 1 over on each out and inn link
+
+    def encoder(self) -> None:
+        """Every bucket's owner in turn (:meth:`~.butterfly._ButterflyRun.encoder`)."""
+        for b in self.buckets:
+            b.encoder()
+            if self.error is not None:
+                return
+
+    def sender(self, k: int) -> None:
+        """To the owner of segment ``o``: our own pieces of it in every bucket, signed; then each
+        bucket's aggregates, and when auditing, between them, its audit frames
+        (:mod:`.audit_frames`: commitment, nonce, row lists, challenge, answer, echo; the last
+        piece's tail waits for our own audit: without it nobody completes)."""
+        self._link(0, k, "_scatter_to", "_gather_to")
+
+    def receiver(self, k: int) -> None:
+        """From rank ``o``: its own pieces of our segment in every bucket; then each bucket's
+        aggregates of segment ``o``, and when auditing, between them, its audit frames."""
+        self._link(1, k, "_scatter_from", "_gather_from")
+
+    def _link(self, side: int, k: int, step1: str, step3: str) -> None:
+        """Link ``k``'s step 1 in every bucket, to its end whatever fails elsewhere, then every
+        bucket's step 3 unless the call failed meanwhile (``side`` 0: our link to its owner, 1:
+        its sender's to us)."""
+        try:
+            for b in self.buckets:
+                getattr(b, step1)(k)
+        finally:
+            going = self._over(side, k)
+        for b in self.buckets if going else ():
+            getattr(b, step3)(k)
+            if self.error is not None:
+                return
+
+    def _after_step1(self) -> bool:
+        """Hold step 3 until our step 1 is over on every link that still moves (one that has not
+        moved for ``PACE_HOLD`` holds nobody; False: the call failed meanwhile). Our own pieces
+        go first: every owner then has its rows, aggregates and commits sooner, so the audits'
+        round trips run while our aggregates still go out instead of after them; the bytes on
+        our uplink, and so its busy time, are the same either way (docs/results.md)."""
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    return False
+                now = time.monotonic()
+                going = [t for i, t in enumerate(self.moved) if not self.over[0][i] and now - t < PACE_HOLD]
+                if not going:
+                    return True
+                self.cond.wait(max(0.001, min(going) + PACE_HOLD - now))
+
+    def _pace(self, phase: int, k: int, j: int) -> bool:
+        """Hold link ``k`` before piece ``j`` of ``phase`` while it is ``WINDOW`` pieces ahead of
+        the slowest link (False: the call failed meanwhile). TCP shares our uplink unevenly
+        among the links; unpaced, an owner's last rows come from its slowest sender long after
+        the others, and our uplink idles while we wait for them. A link that has not moved for
+        ``PACE_HOLD`` holds nobody: a peer that does not read blocks no other link. (One that
+        reads slowly does set the pace, as it would by sending slowly: leaving lagging links out
+        of the pacing measured slower, 1.12-1.20x the ring's time, docs/results.md.) Step 1 goes
+        unpaced after half the call's time: a peer that reads just fast enough not to count as
+        stuck must not hold our own pieces back from the other owners until the deadline, where
+        they would name us as a withholder."""
+        sent, until = self.sent[phase], time.monotonic() + PACE_HOLD
+        with self.cond:
+            while j - self._base(phase, j) >= WINDOW:
+                if self.error is not None:
+                    return False
+                now = time.monotonic()
+                if phase == 0 and now >= self.unpaced:
+                    break
+                left = until - now
+                if left <= 0:  # the slowest link has not moved: a peer that does not read holds nobody back
+                    self.stuck[phase].add(min((i for i in range(len(sent)) if i not in self.stuck[phase]),
+                                              key=sent.__getitem__))
+                    until = time.monotonic() + PACE_HOLD
+                    continue
+                self.cond.wait(min(left, 1.0, self.unpaced - now if phase == 0 else 1.0))
+            return self.error is None
+
+    def _base(self, phase: int, j: int) -> int:
+        """The progress a link is paced against: the slowest link's, stuck ones left out."""
+        return min((n for i, n in enumerate(self.sent[phase]) if i not in self.stuck[phase]), default=j)
+
+    def _sent(self, phase: int, k: int) -> None:
+        with self.cond:
+            self.sent[phase][k] += 1
+            if phase == 0:
+                self.moved[k] = time.monotonic()
+            self.stuck[phase].discard(k)  # it moved: it paces the others again
+            self.cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """Keep the first error and shut every link whose step 1 is over (every link, once past
+        the deadline). A link still in step 1 goes on to its end: a failure on one link stops
+        nobody's own pieces on the others, so what each owner lacks at the end (:meth:`gaps`)
+        is what its senders withheld, not the echo of a failure elsewhere."""
+        with self.cond:
+            if self.error is None:
+                self.error = exc
+            self.cond.notify_all()
+            late = time.monotonic() >= self.deadline
+            done = [c for side, conns in enumerate((self.links.out, self.links.inn)) for k, c in enumerate(conns)
+                    if late or self.over[side][k]]
+        for c in done:
+            c.abort()
+
+    def _over(self, side: int, k: int) -> bool:
+        """Step 1 is over on link ``k`` (``side`` 0: ours to its owner, 1: its sender's to us);
+        False, with the link shut, if the call failed meanwhile."""
+        with self.cond:
+            self.over[side][k] = True
+            failed = self.error is not None
+            self.cond.notify_all()  # (step 3 may wait for it: _after_step1)
+        if failed:
+            (self.links.out, self.links.inn)[side][k].abort()
+        return not failed
+
+    def gaps(self) -> list[int]:
+        """The ranks whose own pieces of our segment, in any bucket, did not all reach us."""
+        return [o for o in range(self.world) if o != self.rank
+                and any(b.got[o] < b.plan.pieces for b in self.buckets)]
+
+    def run(self) -> None:
+        self.spawn(self.encoder, self.sender, self.receiver)  # (after a failure nothing goes back to the pool)
+        for b in self.buckets:  # every sender is done with their aggregates
+            b.release()
