@@ -282,6 +282,46 @@ def test_a_member_sitting_out_is_left_out_and_its_values_are_evidence(sends: str
         assert weigh(e, accuser=f"r8{owner}", accused="r81", **kw)[0] is None  # it did not declare it
 
 
+def test_a_tree_of_several_buckets_is_reduced_in_one_call_into_the_callers_arrays() -> None:
+    """Leaves of 300, 700, 0, 5000, 100 and 100 values in buckets of at most 1000: [a b c], [d],
+    [e f], one butterfly call with every bucket's pieces before any aggregate, audited. Each
+    bucket's result is the fake's of that bucket's flat vector on every rank, bit for bit, and
+    lands in the ``out`` arrays given (a multi-leaf bucket through a copy, one leaf in place)."""
+    import threading
+
+    world, sizes = 4, {"a": 300, "b": 700, "c": 0, "d": 5000, "e": 100, "f": 100}
+    cfg = RingConfig(mode="int8", block_size=64, piece_numel=256, deadline=30, exchange="butterfly", robust="cclip",
+                     bucket_numel=1000)
+    rng = np.random.default_rng(3)
+    trees = [{k: rng.standard_normal(n).astype(np.float32) for k, n in sizes.items()} for _ in range(world)]
+    outs = [{k: np.full(n, 7, np.float32) for k, n in sizes.items()} for _ in range(world)]
+    nodes = _nodes(world, first=40)
+    errs: list[BaseException | None] = [None] * world
+    try:
+        comms = [n.ring(_members(nodes), r, config=cfg) for r, n in enumerate(nodes)]
+
+        def go(r: int) -> None:
+            try:
+                comms[r].inspect = lambda theirs: verdict(theirs, None)
+                assert comms[r].all_reduce_mean(trees[r], out=outs[r]) is not None
+            except BaseException as e:  # noqa: BLE001 - inspected below
+                errs[r] = e
+
+        threads = [threading.Thread(target=go, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for n in nodes:
+            n.close()
+    assert errs == [None] * world, errs
+    for keys in (["a", "b", "c"], ["d"], ["e", "f"]):
+        ref = butterfly.simulate([np.concatenate([t[k] for k in keys]) for t in trees], "int8", 64, 256, "cclip")
+        for r in range(world):
+            assert _same_bits(np.concatenate([outs[r][k] for k in keys]), ref), (keys, r)
+
+
 def test_our_own_pieces_go_before_our_aggregates_and_every_mesh_link_bounds_its_backlog(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank sends its aggregates (step 3) only once its own pieces (step 1) are out on every
