@@ -282,6 +282,26 @@ def test_a_member_sitting_out_is_left_out_and_its_values_are_evidence(sends: str
         assert weigh(e, accuser=f"r8{owner}", accused="r81", **kw)[0] is None  # it did not declare it
 
 
+def test_a_flat_view_of_several_leaves_reads_and_writes_them_without_a_copy() -> None:
+    """``tree.Flat``: a bucket of several leaves as one vector (a butterfly call holds every
+    bucket at once; gathering each into one array would copy the model). Every range reads as
+    the concatenation would, a view where it lies in one leaf; ``put`` writes through."""
+    from intellect_jax.net.tree import Flat, overlaps, view
+
+    rng = np.random.default_rng(0)
+    leaves = [rng.standard_normal(n).astype(np.float32) for n in (5, 0, 7, 1, 9)]
+    whole, flat = np.concatenate(leaves), view(leaves, [0, 1, 2, 3, 4])
+    assert isinstance(flat, Flat) and flat.shape == whole.shape and view(leaves, [2]) is not None
+    for a in range(whole.shape[0] + 1):
+        for b in range(a, whole.shape[0] + 1):
+            assert np.array_equal(flat[a:b], whole[a:b]), (a, b)
+    assert np.shares_memory(flat[5:9], leaves[2]) and overlaps(flat, leaves[4]) and not overlaps(flat, whole)
+    values = rng.standard_normal(whole.shape[0]).astype(np.float32)
+    for a, b in ((0, 22), (3, 14), (12, 13), (13, 22)):
+        flat.put(a, values[a:b])
+        assert np.array_equal(np.concatenate(leaves)[a:b], values[a:b]), (a, b)
+
+
 def test_a_tree_of_several_buckets_is_reduced_in_one_call_into_the_callers_arrays() -> None:
     """Leaves of 300, 700, 0, 5000, 100 and 100 values in buckets of at most 1000: [a b c], [d],
     [e f], one butterfly call with every bucket's pieces before any aggregate, audited. Each
@@ -320,6 +340,59 @@ def test_a_tree_of_several_buckets_is_reduced_in_one_call_into_the_callers_array
         ref = butterfly.simulate([np.concatenate([t[k] for k in keys]) for t in trees], "int8", 64, 256, "cclip")
         for r in range(world):
             assert _same_bits(np.concatenate([outs[r][k] for k in keys]), ref), (keys, r)
+
+
+@pytest.mark.parametrize("how", ["slow", "failed"])
+def test_an_owner_keeps_the_rows_of_two_buckets_at_most(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Eight buckets in one call, every bucket's pieces before any aggregate: rank 3 holds back
+    its first piece for 1 s (``slow``), or signs its pieces to owner 0 with garbage, which fails
+    the call there at once (``failed``). Meanwhile the other senders' pieces of every bucket
+    arrive. An owner decodes into float32 rows only the pieces of the bucket it aggregates and
+    the next one (later ones wait encoded), and none after the call failed (they are counted for
+    its gaps, not kept): at most two buckets' rows are alive at once on any rank. Before, every
+    bucket's rows were: 3 senders x 8 buckets."""
+    import threading
+
+    from intellect_jax.net.butterfly import MeshSeal
+
+    world, buckets, n = 4, 8, 8192
+    lock, live, peak = threading.Lock(), [0] * world, [0] * world
+    row, release, honest = butterfly._ButterflyRun._row, butterfly._ButterflyRun._release_rows, \
+        butterfly._ButterflyRun._scatter_to
+
+    def counted(self: Any, m: int) -> Any:
+        with lock:
+            live[self.rank] += 1
+            peak[self.rank] = max(peak[self.rank], live[self.rank])
+        return row(self, m)
+
+    def released(self: Any, rows: Any) -> None:
+        with lock:
+            live[self.rank] -= sum(r is not None for r in rows)
+        release(self, rows)
+
+    def scatter(self: Any, k: int) -> None:
+        if self.rank == 3 and how == "slow" and self.first == 0:
+            time.sleep(1.0)
+        if self.rank == 3 and how == "failed" and not getattr(self.mseal, "bad", False):
+            sign = self.mseal.sign
+
+            class Bad(MeshSeal):
+                bad = True
+            self.mseal = Bad(lambda owner, *a: bytes(64) if owner == 0 else sign(owner, *a), self.mseal.verify)
+        honest(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_row", counted)
+    monkeypatch.setattr(butterfly._ButterflyRun, "_release_rows", released)
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
+    cfg = RingConfig(deadline=8, exchange="butterfly", robust="clip", piece_numel=1024, bucket_numel=n)
+    trees = [{f"l{b}": _inputs(world, n, seed=b)[r] for b in range(buckets)} for r in range(world)]
+    comms, _, errs = _butterfly(world, trees, cfg, first=60)
+    assert (errs == [None] * world) if how == "slow" else all(e is not None for e in errs), errs
+    per_bucket = butterfly_plan(n, world, cfg.block_size, cfg.piece_numel).pieces * world  # rows, our own included
+    assert max(peak) <= 2 * per_bucket, (peak, per_bucket)
+    if how == "failed":
+        assert comms[0].missing == (3,), [c.missing for c in comms]
 
 
 def test_our_own_pieces_go_before_our_aggregates_and_every_mesh_link_bounds_its_backlog(

@@ -63,6 +63,9 @@ from intellect_jax.net.frames import MsgType
 from intellect_jax.net.mesh_call import MeshCall
 from intellect_jax.net.plan import RingPlan, butterfly_plan
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
+from intellect_jax.net.tree import Flat, overlaps
+
+Vector = np.ndarray | Flat  # a bucket: one flat float32 array, or several seen as one
 
 RING_MODES = ("fp32", "bf16", "int8", "int4")  # codecs whose contributions can be cut into segments
 TAIL = 4  # bytes of an auditor's last aggregate piece held back until its audit passed (no rank completes without)
@@ -138,7 +141,7 @@ def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: i
 class _ButterflyRun(AuditFrames):
     """State of one bucket (one flat vector) of a butterfly call (``mesh``)."""
 
-    def __init__(self, mesh: MeshCall, x: np.ndarray, out: np.ndarray, mode: str, block: int, piece_numel: int,
+    def __init__(self, mesh: MeshCall, x: Vector, out: Vector, mode: str, block: int, piece_numel: int,
                  how: str, inspect: Inspect | None, seal: MeshSeal | None, ws: Workspace, absent: frozenset[int],
                  auditing: Auditing | None = None) -> None:
         rank, world = mesh.rank, mesh.world
@@ -148,17 +151,20 @@ class _ButterflyRun(AuditFrames):
         self.mode, self.block, self.how = mode, block, how
         self.inspect, self.mseal = inspect, seal
         self.plan: RingPlan = butterfly_plan(x.shape[0], world, block, piece_numel)
+        self.index = len(mesh.buckets)  # our place among the call's buckets
         self.first = sum(b.plan.pieces for b in mesh.buckets)  # pieces each link carries in the buckets before
         self.rows: list[list[np.ndarray | None]] = [[None] * world for _ in range(self.plan.pieces)]
         self.agg: list[np.ndarray | None] = [None] * self.plan.pieces
         self.findings: list[tuple[int, Finding]] = []  # (sender rank, its bad piece), first per sender
         self.got = [0] * world  # own pieces of our segment received whole from each rank (step 1)
+        # (piece, sender, its payload, its signature) received while the owner's aggregation was 2 or
+        # more buckets behind ours: kept as they came, decoded once it reaches us (see _scatter_from)
+        self.early: list[tuple[int, int, np.ndarray, bytes | None]] = []
         # signed calls: each sender's own piece as it came with its signature, until aggregated (_weigh)
         self.wires: list[list[tuple[np.ndarray, bytes] | None]] = [[None] * world for _ in range(self.plan.pieces)]
         self.norms = [[0.0] * world for _ in range(self.plan.pieces)]  # of the rows kept in wires (row_norm)
         self.weighed = 0  # pieces of our segment weighed (_weigh)
         self.outsize: dict[int, list] = {}  # sender -> [pieces its row was outsized in, the first one's Outsize]
-        self.wide = [np.empty(0, np.float64) for _ in range(world - 1)]  # each link's row_norm scratch
         if auditing is not None and seal is None:
             raise ValueError("auditing owners needs signed pieces (a seal)")
         self.ledger = None if auditing is None else Ledger(auditing, rank, x.shape[0], piece_numel, mode, block, how,
@@ -202,6 +208,15 @@ class _ButterflyRun(AuditFrames):
     def _row(self, n: int) -> np.ndarray:
         """A pooled float32 row of ``n`` values (its buffer goes back with ``ws.release(row.base)``)."""
         return self.ws.get(4 * n).view(np.float32)
+
+    def _place(self, a: int, b: int, wire: np.ndarray) -> None:
+        """The aggregate of values ``[a, b)`` on the wire, decoded into the result."""
+        if isinstance(self.out, np.ndarray):
+            quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
+            return
+        row = self._row(b - a)
+        self.out.put(a, quant.decode(wire, b - a, self.mode, self.block, out=row))
+        self.ws.release(row.base)
 
     def _encode(self, seg: int, j: int) -> np.ndarray:
         """Our own piece ``j`` of segment ``seg`` on the wire, in a pooled buffer."""
@@ -257,6 +272,10 @@ class _ButterflyRun(AuditFrames):
         """The owner: aggregate each piece of our segment once every member's row is in (then,
         when auditing, commit to them all)."""
         me, P, led = self.rank, self.plan.pieces, self.ledger
+        with self.cond:  # (our receivers decode what comes from now on themselves: mesh.current is ours)
+            early, self.early = self.early, []
+        for j, o, wire, sig in early:
+            self._take(o, j, wire, sig, -1)
         for j in range(P):
             a, b = self.plan.piece(me, j)
             own = self._encode(me, j)  # our own row as every other member's: through the codec
@@ -272,7 +291,7 @@ class _ButterflyRun(AuditFrames):
             rows = self.rows[j]
             wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a), self.absent,
                                    self.ws.scratch)
-            quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
+            self._place(a, b, wire)
             self._weigh(j)
             if led is not None:
                 led.aggregated(j, wire)
@@ -336,28 +355,43 @@ class _ButterflyRun(AuditFrames):
             if led is not None and not led.received(j, o, wire, sig) or led is None and keep and \
                     not self.mseal.verify(o, me, j, b - a, wire, sig):  # type: ignore[union-attr,arg-type]
                 raise FrameError(f"rank {o}: the signature of its own piece {j} of segment {me} does not verify")
-            row = self._row(b - a)
-            try:
-                quant.decode(wire, b - a, self.mode, self.block, out=row)
-            except ValueError as e:  # (a wrong length cannot arrive: recv_header checked it)
-                row[...], why = np.nan, f"an undecodable payload ({e})"
-            else:
-                why = (SAT_OUT if row.any() else None) if o in self.absent else \
-                    self.inspect(row) if self.inspect is not None else None
-            if why:
-                self._found(o, why, me, j, b - a, wire, sig)
-            if keep:  # (here, on the link's thread, while the row is in cache)
-                if self.wide[k].shape[0] < b - a:
-                    self.wide[k] = np.empty(b - a, np.float64)
-                self.norms[j][o] = row_norm(row, self.wide[k])
-            else:
-                self.ws.release(wire)
             with self.cond:
-                self.rows[j][o] = row
-                if keep:
-                    self.wires[j][o] = (wire, sig)
                 self.got[o] += 1
-                self.cond.notify_all()
+                late = self.error is not None  # nobody aggregates it: counted, not kept
+                early = not late and self.index > self.mesh.current + 1
+                if early:  # kept as it came (encoded), not as a float32 row, until the owner is nearer
+                    self.early.append((j, o, wire, sig))
+            if late:
+                self.ws.release(wire)
+            elif not early:
+                self._take(o, j, wire, sig, k)
+
+    def _take(self, o: int, j: int, wire: np.ndarray, sig: bytes | None, k: int) -> None:
+        """Sender ``o``'s own piece ``j`` of our segment, its signature checked: decoded into its
+        row, shown to ``inspect``, weighed, kept for the aggregation (on link ``k``'s thread while
+        it is in cache; ``k`` -1: the owner's, for a piece that came early)."""
+        me = self.rank
+        a, b = self.plan.piece(me, j)
+        keep = self.signed and o not in self.absent  # (weighed against the other rows once all are in)
+        row = self._row(b - a)
+        try:
+            quant.decode(wire, b - a, self.mode, self.block, out=row)
+        except ValueError as e:  # (a wrong length cannot arrive: recv_header checked it)
+            row[...], why = np.nan, f"an undecodable payload ({e})"
+        else:
+            why = (SAT_OUT if row.any() else None) if o in self.absent else \
+                self.inspect(row) if self.inspect is not None else None
+        if why:
+            self._found(o, why, me, j, b - a, wire, sig)
+        if keep:
+            self.norms[j][o] = row_norm(row, self.mesh.wide(k, b - a))
+        else:
+            self.ws.release(wire)
+        with self.cond:
+            self.rows[j][o] = row
+            if keep:
+                self.wires[j][o] = (wire, sig)
+            self.cond.notify_all()
 
     def _gather_from(self, k: int) -> None:
         """Step 3 on link ``k``: the aggregates of its sender's segment, and when auditing its
@@ -388,7 +422,7 @@ class _ButterflyRun(AuditFrames):
                 self._into(conn, wire[-TAIL:])
             if led is not None and not led.got(o, j, wire):
                 raise FrameError(f"rank {o}: its aggregates are not the ones it committed to")
-            quant.decode(wire, b - a, self.mode, self.block, out=self.out[a:b])
+            self._place(a, b, wire)
             self.ws.release(wire)
 
     def _recv(self, conn, n: int) -> np.ndarray:  # noqa: ANN001
@@ -418,16 +452,16 @@ class _ButterflyRun(AuditFrames):
 
 
 
-def butterfly_all_reduce(links: Links, xs: Sequence[np.ndarray], rank: int, world: int, *, mode: str, block: int,
+def butterfly_all_reduce(links: Links, xs: Sequence[Vector], rank: int, world: int, *, mode: str, block: int,
                          piece_numel: int, deadline: float, how: str = "mean",
-                         outs: Sequence[np.ndarray | None] | None = None, inspect: Inspect | None = None,
+                         outs: Sequence[Vector | None] | None = None, inspect: Inspect | None = None,
                          findings: list[tuple[int, int, Finding]] | None = None,
                          seals: Sequence[MeshSeal | None] | None = None, workspace: Workspace | None = None,
                          absent: frozenset[int] = frozenset(), auditings: Sequence[Auditing | None] | None = None,
                          verdicts: list[tuple[int, str, Case]] | None = None,
-                         gaps: list[int] | None = None, weighing: Weighing | None = None) -> list[np.ndarray]:
+                         gaps: list[int] | None = None, weighing: Weighing | None = None) -> list[Vector]:
     """Robust mean (``how``: a :mod:`.robust` aggregator) of each bucket ``xs[i]`` (flat
-    float32, not empty) over the mesh ``links``, bit-identical on every rank, in one call: every
+    float32, not empty; an array or a :class:`~.tree.Flat` of several) over the mesh ``links``, bit-identical on every rank, in one call: every
     bucket's step 1 before any bucket's step 3. Results go to ``outs[i]`` where given.
     ``inspect(theirs)`` is shown every other member's own piece of our segment; the first bad one
     of each sender in each bucket goes to ``findings`` as (bucket, sender rank, :class:`Finding`).
@@ -450,12 +484,15 @@ def butterfly_all_reduce(links: Links, xs: Sequence[np.ndarray], rank: int, worl
         raise ValueError(f"{n} buckets need as many outs, seals and auditings")
     for i, (x, o) in enumerate(zip(xs, outs)):
         outs[i] = o = np.empty(x.shape[0], np.float32) if o is None else o
-        if x.ndim != 1 or not x.shape[0] or o.shape != x.shape or o.dtype != np.float32 or np.may_share_memory(o, x):
+        if x.ndim != 1 or not x.shape[0] or o.shape != x.shape or o.dtype != np.float32 or overlaps(o, x):
             raise ValueError(f"bucket {i}: out must be float32 of shape {x.shape}, apart from the input, "
                              "which must be flat and not empty")
     if world == 1:
         for x, o in zip(xs, outs):
-            o[...] = 0 if absent else x
+            if isinstance(o, Flat):
+                o.put(0, np.zeros(x.shape[0], np.float32) if absent else x[0:x.shape[0]])
+            else:
+                o[...] = 0 if absent else x[0:x.shape[0]]
         return outs  # type: ignore[return-value]
     if len(links.out) != world - 1 or len(links.inn) != world - 1:
         raise ValueError(f"a butterfly of {world} needs {world - 1} links each way, not {len(links.out)}")

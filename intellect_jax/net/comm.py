@@ -173,7 +173,7 @@ def unpack_encoded(tree: Any, cfg: RingConfig, dropped: Any) -> tuple[Any, Encod
     return tree.like, tree
 
 
-ReduceAll = Callable[[list[np.ndarray], list[int], list["np.ndarray | None"]], list[np.ndarray]]
+ReduceAll = Callable[[list[Any], list[int], list[Any]], list[Any]]
 
 
 def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Reduce | None,
@@ -186,7 +186,9 @@ def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Reduce | None,
     ``dropped`` (the same), what ``reduce_flat`` writes to ``dropped_flat`` lands there.
     ``encoded``: the leaves are placeholders (:class:`Encoded`); ``flat`` is one too.
     ``reduce_all(flats, buckets, out_flats)`` instead reduces every bucket that is not empty in
-    one call (the butterfly's: every bucket's step 1 before any bucket's step 3).
+    one call (the butterfly's: every bucket's step 1 before any bucket's step 3); its flats are
+    views of the leaves (:func:`~.tree.view`: an array or a :class:`~.tree.Flat`), and so are the
+    ``out`` ones, written in place (without ``out``: None, the results returned).
     """
     leaves, rebuild, sig = treelib.flatten(tree)
     outs = None if out is None else leaves_like("out", out, sig)
@@ -197,10 +199,13 @@ def reduce_tree(tree: T, cfg: RingConfig, reduce_flat: Reduce | None,
         before({"sig": sig, "buckets": [sum(sizes[i] for i in b) for b in buckets]})
     directs = [outs[idx[0]].reshape(-1) if outs is not None and len(idx) == 1 else None for idx in buckets]
     results: dict[int, np.ndarray] = {}
-    if reduce_all is not None:
+    if reduce_all is not None:  # every bucket at once, as views of the leaves (no bucket is copied)
         full = [bi for bi, idx in enumerate(buckets) if sum(sizes[i] for i in idx)]
-        got = reduce_all([treelib.gather(leaves, buckets[bi]) for bi in full], full, [directs[bi] for bi in full])
+        got = reduce_all([treelib.view(leaves, buckets[bi]) for bi in full], full,
+                         [None if outs is None else treelib.view(outs, buckets[bi]) for bi in full])
         results = dict(zip(full, got))
+        if outs is not None:  # (written in place)
+            return rebuild(outs), sum(sizes)
     result: list[np.ndarray] = []
     for bi, idx in enumerate(buckets):
         n, direct = sum(sizes[i] for i in idx), directs[bi]
@@ -598,7 +603,7 @@ class SocketCommunicator:
                     held.extend((c, h) for h in disputed)
                     vouched.extend((c, v) for v in lists)
 
-            def mesh_reduce(flats: list[np.ndarray], bis: list[int], outs: list[np.ndarray | None]) -> list[np.ndarray]:
+            def mesh_reduce(flats: list[Any], bis: list[int], outs: list[Any]) -> list[Any]:
                 calls, by = [bucket_call(call, bi) for bi in bis], []  # (by: (bucket, sender rank, its bad piece))
                 try:
                     return butterfly_all_reduce(links, flats, self.rank, self.world_size, mode=cfg.mode,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+
 from intellect_jax.net.ring import Links, Pipeline
 
 WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
@@ -37,13 +39,23 @@ class MeshCall(Pipeline):
         self.moved = [time.monotonic()] * (world - 1)  # when step 1 last moved on each link (see _after_step1)
         self.unpaced = (time.monotonic() + deadline) / 2  # from then on step 1 goes unpaced (see _pace)
         self.over = [[False] * (world - 1), [False] * (world - 1)]  # step 1 over on each out and inn link
+        self.current = 0  # the bucket the owner aggregates (receivers decode its pieces and the next bucket's)
+        self._wide = [np.empty(0, np.float64) for _ in range(world)]  # row_norm scratch: each link's, the owner's
 
     def encoder(self) -> None:
         """Every bucket's owner in turn (:meth:`~.butterfly._ButterflyRun.encoder`)."""
-        for b in self.buckets:
+        for i, b in enumerate(self.buckets):
+            with self.cond:
+                self.current = i
             b.encoder()
             if self.error is not None:
                 return
+
+    def wide(self, k: int, n: int) -> np.ndarray:
+        """Float64 scratch of at least ``n`` values for link ``k``'s thread (-1: the owner's)."""
+        if self._wide[k].shape[0] < n:
+            self._wide[k] = np.empty(n, np.float64)
+        return self._wide[k]
 
     def sender(self, k: int) -> None:
         """To the owner of segment ``o``: our own pieces of it in every bucket, signed; then each

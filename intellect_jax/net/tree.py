@@ -7,6 +7,7 @@ ring all-reduce. jax is imported only when the input is not a plain numpy array.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from typing import Any, Callable
 
@@ -62,3 +63,54 @@ def scatter(flat: np.ndarray, leaves: list[np.ndarray], idx: list[int]) -> list[
         out.append(flat[off : off + n].reshape(leaves[i].shape))
         off += n
     return out
+
+
+class Flat:
+    """Several flat float32 arrays seen as one vector, without a copy: ``shape``, ``x[a:b]`` (a
+    view when the range lies in one array, else a copy of it) and ``put(a, values)`` (written
+    through to the arrays). A butterfly call holds every bucket at once, and a bucket of several
+    leaves gathered into one array would copy the whole model (:func:`view`)."""
+
+    ndim, dtype = 1, np.dtype(np.float32)
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts
+        self.starts = [0]
+        for x in parts:
+            self.starts.append(self.starts[-1] + x.shape[0])
+        self.shape = (self.starts[-1],)
+
+    def _spans(self, a: int, b: int):  # noqa: ANN202 - (array, its start, its stop) for each part [a, b) touches
+        i = bisect.bisect_right(self.starts, a) - 1
+        while a < b:
+            x, s = self.parts[i], self.starts[i]
+            e = min(b, s + x.shape[0])
+            if e > a:
+                yield x, a - s, e - s
+            a, i = max(a, e), i + 1
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        a, b, _ = key.indices(self.shape[0])
+        spans = list(self._spans(a, b))
+        if len(spans) == 1:
+            x, s, e = spans[0]
+            return x[s:e]
+        return np.concatenate([x[s:e] for x, s, e in spans]) if spans else np.empty(0, np.float32)
+
+    def put(self, a: int, values: np.ndarray) -> None:
+        off = 0
+        for x, s, e in self._spans(a, a + values.shape[0]):
+            x[s:e] = values[off:off + e - s]
+            off += e - s
+
+
+def view(leaves: list[np.ndarray], idx: list[int]) -> np.ndarray | Flat:
+    """The given leaves as one flat vector without a copy: the leaf itself (flat) if it is one,
+    else a :class:`Flat` over them (C-contiguous leaves)."""
+    flat = [np.ascontiguousarray(leaves[i]).reshape(-1) for i in idx]
+    return flat[0] if len(flat) == 1 else Flat(flat)
+
+
+def overlaps(a: np.ndarray | Flat, b: np.ndarray | Flat) -> bool:
+    """Whether two vectors (arrays or :class:`Flat`) may share memory."""
+    return any(np.may_share_memory(x, y) for x in getattr(a, "parts", [a]) for y in getattr(b, "parts", [b]))
