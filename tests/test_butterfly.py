@@ -295,7 +295,11 @@ def test_a_flat_view_of_several_leaves_reads_and_writes_them_without_a_copy() ->
     for a in range(whole.shape[0] + 1):
         for b in range(a, whole.shape[0] + 1):
             assert np.array_equal(flat[a:b], whole[a:b]), (a, b)
-    assert np.shares_memory(flat[5:9], leaves[2]) and overlaps(flat, leaves[4]) and not overlaps(flat, whole)
+    assert np.shares_memory(flat[5:9], leaves[2]) and overlaps([flat], [leaves[4]])
+    assert not overlaps([flat], [whole]) and not overlaps([leaves[0], leaves[2]], [leaves[4], flat[0:0]])
+    assert overlaps([whole[:3]], [leaves[0], whole[2:4]]) and not overlaps([whole[:3]], [whole[3:]])
+    with pytest.raises(ValueError):
+        flat.put(20, np.zeros(3, np.float32))
     values = rng.standard_normal(whole.shape[0]).astype(np.float32)
     for a, b in ((0, 22), (3, 14), (12, 13), (13, 22)):
         flat.put(a, values[a:b])

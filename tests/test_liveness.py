@@ -333,3 +333,38 @@ def test_a_link_given_up_on_answers_at_once_and_its_late_connection_is_closed() 
     assert time.monotonic() - t0 < 0.5 and len(failures) == 1
     release.set()
     assert closed.wait(5)
+
+
+def test_a_sitter_s_forged_piece_of_a_later_bucket_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unaudited, six buckets: rank 3 sits the round out but sends owner 0 non-zero pieces of
+    bucket 3 under a forged signature, while rank 2 holds its bucket-0 pieces back 1 s, so owner
+    0 gets bucket 3's pieces while it still aggregates bucket 0 (it keeps them as they came).
+    Every signed piece's signature is checked as it arrives, a sitter's too, so owner 0 fails on
+    rank 3's at once and names it (a review found it named by nobody when the check waited for
+    the piece's decoding, once the owner reached that bucket)."""
+    honest = butterfly._ButterflyRun._scatter_to
+
+    def scatter(self: Any, k: int) -> None:
+        if self.rank == 2 and self.first == 0:
+            time.sleep(1.0)
+        if self.rank == 3 and self.x.shape[0] == 8192 and self.first == 3 * self.plan.pieces:
+            sign = self.mseal.sign
+            self.mseal = MeshSeal(lambda owner, *a: bytes(64) if owner == 0 else sign(owner, *a), self.mseal.verify)
+        honest(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
+    world, n = 4, 8192
+    nodes = _nodes(world, first=330)
+    try:
+        comms = [nd.ring(_members(nodes), r, config=RingConfig(deadline=8, exchange="butterfly", robust="clip",
+                                                               piece_numel=1024, bucket_numel=n, audit=False))
+                 for r, nd in enumerate(nodes)]
+        for c in comms:
+            c.inspect, c.absent = (lambda theirs: verdict(theirs, None)), frozenset({3})
+        trees = [{f"l{b}": _inputs(world, n, seed=b)[r] for b in range(6)} for r in range(world)]
+        _, errs = _run(comms, trees)
+    finally:
+        for nd in nodes:
+            nd.close()
+    assert errs[0] is not None and "signature" in str(errs[0]), errs
+    assert comms[0].missing == (3,), [c.missing for c in comms]

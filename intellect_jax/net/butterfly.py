@@ -351,8 +351,7 @@ class _ButterflyRun(AuditFrames):
             a, b = self.plan.piece(me, j)
             wire = self._recv(conn, b - a)
             sig = self.their_signature(conn)
-            keep = self.signed and o not in self.absent  # (weighed against the other rows once all are in)
-            if led is not None and not led.received(j, o, wire, sig) or led is None and keep and \
+            if led is not None and not led.received(j, o, wire, sig) or led is None and self.signed and \
                     not self.mseal.verify(o, me, j, b - a, wire, sig):  # type: ignore[union-attr,arg-type]
                 raise FrameError(f"rank {o}: the signature of its own piece {j} of segment {me} does not verify")
             with self.cond:
@@ -440,15 +439,18 @@ class _ButterflyRun(AuditFrames):
         return self.mseal is not None
 
     def _found(self, sender: int, why: str, seg: int, j: int, n: int, wire: np.ndarray, sig: bytes | None) -> None:
-        """Keep sender's bad piece (its first) as evidence, its signature checked."""
-        if any(s == sender for s, _ in self.findings):
-            return
+        """Keep sender's bad piece (its first) as evidence, its signature checked (as it arrived,
+        but for an answer to our audit: here)."""
+        with self.cond:
+            if any(s == sender for s, _ in self.findings):
+                return
         payload = wire.tobytes()
         if self.mseal is not None and not self.mseal.verify(sender, seg, j, n, payload, sig):  # type: ignore[arg-type]
             raise FrameError(f"rank {sender}: its own piece {j} of segment {seg} has {why}, and its signature "
                              "does not verify")
-        with self.cond:
-            self.findings.append((sender, Finding(why, seg, j, n, payload, sig)))
+        with self.cond:  # (the owner's thread and a link's may find one sender's pieces at once: the first stays)
+            if not any(s == sender for s, _ in self.findings):
+                self.findings.append((sender, Finding(why, seg, j, n, payload, sig)))
 
 
 
@@ -484,9 +486,10 @@ def butterfly_all_reduce(links: Links, xs: Sequence[Vector], rank: int, world: i
         raise ValueError(f"{n} buckets need as many outs, seals and auditings")
     for i, (x, o) in enumerate(zip(xs, outs)):
         outs[i] = o = np.empty(x.shape[0], np.float32) if o is None else o
-        if x.ndim != 1 or not x.shape[0] or o.shape != x.shape or o.dtype != np.float32 or overlaps(o, x):
-            raise ValueError(f"bucket {i}: out must be float32 of shape {x.shape}, apart from the input, "
-                             "which must be flat and not empty")
+        if x.ndim != 1 or not x.shape[0] or o.shape != x.shape or o.dtype != np.float32:
+            raise ValueError(f"bucket {i}: out must be float32 of shape {x.shape}, and the input flat and not empty")
+    if overlaps(outs, xs):  # (an aggregate is written while later buckets' pieces still go out)
+        raise ValueError("the outs must lie apart from every bucket's input")
     if world == 1:
         for x, o in zip(xs, outs):
             if isinstance(o, Flat):

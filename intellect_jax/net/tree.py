@@ -12,6 +12,7 @@ import hashlib
 from typing import Any, Callable
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 
 def flatten(tree: Any) -> tuple[list[np.ndarray], Callable[[list[np.ndarray]], Any], str]:
@@ -90,7 +91,9 @@ class Flat:
             a, i = max(a, e), i + 1
 
     def __getitem__(self, key: slice) -> np.ndarray:
-        a, b, _ = key.indices(self.shape[0])
+        a, b, step = key.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("a Flat is sliced in ranges, without a step")
         spans = list(self._spans(a, b))
         if len(spans) == 1:
             x, s, e = spans[0]
@@ -98,6 +101,8 @@ class Flat:
         return np.concatenate([x[s:e] for x, s, e in spans]) if spans else np.empty(0, np.float32)
 
     def put(self, a: int, values: np.ndarray) -> None:
+        if not 0 <= a <= a + values.shape[0] <= self.shape[0]:
+            raise ValueError(f"{values.shape[0]} values at {a} do not fit in {self.shape[0]}")
         off = 0
         for x, s, e in self._spans(a, a + values.shape[0]):
             x[s:e] = values[off:off + e - s]
@@ -111,6 +116,14 @@ def view(leaves: list[np.ndarray], idx: list[int]) -> np.ndarray | Flat:
     return flat[0] if len(flat) == 1 else Flat(flat)
 
 
-def overlaps(a: np.ndarray | Flat, b: np.ndarray | Flat) -> bool:
-    """Whether two vectors (arrays or :class:`Flat`) may share memory."""
-    return any(np.may_share_memory(x, y) for x in getattr(a, "parts", [a]) for y in getattr(b, "parts", [b]))
+def overlaps(a: list[np.ndarray | Flat], b: list[np.ndarray | Flat]) -> bool:
+    """Whether any vector of ``a`` may share memory with any of ``b`` (arrays or :class:`Flat`;
+    their byte bounds, as ``np.may_share_memory`` takes them), in one sweep over them sorted."""
+    spans = sorted((*byte_bounds(x), side) for side, vs in enumerate((a, b)) for v in vs
+                   for x in getattr(v, "parts", [v]) if x.size)
+    reach = [-1, -1]  # the furthest end of each side's spans so far
+    for lo, hi, side in spans:
+        if lo < reach[1 - side]:
+            return True
+        reach[side] = max(reach[side], hi)
+    return False
