@@ -160,6 +160,32 @@ def test_eviction_by_disconnect_heartbeat_and_boundary_deadline() -> None:
     assert "epoch 2: members [a] at boundary 1 (evicted b: connection lost; evicted c" in events
 
 
+def test_a_founder_registering_past_the_boundary_deadline_has_its_own_time_to_sync() -> None:
+    """b waits at boundary 0 for a second founder (min_nodes 2); a registers 45 s later, past
+    b's 30 s deadline (under load its start took that long). It is not evicted before it could
+    sync, and the run starts with both. Before, each registration of a was evicted at the
+    next tick, so a registered again, forever, and the run never started."""
+    r = Run(min_nodes=2, boundary_timeout=30.0)
+    r.reg("b")
+    assert r.arrive("b", 0) is None
+    r.tick(45.0)
+    assert r.result("b") is None and set(r.m._nodes) == {"b"}  # nobody to evict, nobody to start with
+    assert r.reg("a").member
+    r.tick(0.5)
+    assert set(r.m._nodes) == {"a", "b"}
+    ep = r.arrive("a", 0)
+    assert ep is not None and ep.node_ids == ["a", "b"] and r.result("b") is not None
+    # ... but its time is its own: a late founder that never syncs is evicted boundary_timeout after it came
+    r2 = Run(min_nodes=2, boundary_timeout=30.0)
+    r2.reg("b"), r2.arrive("b", 0), r2.tick(45.0), r2.reg("a")
+    r2.tick(29.0)
+    assert set(r2.m._nodes) == {"a", "b"}
+    r2.tick(2.0)
+    assert set(r2.m._nodes) == {"b"}
+    reasons = {e["node_id"]: e["reason"] for e in r2.m.status(r2.now)["evictions"]}
+    assert reasons["a"] == "missed boundary 0 (30s after the first arrival or since it became a member)", reasons
+
+
 def test_retry_after_failed_all_reduce_gives_new_epoch_without_dead_node() -> None:
     r = Run(min_nodes=3)
     for n in "abc":

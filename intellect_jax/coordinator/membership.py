@@ -149,7 +149,7 @@ class Membership:
         elif founder and not self.started and not self._resumed:
             role, order, fresh = Role.MEMBER, (0, 0), True
         self._nodes[node_id] = Node(node_id, addr, devices, self._sessions.issue(node_id), role, order, now, fresh,
-                                    claim=resume, data=data)
+                                    claim=resume, data=data, since=now)
         what = "resumed member" if role is Role.MEMBER and resume else (
             "founding member" if fresh else "joiner (pending)")
         self._event(f"registered {node_id} ({addr}, {devices} devices) as {what}" + (f": {note}" if note else ""))
@@ -290,6 +290,7 @@ class Membership:
         wait before an automatic rollback) by that much, so nobody is judged for its stall."""
         for n in self._nodes.values():
             n.last_seen += gap
+            n.since += gap
             if n.arrival is not None:
                 n.arrival = replace(n.arrival, time=n.arrival.time + gap)
         if self._first_reg is not None:
@@ -310,11 +311,15 @@ class Membership:
         active = forming(self._nodes.values(), self._last, self._floor)
         if active is not None:
             step, arrived, expected = active
+            # each has boundary_timeout from the first arrival or, if later, from when the barrier began
+            # to wait for it: a founder (or resumed member) registering after the deadline is not
+            # evicted before it could sync, which would repeat at each registration and never let a
+            # run that waits for min_nodes start
             t0 = min(n.arrival.time for n in arrived)  # type: ignore[union-attr]
-            if now - t0 > self.config.boundary_timeout:
-                for n in ordered(expected - arrived):
+            for n in ordered(expected - arrived):
+                if now - max(t0, n.since) > self.config.boundary_timeout:
                     self._remove(n, now, f"missed boundary {step} ({self.config.boundary_timeout:.0f}s after "
-                                         "the first arrival)")
+                                         f"the first arrival{' or since it became a member' if n.since > t0 else ''})")
         self._advance(now)
 
     # ---- internals -----------------------------------------------------------------------
@@ -330,7 +335,7 @@ class Membership:
         """Not started: joiners whose claimed state can resume the run become its members."""
         for j in ordered(self._nodes.values()):
             if j.role is not Role.MEMBER and j.claim is not None and not self._judge_claim(j.claim):
-                j.role, j.order, j.admission = Role.MEMBER, (0, j.claim.rank), None
+                j.role, j.order, j.admission, j.since = Role.MEMBER, (0, j.claim.rank), None, now
                 self._raise_floor(j.claim.outer_step, now)
                 self._event(f"joiner {j.node_id} resumes the run with its state of outer step {j.claim.outer_step}")
 

@@ -82,7 +82,7 @@ class CoordinatorConfig:
     """Timeouts and run-start rules of the coordinator (seconds on its monotonic clock)."""
 
     heartbeat_timeout: float = 5.0  # no heartbeat for this long -> evicted
-    boundary_timeout: float = 300.0  # not at the barrier this long after its first arrival -> evicted
+    boundary_timeout: float = 300.0  # not at the barrier this long after its first arrival (or its own start) -> evicted
     join_window: float = 5.0  # the first barrier never closes earlier than this after the first registration
     min_nodes: int = 1  # a fresh run's first barrier waits for this many founding members
     fingerprint: str | None = None  # the run's model config fingerprint (None: the first registrant's)

@@ -57,6 +57,7 @@ class Node:
     stalls: int = 0  # failed calls in a row in which most others named it as withholding its pieces (policing.py)
     data: DataPlan | None = None  # how it reads its data (None: it did not say)
     donors: set[str] = field(default_factory=set)  # its donors so far (a joiner admitted again gets another)
+    since: float = 0.0  # when barriers began to wait for it (registered as a member, or promoted to one)
 
 
 @dataclass(frozen=True)
