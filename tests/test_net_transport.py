@@ -309,6 +309,24 @@ def test_silent_peer_times_out_and_closed_peer_is_reported() -> None:
         b.recv(MsgType.DATA, deadline=_deadline())
 
 
+def test_a_tls_connection_s_waits_keep_each_call_s_deadline_whatever_the_other_direction_set() -> None:
+    """TLS has one timeout for both directions (Python's), so a receive after a send must set it
+    again: a receive with 0.3 s left once waited out the send's 3 s."""
+    cfg = _cfg(io_timeout=5.0)
+    with Listener(cfg) as lst:
+        conn = connect(cfg, lst.address, "data/1", timeout=5)
+        srv = lst.accept("data/1", timeout=5)
+        try:
+            for _ in range(2):
+                t0 = time.monotonic()
+                with pytest.raises(PeerTimeout):
+                    conn.recv(MsgType.DATA, deadline=time.monotonic() + 0.3)
+                assert time.monotonic() - t0 < 2.0
+                conn.send(MsgType.DATA, b"x", deadline=time.monotonic() + 3.0)
+        finally:
+            conn.close(), srv.close()
+
+
 def test_blob_streaming(tmp_path: Path) -> None:
     cfg = _cfg(max_frame_bytes=1 << 20)
     with NetNode(cfg) as a, NetNode(cfg) as b:

@@ -16,6 +16,7 @@ A connection supports one sending and one receiving thread at a time.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import ssl
 import struct
@@ -149,25 +150,31 @@ class Connection:
         self._send_seq = 0
         self._recv_seq = 0
         self._timeouts: dict[int, float] = {}
-        if not self._tls:  # plain TCP: blocking socket, timeouts enforced by the kernel
-            sock.settimeout(None)
+        # plain TCP: a blocking socket, timeouts enforced by the kernel; TLS: non-blocking, each
+        # call waiting with its own poll, since Python's one socket timeout would be shared by the
+        # sending and the receiving thread (each would wait by the other's deadline)
+        sock.settimeout(0.0 if self._tls else None)
 
     def _arm(self, opt: int, t: float) -> None:
-        """Set the kernel timeout of one direction (a syscall, so only when it changes).
-
-        Plain sockets block in the kernel with ``SO_RCVTIMEO``/``SO_SNDTIMEO``: one
-        ``recv(MSG_WAITALL)`` or ``sendmsg`` moves a whole payload, instead of a Python loop
-        of poll + partial reads. TLS sockets use Python's own timeout mode.
-        """
+        """(plain TCP) Set the kernel timeout of one direction (a syscall, so only when it
+        changes): one ``recv(MSG_WAITALL)`` or ``sendmsg`` then moves a whole payload, instead of
+        a Python loop of poll + partial reads."""
         old = self._timeouts.get(opt)
         if old is not None and abs(old - t) <= 0.05 * t:
             return
         self._timeouts[opt] = t
-        if self._tls:
-            self._sock.settimeout(t)
-        else:
-            t = max(t, 0.001)  # 0 would mean "forever"
-            self._sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(t), int(t % 1 * 1e6)))
+        t = max(t, 0.001)  # 0 would mean "forever"
+        self._sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(t), int(t % 1 * 1e6)))
+
+    def _ready(self, e: ssl.SSLError, t: float) -> bool:
+        """(TLS) Wait up to ``t`` s until the socket can do what OpenSSL asked for (``e``: it wants
+        to read, or to write); False if it cannot by then."""
+        fd = self._sock.fileno()
+        if fd < 0:
+            raise PeerClosed(f"{self.peer}: connection closed")
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT if isinstance(e, ssl.SSLWantWriteError) else select.POLLIN)
+        return bool(poller.poll(max(t, 0.001) * 1000))
 
     def _timeout(self, deadline: float | None, what: str) -> float:
         t = self.cfg.io_timeout
@@ -182,12 +189,16 @@ class Connection:
         views = [v for v in views if v.nbytes]
         while views:
             t = self._timeout(deadline, what)
-            self._arm(socket.SO_SNDTIMEO, t)
             try:
-                if self._tls:
+                if self._tls:  # (a retry after "wants to write" passes the same view, as OpenSSL needs)
                     k = self._sock.send(views[0])
                 else:
+                    self._arm(socket.SO_SNDTIMEO, t)
                     k = self._sock.sendmsg(views)
+            except (ssl.SSLWantWriteError, ssl.SSLWantReadError) as e:
+                if not self._ready(e, t):
+                    raise PeerTimeout(f"{self.peer}: no progress for {t:.1f}s while {what}") from None
+                continue
             except (TimeoutError, BlockingIOError):
                 raise PeerTimeout(f"{self.peer}: no progress for {t:.1f}s while {what}") from None
             except OSError as e:
@@ -204,9 +215,15 @@ class Connection:
         got, n = 0, mv.nbytes
         while got < n:
             t = self._timeout(deadline, "receiving")
-            self._arm(socket.SO_RCVTIMEO, t)
             try:
+                if not self._tls:
+                    self._arm(socket.SO_RCVTIMEO, t)
                 k = self._sock.recv_into(mv[got:], n - got, self._waitall)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
+                if self._ready(e, t):
+                    continue
+                raise PeerTimeout(f"{self.peer}: no data for {t:.1f}s while receiving {what}",
+                                  idle=got == 0 and what == "a frame header") from None
             except (TimeoutError, BlockingIOError):
                 raise PeerTimeout(f"{self.peer}: no data for {t:.1f}s while receiving {what}",
                                   idle=got == 0 and what == "a frame header") from None
@@ -221,13 +238,19 @@ class Connection:
 
     def drain(self, deadline: float) -> bool:
         """Read and drop what the peer sent: False once it has closed the connection."""
-        self._arm(socket.SO_RCVTIMEO, self._timeout(deadline, "draining"))
-        try:
-            return len(self._sock.recv(4096)) > 0
-        except (TimeoutError, BlockingIOError):
-            raise PeerTimeout(f"{self.peer}: still sending while we drain the connection") from None
-        except (OSError, ssl.SSLError):
-            return False
+        while True:
+            t = self._timeout(deadline, "draining")
+            try:
+                if not self._tls:
+                    self._arm(socket.SO_RCVTIMEO, t)
+                return len(self._sock.recv(4096)) > 0
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
+                if not self._ready(e, t):
+                    raise PeerTimeout(f"{self.peer}: still sending while we drain the connection") from None
+            except (TimeoutError, BlockingIOError):
+                raise PeerTimeout(f"{self.peer}: still sending while we drain the connection") from None
+            except (OSError, ssl.SSLError):
+                return False
 
     def send(
         self, mtype: MsgType, payload: Buffer = b"", *, deadline: float | None = None, ptag: bytes | None = None
