@@ -77,6 +77,49 @@ def test_the_service_notices_its_own_stall_before_judging_anyone() -> None:
     assert {e["node_id"] for e in svc.status()["evictions"]} == {"a", "b"} and len(svc.stalls) == 1
 
 
+def test_a_sync_whose_barrier_completes_before_it_waits_is_answered_at_once() -> None:
+    """a's sync arrives, finds the barrier incomplete, and lets go of the lock; b completes the
+    barrier before a waits (its wake-up reaches nobody). a is answered at once: it polls before it
+    waits. Before, it slept until the next tick or keepalive (here 5 s; in a run, a tick, 0.1 s,
+    which showed as a late barrier in the seeded simulation under load)."""
+    import threading
+
+    svc = CoordinatorService(CoordinatorConfig(min_nodes=2, join_window=0.0, heartbeat_timeout=60.0,
+                                               tick_interval=5.0, keepalive_interval=5.0)).start()
+    try:
+        sess = {}
+        for i, n in enumerate("ab"):
+            reg = {"op": "register", "node": n, "addr": f"127.0.0.1:{9000 + i}", "devices": 1,
+                   "protocol": PROTOCOL, "fingerprint": FP, "founder": True, "resume": None}
+            sess[n] = svc.handle(reg, identity=n)["session"]
+        locked, between, replies, at = svc.locked, threading.Event(), {}, {}
+
+        def slow_first(fn):  # a, between its arrival and its wait
+            r = locked(fn)
+            if threading.current_thread().name == "a" and r is None and not between.is_set():
+                between.set()
+                time.sleep(0.5)
+            return r
+
+        svc.locked = slow_first  # type: ignore[method-assign]
+
+        def sync(n: str) -> None:
+            replies[n] = svc.handle({"op": "sync", "node": n, "session": sess[n], "step": 0},
+                                    deadline=time.monotonic() + 30, identity=n)
+            at[n] = time.monotonic()
+
+        ta = threading.Thread(target=sync, args=("a",), name="a")
+        ta.start()
+        assert between.wait(10)
+        t0 = time.monotonic()
+        sync("b")
+        ta.join(30)
+        assert replies["a"]["ok"] and replies["b"]["ok"], replies
+        assert at["a"] - t0 < 2.0, at["a"] - t0
+    finally:
+        svc.stop()
+
+
 def test_a_malformed_sync_is_refused_and_the_run_goes_on() -> None:
     """A sync's state_hash and report are kept by the membership and read at every later barrier:
     a bad one is refused at once (a ProtocolError reply), and the ticker and the barrier live on."""

@@ -283,11 +283,11 @@ class CoordinatorService:
         while result is None:
             with self._cond:
                 end = clock.now() + every
-                while result is None and not self._stopped and clock.now() < end:
+                # polled before each wait: the barrier may have completed, waking nobody, while this
+                # thread was between `first` and the wait; never once stopped (a change whose save
+                # failed must not reach anyone, as a result or an error)
+                while not self._stopped and (result := poll()) is None and clock.now() < end:
                     self._cond.wait(max(0.0, end - clock.now()))
-                    if self._stopped:  # (a change whose save failed must not reach anyone, as a result or an error)
-                        break
-                    result = poll()
             if self._stopped:
                 raise ServiceStopped(self.failure or "coordinator stopped")
             if result is None:
