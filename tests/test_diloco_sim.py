@@ -69,6 +69,31 @@ def test_sim_clock_jumps_to_deadlines_and_reports_a_hang() -> None:
     assert [type(e) for _, e in clock.errors] == [Hang]
 
 
+def test_a_thread_waiting_for_a_lock_that_a_wait_frees_runs_before_time_jumps() -> None:
+    """a waits on a condition whose lock b is queued for (in real time, a held it a while): b is
+    runnable from that moment, at virtual time 0. Before, a was parked before it let go of the
+    lock, so for an instant every thread counted as blocked and time jumped to the next deadline
+    (the ticker's, 0.1): whether b ran at 0 or at 0.1 depended on the machine's load."""
+    clock, seen = SimClock(), {}
+    cond = clock.Condition()
+
+    def a() -> None:
+        with cond:
+            time.sleep(0.2)  # real time, holding the lock: b queues for it
+            cond.wait(5.0)
+
+    def b() -> None:
+        time.sleep(0.05)
+        with cond:
+            seen["b"] = clock.now()
+            cond.notify_all()
+
+    threads = [clock.spawn(f, name=n) for f, n in ((a, "a"), (b, "b"), (lambda: clock.sleep(0.1), "ticker"))]
+    for t in threads:
+        t.join(10)
+    assert seen == {"b": 0.0} and not clock.errors, (seen, clock.errors)
+
+
 # ---------------------------------------------------------------------------------------------
 # scripted recovery paths
 # ---------------------------------------------------------------------------------------------

@@ -164,14 +164,17 @@ class SimLock:
                 return False
 
     def release(self) -> None:
-        c = self._c
-        with c._mu:
-            if not self._held:
-                raise RuntimeError("release of an unlocked SimLock")
-            self._held = False
-            while self._waiters:
-                if c._wake(self._waiters.pop(0)):
-                    break
+        with self._c._mu:
+            self._release()
+
+    def _release(self) -> None:
+        """(under the clock's _mu) Free the lock; a thread parked on it becomes runnable."""
+        if not self._held:
+            raise RuntimeError("release of an unlocked SimLock")
+        self._held = False
+        while self._waiters:
+            if self._c._wake(self._waiters.pop(0)):
+                break
 
     def locked(self) -> bool:
         return self._held
@@ -210,9 +213,9 @@ class SimCondition:
         c = self._c
         with c._mu:
             w = c._waiter(timeout)
-            self._waiters.append(w)
+            self._lock._release()  # with the park, atomically: a thread parked on the lock is
+            self._waiters.append(w)  # runnable before time may jump to a deadline
             c._park(w)
-        self._lock.release()
         try:
             timed_out = c._await(w)
         finally:
