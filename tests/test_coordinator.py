@@ -671,6 +671,45 @@ def test_sigkilled_client_evicted_at_once_survivors_get_new_epoch(coordinator) -
         a.close(), b.close()
 
 
+def test_a_waiting_registration_says_each_new_cause_once_in_a_while() -> None:
+    """A node that waits for its coordinator says why at once, then again whenever the cause
+    changes (timeouts and ports aside), at most every 5 s: an operator sees a coordinator that
+    went away, not only the first cause and the last."""
+    from intellect_jax.coordinator.client import CoordinatorClient
+    from intellect_jax.net import PeerClosed, PeerTimeout
+
+    from helpers import ManualClock
+
+    class Clock(ManualClock):
+        def sleep(self, seconds: float) -> None:
+            self.t += seconds
+
+    clock, said = Clock(), []
+    causes = [PeerTimeout(f"no data for {t}s while receiving a frame header") for t in (10.0, 9.5, 3.2)] + \
+        [OSError("[Errno 111] Connection refused")] * 10 + [PeerClosed("coordinator closed the connection")] + \
+        [PeerTimeout("no data for 10.0s while receiving a frame header")] * 2
+
+    class Wire:
+        name = "coordinator c:1"
+
+        def open(self, msg: dict, timeout: float) -> Any:
+            clock.t += 2.0
+            if causes:
+                raise causes.pop(0)
+            return None, {"ok": False, "error": "RegistrationRefused", "message": "fingerprint x != run's y",
+                          "reason": "fingerprint"}
+
+    client = CoordinatorClient(None, None, "a", "h:1", fingerprint=FP, wire=Wire(), clock=clock,  # type: ignore[arg-type]
+                               say=said.append, register_timeout=600.0)
+    with pytest.raises(RegistrationRefused, match="fingerprint"):
+        client.register()
+    assert [s.split("(")[1].split(")")[0] for s in said] == [
+        "no data for 10.0s while receiving a frame header", "[Errno 111] Connection refused",
+        "coordinator closed the connection", "no data for 10.0s while receiving a frame header"], said
+    assert "retrying for up to 600s" in said[0] and all(s.startswith("node a: still waiting for coordinator c:1 after ")
+                                                       for s in said[1:]), said
+
+
 def test_a_session_replaced_by_a_newer_registration_is_stale_not_evicted() -> None:
     """A client re-registers (its connection broke) while one of its requests still carries the
     session it replaced: that request is told its session is stale, so the client re-issues it

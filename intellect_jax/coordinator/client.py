@@ -25,6 +25,7 @@ in-process :class:`~.service.LocalWire`.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any, Self
@@ -198,7 +199,7 @@ class CoordinatorClient:
         t0 = clock.now()
         deadline = t0 + self.register_timeout
         grace = t0 + min(self.reconnect_timeout, self.register_timeout)  # for "duplicate": our old session
-        delay, waiting = 0.05, False
+        delay, waiting, said, said_at = 0.05, False, "", t0
         while True:
             try:
                 r = self._register(min(self.connect_timeout, max(0.1, deadline - clock.now())))
@@ -214,10 +215,15 @@ class CoordinatorClient:
                 cause: Exception = e
             except TRANSIENT as e:
                 cause = e
+            kind = re.sub(r"\d+(\.\d+)?", "#", f"{type(cause).__name__}: {cause}")  # (times and ports aside)
             if not waiting:
-                waiting = True
+                waiting, said, said_at = True, kind, clock.now()
                 self._say(f"node {self.node_id}: waiting for {self._name} ({cause}); retrying for up to "
                           f"{self.register_timeout:.0f}s")
+            elif kind != said and clock.now() - said_at >= 5.0:  # another cause: say it, once in a while
+                said, said_at = kind, clock.now()
+                self._say(f"node {self.node_id}: still waiting for {self._name} after {clock.now() - t0:.0f}s "
+                          f"({cause})")
             if clock.now() >= deadline:
                 raise CoordinatorUnavailable(f"{self._name} did not answer node {self.node_id}'s registration for "
                                              f"{self.register_timeout:.0f}s ({cause})") from cause
