@@ -108,13 +108,15 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
         subprocess.Popen(base + ["--diloco.node_id", "other", "--diloco.keys", str(keys), "--model.num_layers", "3"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env),
     ]
-    (_, err_foreign), (_, err_model) = [b.communicate(timeout=300) for b in bad]
+    (out_foreign, err_foreign), (out_model, err_model) = [b.communicate(timeout=300) for b in bad]
     out = p.communicate(timeout=600)[0]
     # on failure: every line that is not an outer-step row (the errors), then the tail
     assert p.returncode == 0, "\n".join(l for l in out.splitlines() if "outer step" not in l)[-6000:]
     assert [b.returncode for b in bad] == [2, 2], (err_foreign[-500:], err_model[-500:])
-    assert len(err_foreign.strip().splitlines()) == 1 and "certificate not of this run" in err_foreign, err_foreign[-500:]
-    assert len(err_model.strip().splitlines()) == 1 and "fingerprint" in err_model, err_model[-500:]
+    assert len(err_foreign.strip().splitlines()) == 1 and "certificate not of this run" in err_foreign, \
+        (err_foreign[-500:], out_foreign[-2000:])
+    assert len(err_model.strip().splitlines()) == 1 and "fingerprint" in err_model, (err_model[-500:],
+                                                                                   out_model[-2000:])
     assert "SIGKILL coordinator" in out and "resumed member" in out and "journal: the run is at outer step" in out
     assert out.count("butterfly exchange: each segment's owner checks every member's signed piece and aggregates "
                      "them with cclip") == 3, out[-3000:]  # node0, node1, node2
