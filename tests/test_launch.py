@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -72,42 +71,31 @@ def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     journal; a node of another run authority and one with another model are refused in one line.
     node2's process starts at outer step 1 of 20: the run must outlast its start-up (imports,
     compilation) on a loaded machine, or it would be told that the run is complete."""
+    from intellect_jax.net.identity import Authority
+
     port = free_port()
     env = dict(os.environ)
-    # 20 outer steps: the refused nodes below start at outer step 1 and must meet a live
-    # coordinator, however slow their start-up on a loaded machine (two test workers)
-    p = launch(tmp_path, "--nodes", "2", "--join", "node2@1", "--kill-coordinator", "3", "--run.steps", "100",
-               "--diloco.leases", "--diloco.unit_steps", "1", "--diloco.exchange", "butterfly", "--diloco.robust", "cclip",
-               port=port, env=env)
-    # once the run is going: a node of another authority and one with another model are refused
-    from intellect_jax.coordinator.client import coordinator_status
-    from intellect_jax.net.identity import Authority, Credentials
-    from intellect_jax.net.transport import TransportConfig
-
-    keys = tmp_path / "runs" / "debug_diloco" / "keys"  # the launcher's run authority
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            tcfg = TransportConfig(run_id="intellect-jax", identity=Credentials.load(keys, "operator"))
-            if coordinator_status(f"127.0.0.1:{port}", tcfg, timeout=2)["outer_step"] >= 1:
-                break
-        except Exception:
-            pass
-        time.sleep(0.5)
-    else:
-        pytest.fail("the run never reached outer step 1")
+    # a node of another authority and one with another model, refused: started with the founders,
+    # so that however slow their start-up they meet a live coordinator (started at outer step 1,
+    # they once found the 20-step run over, on a slow machine). The run's authority is made here
+    # first (the launcher takes the one it finds), so that its operator can let "other" in.
+    Authority.init(tmp_path / "runs" / "debug_diloco" / "keys", "intellect-jax").issue("other")
+    Authority.init(tmp_path / "elsewhere", "intellect-jax").issue("intruder")
     base = [sys.executable, "-m", "intellect_jax.train", "--config", "configs/debug_diloco.toml",
             "--diloco.coordinator", f"127.0.0.1:{port}", "--run.out_dir", str(tmp_path / "bad"),
             *LAUNCH_TINY, "--data.cache_dir", str(tmp_path / "cache"), "--diloco.register_timeout", "120",
             "--diloco.reconnect_timeout", "60"]  # a refusal never comes after these: fail, not hang
-    Authority.init(tmp_path / "elsewhere", "intellect-jax").issue("intruder")
-    Authority.load(keys).issue("other")  # the operator lets "other" in; its model differs
     bad = [
         subprocess.Popen(base + ["--diloco.node_id", "intruder", "--diloco.keys", str(tmp_path / "elsewhere")],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env),
-        subprocess.Popen(base + ["--diloco.node_id", "other", "--diloco.keys", str(keys), "--model.num_layers", "3"],
+        subprocess.Popen(base + ["--diloco.node_id", "other", "--diloco.keys",
+                                 str(tmp_path / "runs" / "debug_diloco" / "keys"), "--model.num_layers", "3"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env),
     ]
+    # node2 starts at outer step 1 of 20: the run must outlast its start-up on a loaded machine
+    p = launch(tmp_path, "--nodes", "2", "--join", "node2@1", "--kill-coordinator", "3", "--run.steps", "100",
+               "--diloco.leases", "--diloco.unit_steps", "1", "--diloco.exchange", "butterfly", "--diloco.robust", "cclip",
+               port=port, env=env)
     (out_foreign, err_foreign), (out_model, err_model) = [b.communicate(timeout=300) for b in bad]
     out = p.communicate(timeout=600)[0]
     # on failure: every line that is not an outer-step row (the errors), then the tail
