@@ -186,6 +186,25 @@ def test_a_founder_registering_past_the_boundary_deadline_has_its_own_time_to_sy
     assert reasons["a"] == "missed boundary 0 (30s after the first arrival or since it became a member)", reasons
 
 
+def test_founders_that_come_back_in_turn_cannot_hold_the_first_barrier() -> None:
+    """b and c wait at boundary 0; founders x (at 10 s) and y (at 35 s) registered and never sync,
+    and each registers again as soon as it is evicted. A member's time at a barrier counts from
+    its first registration there: both are out by 65 s and the run starts with b and c. (Had each
+    registration brought a fresh 30 s, one of the two would always be inside its window.)"""
+    r = Run(min_nodes=2, boundary_timeout=30.0)
+    r.reg("b"), r.arrive("b", 0)
+    r.tick(10.0), r.reg("x")
+    r.tick(10.0), r.reg("c"), r.arrive("c", 0)
+    r.tick(15.0), r.reg("y")
+    while r.now < 200.0 and r.result("b") is None:
+        r.tick(0.5)
+        for n in ("x", "y"):
+            if n not in r.m._nodes:
+                r.reg(n)
+    assert r.result("b") is not None and r.result("b").node_ids == ["b", "c"], r.now  # type: ignore[union-attr]
+    assert r.now <= 66.0, r.now
+
+
 def test_retry_after_failed_all_reduce_gives_new_epoch_without_dead_node() -> None:
     r = Run(min_nodes=3)
     for n in "abc":

@@ -58,6 +58,7 @@ class Membership:
         self._floor = self.history.lowest_resumable()  # not started: the lowest acceptable boundary
         self._seq = 0  # joiner admissions (ring order)
         self._first_reg: float | None = None
+        self._member_since: dict[str, tuple[Any, float]] = {}  # node -> (the barrier forming, when it joined it)
         self._evictions: list[dict[str, Any]] = []
         self._notes: list[str] = []  # changes since the last epoch, for its log line
         self._events: list[str] = []
@@ -149,7 +150,8 @@ class Membership:
         elif founder and not self.started and not self._resumed:
             role, order, fresh = Role.MEMBER, (0, 0), True
         self._nodes[node_id] = Node(node_id, addr, devices, self._sessions.issue(node_id), role, order, now, fresh,
-                                    claim=resume, data=data, since=now)
+                                    claim=resume, data=data,
+                                    since=self._since(node_id, now) if role is Role.MEMBER else now)
         what = "resumed member" if role is Role.MEMBER and resume else (
             "founding member" if fresh else "joiner (pending)")
         self._event(f"registered {node_id} ({addr}, {devices} devices) as {what}" + (f": {note}" if note else ""))
@@ -293,6 +295,7 @@ class Membership:
             n.since += gap
             if n.arrival is not None:
                 n.arrival = replace(n.arrival, time=n.arrival.time + gap)
+        self._member_since = {k: (b, t + gap) for k, (b, t) in self._member_since.items()}
         if self._first_reg is not None:
             self._first_reg += gap
         self.history.extend(gap)
@@ -331,11 +334,20 @@ class Membership:
         """Not started, with history: the run waits for a node with its state."""
         return self._last is None and self._resumed
 
+    def _since(self, node_id: str, now: float) -> float:
+        """When the barrier being formed began to wait for member ``node_id``: now, unless it was a
+        member at this barrier before (evicted, it registered again): a node that comes back, or
+        two that take turns, get no fresh ``boundary_timeout`` and cannot hold the barrier forever."""
+        key = (self._last.step if self._last is not None else None, self._floor)
+        if any(b != key for b, _ in self._member_since.values()):  # another barrier: forget the last one's
+            self._member_since = {k: v for k, v in self._member_since.items() if v[0] == key}
+        return self._member_since.setdefault(node_id, (key, now))[1]
+
     def _promote_claims(self, now: float) -> None:
         """Not started: joiners whose claimed state can resume the run become its members."""
         for j in ordered(self._nodes.values()):
             if j.role is not Role.MEMBER and j.claim is not None and not self._judge_claim(j.claim):
-                j.role, j.order, j.admission, j.since = Role.MEMBER, (0, j.claim.rank), None, now
+                j.role, j.order, j.admission, j.since = Role.MEMBER, (0, j.claim.rank), None, self._since(j.node_id, now)
                 self._raise_floor(j.claim.outer_step, now)
                 self._event(f"joiner {j.node_id} resumes the run with its state of outer step {j.claim.outer_step}")
 
