@@ -15,11 +15,13 @@ A connection supports one sending and one receiving thread at a time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import select
 import socket
 import ssl
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -154,6 +156,10 @@ class Connection:
         # call waiting with its own poll, since Python's one socket timeout would be shared by the
         # sending and the receiving thread (each would wait by the other's deadline)
         sock.settimeout(0.0 if self._tls else None)
+        # (TLS) one OpenSSL object serves both directions, its last error and retry state shared:
+        # each non-blocking call holds this lock (never a wait), so a sending and a receiving
+        # thread each read their own call's outcome
+        self._ssl_lock = threading.Lock() if self._tls else contextlib.nullcontext()
 
     def _arm(self, opt: int, t: float) -> None:
         """(plain TCP) Set the kernel timeout of one direction (a syscall, so only when it
@@ -191,7 +197,8 @@ class Connection:
             t = self._timeout(deadline, what)
             try:
                 if self._tls:  # (a retry after "wants to write" passes the same view, as OpenSSL needs)
-                    k = self._sock.send(views[0])
+                    with self._ssl_lock:
+                        k = self._sock.send(views[0])
                 else:
                     self._arm(socket.SO_SNDTIMEO, t)
                     k = self._sock.sendmsg(views)
@@ -218,7 +225,8 @@ class Connection:
             try:
                 if not self._tls:
                     self._arm(socket.SO_RCVTIMEO, t)
-                k = self._sock.recv_into(mv[got:], n - got, self._waitall)
+                with self._ssl_lock:
+                    k = self._sock.recv_into(mv[got:], n - got, self._waitall)
             except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
                 if self._ready(e, t):
                     continue
@@ -243,7 +251,8 @@ class Connection:
             try:
                 if not self._tls:
                     self._arm(socket.SO_RCVTIMEO, t)
-                return len(self._sock.recv(4096)) > 0
+                with self._ssl_lock:
+                    return len(self._sock.recv(4096)) > 0
             except (ssl.SSLWantReadError, ssl.SSLWantWriteError) as e:
                 if not self._ready(e, t):
                     raise PeerTimeout(f"{self.peer}: still sending while we drain the connection") from None
@@ -331,8 +340,9 @@ class Connection:
 
     def abort(self) -> None:
         """Shut the socket down so that blocked threads wake up with an error."""
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+        try:  # the descriptor's shutdown, not SSLSocket's: that one drops the OpenSSL object, and a
+            # thread still in a call would go on with plain reads of ciphertext or fail oddly
+            socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
         except OSError:
             pass
 
