@@ -35,7 +35,7 @@ def rank_data(rank: int, numel: int) -> np.ndarray:
 
 
 def _install_fault(fault: Fault) -> None:
-    from intellect_jax.net import transport
+    from intellect_jax.net import NetError, transport
     from intellect_jax.net.frames import MsgType
 
     orig_recv = transport.Connection.recv_payload_into
@@ -55,9 +55,10 @@ def _install_fault(fault: Fault) -> None:
 
     def send(self, mtype, payload=b"", *, deadline=None, ptag=None):  # noqa: ANN001, ANN202
         if fault.kind == "garbage" and mtype == MsgType.DATA and seen[0] >= fault.after:
-            try:
-                self._sock.sendall(np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes())
-            except OSError:  # the successor hung up mid-garbage (it saw enough): the same fault
+            garbage = np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)
+            try:  # (through the connection's own send loop: its TLS socket does not block)
+                self._send_views([memoryview(garbage)], time.monotonic() + 5.0, "sending garbage")
+            except (OSError, NetError):  # the successor hung up mid-garbage (it saw enough): the same fault
                 pass
             time.sleep(1.0)  # let the successor read the garbage before our sockets close
             raise RuntimeError("fault injection: wrote garbage instead of a frame")
