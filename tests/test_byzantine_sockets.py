@@ -90,6 +90,33 @@ def test_a_member_that_withholds_its_pieces_in_a_real_run_is_evicted_and_the_oth
     assert len(r["evictions"]) == 1, r["evictions"]  # evicted once, in the first outer step's retries
 
 
+def test_an_owner_withholding_its_aggregates_from_one_member_in_a_real_run_evicts_nobody(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """n1, as owner, sends n0 its audit frames but none of its aggregates, in every all-reduce:
+    n0 gets them relayed by a member that holds them (checked against n1's commitment), so every
+    call completes everywhere; nobody is evicted (before the relay, n0 failed each call and was
+    removed as behind), and the four finish the run with one state."""
+    from intellect_jax.net import butterfly
+    from intellect_jax.net.frames import MsgType
+
+    honest = butterfly._ButterflyRun._gather_to
+
+    def gather(self: Any, k: int) -> None:
+        ids, conn = self.ledger.ctx.ids, self.links.out[k]
+        if ids[self.rank] == "n1" and ids[butterfly.peer_of(self.rank, self.world, k)] == "n0" and \
+                not getattr(conn, "skipping", False):
+            send = conn.send
+            conn.send = lambda t, payload=b"", **kw: None if t == MsgType.DATA else send(t, payload, **kw)
+            conn.skipping = True
+        honest(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather)
+    r = socket_run(4, "byz-relay", dataclasses.replace(RING, deadline=10.0), outer_steps=STEPS, dim=4096)
+    assert r["evictions"] == [], r["evictions"]
+    assert r["outcomes"] == [Outcome.FINISHED] * 4, r["outcomes"]
+    assert len(set(r["node_hashes"])) == 1, r["node_hashes"]
+
+
 @pytest.mark.parametrize("attack", ["flip", "push", "ratchet", "x1000", "sitout"])
 def test_the_attack_suite_in_real_runs(monkeypatch: pytest.MonkeyPatch, attack: str) -> None:
     """n1 attacks every all-reduce of a real run with robust owners (clip): a sign flip x(N-1),

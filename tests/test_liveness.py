@@ -5,19 +5,22 @@ calls, and nobody when half the ring or more would be named."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 from intellect_jax.coordinator.policing import Police
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Arrival, Node, Role
 from intellect_jax.coordinator.schema import Missing, Report
-from intellect_jax.net import RingConfig, butterfly
+from intellect_jax.net import RingConfig, butterfly, relay
 from intellect_jax.net.butterfly import MeshSeal
 from intellect_jax.net.evidence import verdict
-from tests.test_net_ring import _inputs, _members, _nodes, _run
+from intellect_jax.net.frames import MsgType
+from tests.test_net_ring import _inputs, _members, _nodes, _run, _same_bits
 
 CFG = RingConfig(deadline=3, exchange="butterfly", robust="clip", piece_numel=256)
 
@@ -107,9 +110,11 @@ def _call(monkeypatch: pytest.MonkeyPatch, first: int, xs: list[Any], **cfg: Any
 
 def test_a_failure_in_one_bucket_gets_nobody_named_for_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two buckets: rank 2 withholds the last 4 bytes of its bucket-0 aggregate from rank 0 only.
-    Rank 0 fails in bucket 0's gather, but its bucket-1 pieces went out before any bucket's
-    gather, so nobody lacks them and nobody is named (when each bucket's step 1 followed the
-    bucket before, rank 0 never sent them, and all three named it)."""
+    Rank 0's link from rank 2 ends in bucket 0's gather (what comes in their place is no tail),
+    and with it rank 2's bucket-1 audit frames, which nobody relays yet (docs/net.md): rank 0
+    fails. But its bucket-1 pieces went out before any bucket's gather, so nobody lacks them and
+    nobody is named (when each bucket's step 1 followed the bucket before, rank 0 never sent
+    them, and all three named it)."""
     honest = butterfly._ButterflyRun._gather_to
 
     def gather(self: Any, k: int) -> None:
@@ -123,6 +128,82 @@ def test_a_failure_in_one_bucket_gets_nobody_named_for_the_next(monkeypatch: pyt
     a, b = _inputs(4, 5000), _inputs(4, 3000, seed=1)
     missing, errs = _call(monkeypatch, 360, [{"a": a[r], "b": b[r]} for r in range(4)], bucket_numel=5000)
     assert errs[0] is not None and all(m == () for m in missing), (missing, errs)
+
+
+def _skip_aggregates(monkeypatch: pytest.MonkeyPatch, owner: int, victim: int) -> None:
+    """``owner`` sends ``victim`` none of its aggregates (its audit frames and POST frames it does)."""
+    honest = butterfly._ButterflyRun._gather_to
+
+    def gather(self: Any, k: int) -> None:
+        conn = self.links.out[k]
+        if self.rank == owner and butterfly.peer_of(owner, self.world, k) == victim and \
+                not getattr(conn, "skipping", False):
+            send = conn.send
+            conn.send = lambda t, payload=b"", **kw: None if t == MsgType.DATA else send(t, payload, **kw)
+            conn.skipping = True
+        honest(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather)
+
+
+def test_an_owner_s_aggregates_withheld_from_one_member_are_relayed_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2 sends rank 0 its audit frames but none of its aggregates (and says DONE in their
+    place). Rank 0 asks a member that said DONE for them, checks each against rank 2's
+    commitment, and completes: every rank returns the same bits, well before the deadline (before,
+    rank 0 failed at the deadline and the three others completed: rank 0 was removed as behind)."""
+    _skip_aggregates(monkeypatch, owner=2, victim=0)
+    nodes, xs = _nodes(4, first=380), _inputs(4, 5000)
+    try:
+        comms = [n.ring(_members(nodes), r, config=CFG) for r, n in enumerate(nodes)]
+        t0 = time.monotonic()
+        outs, errs = _run(comms, xs)
+        took = time.monotonic() - t0
+    finally:
+        for n in nodes:
+            n.close()
+    assert errs == [None] * 4, errs
+    assert all(_same_bits(o, butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
+    assert took < CFG.deadline * 0.8, took
+
+
+def test_a_relayer_that_alters_what_it_relays_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, and rank 1 flips a byte in every piece it relays; rank 3 says DONE a second
+    late. Rank 0 asks rank 1 first, drops what does not match rank 2's commitment, then asks
+    rank 3, and completes with the same bits as every other rank."""
+    _skip_aggregates(monkeypatch, owner=2, victim=0)
+    serve, post_out, relayed = relay.Relay._serve, relay.Relay.post_out, []
+
+    def altered(self: Any, conn: Any, i: int, q: int, first: int) -> None:
+        if self.rank == 1:
+            send = conn.send
+
+            def flip(t: MsgType, payload: Any = b"", **kw: Any) -> Any:
+                if t == MsgType.DATA:
+                    payload = np.array(payload, np.uint8, copy=True)
+                    payload[-1] ^= 1
+                    relayed.append(1)
+                return send(t, payload, **kw)
+            conn = type("Flip", (), {"send": staticmethod(flip)})()
+        serve(self, conn, i, q, first)
+
+    def late(self: Any, k: int) -> None:
+        if self.rank == 3:
+            time.sleep(1.0)
+        post_out(self, k)
+
+    monkeypatch.setattr(relay.Relay, "_serve", altered)
+    monkeypatch.setattr(relay.Relay, "post_out", late)
+    nodes, xs = _nodes(4, first=390), _inputs(4, 5000)
+    cfg = dataclasses.replace(CFG, deadline=6)
+    try:
+        comms = [n.ring(_members(nodes), r, config=cfg) for r, n in enumerate(nodes)]
+        outs, errs = _run(comms, xs)
+    finally:
+        for n in nodes:
+            n.close()
+    assert errs == [None] * 4, errs
+    assert relayed, "rank 1 relayed nothing: the test did not test it"
+    assert all(_same_bits(o, butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
 
 
 def test_a_member_that_withholds_only_its_second_bucket_is_named_by_every_owner(

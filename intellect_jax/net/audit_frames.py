@@ -20,7 +20,7 @@ import numpy as np
 from intellect_jax.net import quant
 from intellect_jax.net.audit import DIGEST, ENTRY, judge, signed_piece
 from intellect_jax.net.pairing import audited_by
-from intellect_jax.net.errors import AuditFailed, FrameError
+from intellect_jax.net.errors import AuditFailed, AuditFrameError, FrameError
 from intellect_jax.net.evidence import SAT_OUT, SIG_BYTES, digest
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.ring import Finding
@@ -208,6 +208,8 @@ class AuditFrames:
             return frames.send(bytes(buf))
         except StopIteration:
             return None
+        except FrameError as e:  # (what it says is wrong, not how it came: the call fails at once)
+            raise AuditFrameError(str(e)) from None
 
     def _judge(self) -> None:
         """Our audit, before the tail of our last aggregate leaves (once; every sender calls it):
@@ -222,6 +224,7 @@ class AuditFrames:
                 self.judged = judge(case, led.ctx.verify)
                 if self.judged.guilty is not None:
                     self.verdict = (self.judged.guilty, self.judged.why, case)
+        self.mesh.poke.set()  # type: ignore[attr-defined]
         if self.verdict is not None:
             raise AuditFailed(f"our audit of rank {led.target}'s segment shows rank {self.verdict[0]} at fault: "
                               f"{self.verdict[1]}")

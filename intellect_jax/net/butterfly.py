@@ -58,10 +58,11 @@ from intellect_jax.net.robust import aggregate_piece
 from intellect_jax.net.audit import Auditing, Case, Ledger
 from intellect_jax.net.audit_frames import AuditFrames
 from intellect_jax.net.errors import FrameError
-from intellect_jax.net.evidence import OUTSIZE, SAT_OUT, outsized, row_norm
+from intellect_jax.net.evidence import OUTSIZE, SAT_OUT, digest, outsized, row_norm
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.mesh_call import MeshCall
 from intellect_jax.net.plan import RingPlan, butterfly_plan
+from intellect_jax.net.relay import Posted
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
 from intellect_jax.net.tree import Flat, overlaps
 
@@ -69,6 +70,7 @@ Vector = np.ndarray | Flat  # a bucket: one flat float32 array, or several seen 
 
 RING_MODES = ("fp32", "bf16", "int8", "int4")  # codecs whose contributions can be cut into segments
 TAIL = 4  # bytes of an auditor's last aggregate piece held back until its audit passed (no rank completes without)
+_STOPPED = object()  # (the call failed while a link's thread waited)
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,12 @@ class _ButterflyRun(AuditFrames):
         self.verdict: tuple[int, str, Case] | None = None  # (guilty rank, why, the case) from our audit
         self.judging, self.judged = threading.Lock(), None  # (judged: our audit's Judgement)
         self.audit_sent = {}
+        # the gather (relay.py): each owner's aggregates placed from its own link (in order) and by
+        # relay; those received, kept to relay them in turn (with audits: checkable by the asker)
+        self.via_link = [0] * world
+        self.relayed: list[set[int]] = [set() for _ in range(world)]
+        self.kept: dict[tuple[int, int], np.ndarray] = {}
+        self.placing = [threading.Lock() for _ in range(world)]  # per owner (before cond, when both are taken)
 
     @property
     def links(self) -> Links:
@@ -196,10 +204,61 @@ class _ButterflyRun(AuditFrames):
         return self.mesh._after_step1()
 
     def release(self) -> None:
-        """Our aggregates back to the pool."""
+        """Our aggregates, and those we kept to relay, back to the pool."""
         for w in self.agg:
             if w is not None:
                 self.ws.release(w)
+        for (q, j), w in self.kept.items():
+            if j not in self.relayed[q]:  # (a relayed piece is no pooled buffer)
+                self.ws.release(w)
+        self.kept = {}
+
+    # -- what we hold of the result (relay.py; under cond) -----------------------------------
+    def _settled(self, q: int, j: int) -> bool:
+        """Whether owner ``q``'s aggregate of piece ``j`` is in our result for good: from its link
+        and (with audits) checked against its commitment, or relayed (checked too)."""
+        if q == self.rank:
+            return self.agg[j] is not None
+        return j in self.relayed[q] or j < self.via_link[q] and (self.ledger is None or q in self.ledger.theirs)
+
+    def unsettled(self, q: int) -> int | None:
+        """The first piece of owner ``q``'s segment not yet settled (None: all are)."""
+        if self.via_link[q] == self.plan.pieces and self._settled(q, 0):
+            return None
+        return next((j for j in range(self.plan.pieces) if not self._settled(q, j)), None)
+
+    def whole(self) -> bool:
+        """Whether every owner's every piece is settled and (with audits) our own audit passed."""
+        if any(self.unsettled(q) is not None for q in range(self.world)):
+            return False
+        return self.ledger is None or (self.judged is not None and self.judged.right and self.verdict is None)
+
+    def held(self, q: int, j: int) -> np.ndarray | None:
+        """Owner ``q``'s aggregate of piece ``j`` as we hold it, settled (None: we do not)."""
+        if not self._settled(q, j):
+            return None
+        return self.agg[j] if q == self.rank else self.kept.get((q, j))
+
+    def relayed_in(self, q: int, j: int, wire: np.ndarray) -> bool:
+        """Owner ``q``'s aggregate of piece ``j`` relayed to us: placed if it is the one ``q``
+        committed to and we do not hold it yet (False: it is not, or we cannot tell)."""
+        led = self.ledger
+        with self.cond:
+            ds = None if led is None else led.theirs.get(q)
+        if ds is None or digest(wire) != ds[j]:
+            return False
+        a, b = self.plan.piece(q, j)
+        with self.placing[q]:
+            with self.cond:
+                if self._settled(q, j):
+                    return True
+            self._place(a, b, wire)
+            with self.cond:
+                self.relayed[q].add(j)
+                self.kept[(q, j)] = wire
+                self.cond.notify_all()
+        self.mesh.poke.set()
+        return True
 
     def _wire(self, n: int) -> np.ndarray:
         """A pooled buffer for ``n`` values on the wire (give it back with ``ws.release``)."""
@@ -304,6 +363,7 @@ class _ButterflyRun(AuditFrames):
             led.seal()
             with self.cond:
                 self.cond.notify_all()
+        self.mesh.poke.set()
 
 
     def _scatter_to(self, k: int) -> None:
@@ -401,28 +461,67 @@ class _ButterflyRun(AuditFrames):
         for j in range(P):
             a, b = self.plan.piece(o, j)
             wire = self._wire(b - a)
-            last = j == P - 1 and led is not None
-            body = wire[:-TAIL] if last else wire
-            while True:  # its audit frames until its next aggregate
-                if self.error is not None:
-                    return
-                hdr = conn.recv_header(MsgType.DATA if want is None else (MsgType.DATA, MsgType.AUDIT),
-                                       deadline=self.deadline)
-                if hdr.mtype == MsgType.DATA:
-                    break
-                want = self._audit_read(conn, o, hdr, frames, want)  # type: ignore[arg-type]
-            if hdr.length != body.nbytes:
-                raise FrameError(f"rank {o}: an aggregate frame of {hdr.length} bytes, expected {body.nbytes}")
-            conn.recv_payload_into(hdr, body, deadline=self.deadline)
-            if last:  # every audit frame before the last bytes
-                while want is not None:
-                    want = self._audit_read(conn, o, conn.recv_header(MsgType.AUDIT, deadline=self.deadline), frames,
-                                            want)  # type: ignore[arg-type]
-                self._into(conn, wire[-TAIL:])
-            if led is not None and not led.got(o, j, wire):
-                raise FrameError(f"rank {o}: its aggregates are not the ones it committed to")
-            self._place(a, b, wire)
-            self.ws.release(wire)
+            try:
+                want = self._aggregate_in(conn, o, j, wire, frames, want)
+                if led is not None and not led.got(o, j, wire):
+                    raise FrameError(f"rank {o}: its aggregates are not the ones it committed to")
+            except BaseException:
+                self.ws.release(wire)
+                raise
+            if want is _STOPPED:
+                self.ws.release(wire)
+                return
+            with self.placing[o]:
+                with self.cond:
+                    known = j in self.relayed[o]
+                if not known:
+                    self._place(a, b, wire)
+                with self.cond:
+                    self.via_link[o] = j + 1
+                    if self.mesh.relaying and not known:
+                        self.kept[(o, j)] = wire
+                    self.cond.notify_all()
+            if j == P - 1:
+                self.mesh.poke.set()
+            if not self.mesh.relaying or known:
+                self.ws.release(wire)
+
+    def _aggregate_in(self, conn, o: int, j: int, wire: np.ndarray, frames, want):  # noqa: ANN001, ANN202
+        """Rank ``o``'s aggregate of piece ``j`` into ``wire``, with its audit frames before it
+        (and, for the last piece, every one left before its tail): the length of its next audit
+        frame, or :data:`_STOPPED` if the call failed meanwhile."""
+        last = j == self.plan.pieces - 1 and self.ledger is not None
+        body = wire[:-TAIL] if last else wire
+        while True:  # its audit frames until its next aggregate
+            if self.error is not None:
+                return _STOPPED
+            hdr = self._next(conn, o, MsgType.DATA if want is None else (MsgType.DATA, MsgType.AUDIT))
+            if hdr.mtype == MsgType.DATA:
+                break
+            want = self._audit_read(conn, o, hdr, frames, want)  # type: ignore[arg-type]
+        if hdr.length != body.nbytes:
+            raise FrameError(f"rank {o}: an aggregate frame of {hdr.length} bytes, expected {body.nbytes}")
+        conn.recv_payload_into(hdr, body, deadline=self.deadline)
+        if last:  # every audit frame before the last bytes
+            while want is not None:
+                want = self._audit_read(conn, o, self._next(conn, o, MsgType.AUDIT), frames,
+                                        want)  # type: ignore[arg-type]
+            tail, end = self._next(conn, o, MsgType.DATA), wire[-TAIL:]  # (an empty piece's tail is empty)
+            if tail.length != end.nbytes:
+                raise FrameError(f"rank {o}: a tail of {tail.length} bytes, expected {end.nbytes}")
+            conn.recv_payload_into(tail, end, deadline=self.deadline)
+        return want
+
+    def _next(self, conn, o: int, want: MsgType | tuple[MsgType, ...]):  # noqa: ANN001, ANN202
+        """The next frame's header in the gather, of a type in ``want``: a POST frame instead
+        means the sender gave up what it still owed us here (:class:`~.relay.Posted`: with
+        audits a member that holds it relays it, without them the call fails)."""
+        hdr = conn.recv_header((*(want if isinstance(want, tuple) else (want,)), MsgType.POST), deadline=self.deadline)
+        if hdr.mtype == MsgType.POST:
+            if not self.mesh.relaying:
+                raise FrameError(f"rank {o} ended its gather before its aggregates were all out")
+            raise Posted(hdr)
+        return hdr
 
     def _recv(self, conn, n: int) -> np.ndarray:  # noqa: ANN001
         """The next data frame of ``n`` values' payload, in a pooled buffer."""
@@ -461,7 +560,8 @@ def butterfly_all_reduce(links: Links, xs: Sequence[Vector], rank: int, world: i
                          seals: Sequence[MeshSeal | None] | None = None, workspace: Workspace | None = None,
                          absent: frozenset[int] = frozenset(), auditings: Sequence[Auditing | None] | None = None,
                          verdicts: list[tuple[int, str, Case]] | None = None,
-                         gaps: list[int] | None = None, weighing: Weighing | None = None) -> list[Vector]:
+                         gaps: list[int] | None = None, weighing: Weighing | None = None,
+                         shut: list[int] | None = None) -> list[Vector]:
     """Robust mean (``how``: a :mod:`.robust` aggregator) of each bucket ``xs[i]`` (flat
     float32, not empty; an array or a :class:`~.tree.Flat` of several) over the mesh ``links``, bit-identical on every rank, in one call: every
     bucket's step 1 before any bucket's step 3. Results go to ``outs[i]`` where given.
@@ -474,7 +574,10 @@ def butterfly_all_reduce(links: Links, xs: Sequence[Vector], rank: int, world: i
     case). When the call fails, ``gaps`` gets the ranks whose own pieces of our segment did not
     all reach us, in any bucket (links in ``links`` may be :class:`~.mesh.DeadLink`: their
     threads fail at once). When it succeeds with seals, what weighing the rows of our segment
-    against each other found (:func:`~.evidence.outsized`) is added to ``weighing``."""
+    against each other found (:func:`~.evidence.outsized`) is added to ``weighing``. With audits
+    an owner's aggregates that do not reach us on its link are relayed by a member that holds them
+    (:mod:`.relay`); ``shut`` gets the ranks whose links a call that succeeded had to shut (the
+    links are then no use for another call)."""
     if mode not in RING_MODES:
         raise ValueError(f"the butterfly exchange takes {', '.join(RING_MODES)}, not {mode}")
     robust.check_mode(how)
@@ -499,12 +602,15 @@ def butterfly_all_reduce(links: Links, xs: Sequence[Vector], rank: int, world: i
         return outs  # type: ignore[return-value]
     if len(links.out) != world - 1 or len(links.inn) != world - 1:
         raise ValueError(f"a butterfly of {world} needs {world - 1} links each way, not {len(links.out)}")
-    mesh, ws = MeshCall(links, rank, world, deadline), workspace or Workspace()
+    mesh = MeshCall(links, rank, world, deadline, relaying=all(a is not None for a in auditings))
+    ws = workspace or Workspace()
     for x, o, seal, auditing in zip(xs, outs, seals, auditings):
         mesh.buckets.append(_ButterflyRun(mesh, x, o, mode, block, piece_numel, how, inspect,  # type: ignore[arg-type]
                                           seal, ws, frozenset(absent), auditing))
     try:
         mesh.run()
+        if shut is not None:
+            shut.extend(peer_of(rank, world, k) for k in mesh.shut)
         return outs  # type: ignore[return-value]
     finally:
         for i, b in enumerate(mesh.buckets):

@@ -552,6 +552,7 @@ class SocketCommunicator:
         # after a failed butterfly call: whose own pieces of our segment, in any bucket, did not all
         # reach us (every bucket's step 1 comes before any bucket's step 3: net.butterfly)
         gaps: list[int] = []
+        shut: list[int] = []  # after a butterfly call that succeeded: the ranks whose links it shut (net.relay)
         held: list[tuple[int, Holding]] = []  # (call, our holding of an origin) from an all-gather that failed
         vouched: list[tuple[int, Vouch]] = []  # (call, our signed digest list or a rank's we got) from it
         meshed = cfg.exchange == "butterfly"  # (its links open with the call's header, link by link: _mesh)
@@ -613,7 +614,7 @@ class SocketCommunicator:
                                                 workspace=self._workspace, absent=self.absent,
                                                 auditings=[self._auditing(c, links, chain[bi], bi, last)
                                                            for c, bi in zip(calls, bis)] if cfg.audit else None,
-                                                verdicts=verdicts, gaps=gaps, weighing=weighing)
+                                                verdicts=verdicts, gaps=gaps, weighing=weighing, shut=shut)
                 finally:
                     findings.extend((calls[i], r, f) for i, r, f in by)
                     bucket_calls[:] = calls
@@ -662,6 +663,8 @@ class SocketCommunicator:
         sent, recv = links.traffic()
         self._stats = CommStats(sent - sent0, recv - recv0, time.monotonic() - t0, numel, self.world_size, cfg.mode)
         self._calls += 1
+        if shut:  # (those links may hold half a frame: another call on them would read it as its own)
+            self._teardown()
         return result
 
     def _seal(self, call: int, links: Links) -> Seal:

@@ -39,3 +39,8 @@ class RingClosed(NetError):
 class AuditFailed(NetError):
     """Our audit of a butterfly owner showed a member at fault: the call fails on every rank,
     so the forged result is applied by none (the case goes to the coordinator)."""
+
+
+class AuditFrameError(FrameError):
+    """An audit frame whose content does not hold (a commitment its signature does not cover, a
+    nonce its header did not bind, another draw): the call fails at once, naming its sender."""

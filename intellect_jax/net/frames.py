@@ -45,6 +45,7 @@ class MsgType(enum.IntEnum):
     META = 10
     DATA = 11
     AUDIT = 12  # a butterfly call's audit frames, interleaved with its aggregates (net/audit_frames.py)
+    POST = 13  # after a butterfly call's gather: DONE, ASK, RELAY, END (net/relay.py)
     BLOB_BEGIN = 20
     BLOB_DATA = 21
     BLOB_END = 22

@@ -11,18 +11,21 @@ is a bucket's (``butterfly._ButterflyRun``, whose step methods the threads call 
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import numpy as np
 
+from intellect_jax.net.errors import NetError, PeerTimeout
+from intellect_jax.net.relay import Posted, Relay
 from intellect_jax.net.ring import Links, Pipeline
 
 WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
 PACE_HOLD = 0.5  # seconds a link waits before the slowest counts as stuck (a peer that does not read)
 
 
-class MeshCall(Pipeline):
+class MeshCall(Relay, Pipeline):
     """One butterfly call over the mesh ``links``: what its buckets (:class:`~.butterfly._ButterflyRun`, one
     per flat vector) share. Its threads carry every bucket's step 1 on each link before any
     bucket's step 3, so what an honest rank sends in step 1 depends on nobody; the first error,
@@ -30,9 +33,10 @@ class MeshCall(Pipeline):
 
     name = "butterfly"
 
-    def __init__(self, links: Links, rank: int, world: int, deadline: float) -> None:
+    def __init__(self, links: Links, rank: int, world: int, deadline: float, relaying: bool = False) -> None:
         super().__init__(links, deadline)
         self.rank, self.world = rank, world
+        self._init_relay(relaying)
         self.buckets: list[Any] = []  # (each a butterfly._ButterflyRun)
         self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
         self.stuck: list[set[int]] = [set(), set()]  # links left out of the pacing (per step): they did not move
@@ -78,10 +82,27 @@ class MeshCall(Pipeline):
                 getattr(b, step1)(k)
         finally:
             going = self._over(side, k)
-        for b in self.buckets if going else ():
-            getattr(b, step3)(k)
-            if self.error is not None:
-                return
+        posted = None
+        try:
+            for b in self.buckets if going else ():
+                getattr(b, step3)(k)
+                if self.error is not None:
+                    return
+        except Posted as p:  # its owner gave its aggregates up on this link: ask a member that holds them
+            posted = p.hdr
+            self.lost(side, k, None)
+        except (NetError, OSError) as e:
+            if not self.local(e):
+                raise
+            self.lost(side, k, e)
+            return
+        if going and self.error is None and self.relaying:  # the call's end on this link (relay.py)
+            self.post_out(k) if side == 0 else self.post_in(k, posted)
+        elif going and self.error is None:  # (without audits nothing can be relayed: no POST frames)
+            with self.cond:
+                self.ended[side][k] = True
+                self.cond.notify_all()
+            self.poke.set()
 
     def _after_step1(self) -> bool:
         """Hold step 3 until our step 1 is over on every link that still moves (one that has not
@@ -143,8 +164,12 @@ class MeshCall(Pipeline):
         """Keep the first error and shut every link whose step 1 is over (every link, once past
         the deadline). A link still in step 1 goes on to its end: a failure on one link stops
         nobody's own pieces on the others, so what each owner lacks at the end (:meth:`gaps`)
-        is what its senders withheld, not the echo of a failure elsewhere."""
+        is what its senders withheld, not the echo of a failure elsewhere. Once we hold the
+        whole result nothing fails the call (a link that fails then only ends)."""
+        self.poke.set()
         with self.cond:
+            if self.whole_at is not None:
+                return
             if self.error is None:
                 self.error = exc
             self.cond.notify_all()
@@ -171,6 +196,36 @@ class MeshCall(Pipeline):
                 and any(b.got[o] < b.plan.pieces for b in self.buckets)]
 
     def run(self) -> None:
-        self.spawn(self.encoder, self.sender, self.receiver)  # (after a failure nothing goes back to the pool)
-        for b in self.buckets:  # every sender is done with their aggregates
+        """Every thread of the call, until we hold the whole result and every link has ended
+        (:meth:`~.relay.Relay.steer`), or the first error, or the deadline; the links of peers
+        we gave up on are then shut (:attr:`shut`)."""
+        p = self.name
+        threads = [threading.Thread(target=self.guarded(self.encoder), name=f"{p}-enc", daemon=True)]
+        for k in range(self.world - 1):
+            threads.append(threading.Thread(target=self.guarded(self.sender, k), name=f"{p}-tx{k}", daemon=True))
+            threads.append(threading.Thread(target=self.guarded(self.receiver, k), name=f"{p}-rx{k}", daemon=True))
+        for t in threads:
+            t.start()
+        self.steer()
+        with self.cond:
+            self.leaving = True  # (every link's POST loop ends)
+            self.cond.notify_all()
+        if self.whole_at is None:
+            self.fail(self.error or PeerTimeout(f"{p}: did not finish before its deadline"))
+        else:  # the links that did not end cleanly (given up on, failed, or at the deadline) are shut
+            self.shut = sorted({k for k in range(self.world - 1) if not (self.ended[0][k] and self.ended[1][k])}
+                               | self.dirty)
+            for k in self.shut:
+                self.links.out[k].abort()
+                self.links.inn[k].abort()
+        for t in threads:
+            t.join(max(0.0, self.deadline - time.monotonic()))
+            if t.is_alive():
+                self.fail(PeerTimeout(f"{p}: did not finish before its deadline"))
+                t.join(5.0)
+        if self.error is not None:
+            raise self.error
+        if any(t.is_alive() for t in threads):  # pragma: no cover - sockets are shut down
+            raise NetError(f"{p} threads did not stop")
+        for b in self.buckets:  # (after a failure nothing goes back to the pool: a thread may still hold it)
             b.release()

@@ -62,6 +62,7 @@ class Links:
 
     out: list[Connection]
     inn: list[Connection]
+    aborted: bool = False  # (abort() was called: from outside, the call in progress fails)
 
     def all(self) -> list[Connection]:
         """Every connection."""
@@ -69,6 +70,7 @@ class Links:
 
     def abort(self) -> None:
         """Shut every socket down (wakes blocked threads, tells the neighbours)."""
+        self.aborted = True
         for c in self.all():
             c.abort()
 
