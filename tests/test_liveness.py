@@ -166,10 +166,13 @@ def test_an_owner_s_aggregates_withheld_from_one_member_are_relayed_to_it(monkey
     assert took < CFG.deadline * 0.8, took
 
 
-def test_a_relayer_that_alters_what_it_relays_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As above, and rank 1 flips a byte in every piece it relays; rank 3 says DONE a second
-    late. Rank 0 asks rank 1 first, drops what does not match rank 2's commitment, then asks
-    rank 3, and completes with the same bits as every other rank."""
+@pytest.mark.parametrize("what", ["piece", "pass"])
+def test_a_relayer_that_alters_what_it_relays_is_passed_over(monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    """As above, and rank 1 flips a byte in every piece it relays (``piece``), or in rank 2's
+    signature that its audit passed, which must come with its last piece (``pass``: so a
+    relayer that found an auditor's held-back tail from its committed digest cannot complete a
+    member before that audit); rank 3 says DONE a second late. Rank 0 asks rank 1 first, drops
+    what does not hold, then asks rank 3, and completes with the same bits as every other rank."""
     _skip_aggregates(monkeypatch, owner=2, victim=0)
     serve, post_out, relayed = relay.Relay._serve, relay.Relay.post_out, []
 
@@ -178,8 +181,9 @@ def test_a_relayer_that_alters_what_it_relays_is_passed_over(monkeypatch: pytest
             send = conn.send
 
             def flip(t: MsgType, payload: Any = b"", **kw: Any) -> Any:
-                if t == MsgType.DATA:
-                    payload = np.array(payload, np.uint8, copy=True)
+                sig = isinstance(payload, bytes) and len(payload) == 64
+                if t == MsgType.DATA and sig == (what == "pass"):
+                    payload = np.array(bytearray(payload), np.uint8, copy=True)
                     payload[-1] ^= 1
                     relayed.append(1)
                 return send(t, payload, **kw)
@@ -204,6 +208,54 @@ def test_a_relayer_that_alters_what_it_relays_is_passed_over(monkeypatch: pytest
     assert errs == [None] * 4, errs
     assert relayed, "rank 1 relayed nothing: the test did not test it"
     assert all(_same_bits(o, butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
+
+
+def test_no_member_completes_by_relay_before_an_auditor_s_audit_passed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2's audit never ends, so it never sends its last piece's tail. Rank 1 holds that
+    whole piece anyway (here taken from rank 2's memory; a real attacker finds the 4 bytes from
+    the piece's committed digest), says DONE without holding the whole result, and relays it,
+    with a signature of its own making in place of rank 2's that its audit passed. Ranks 0 and
+    3 must not place it: nobody completes, as before the relay (the tail is what keeps every
+    rank from applying a result whose audit has not passed)."""
+    leak: dict[str, Any] = {}
+    encoder, whole, held, audit_end = (butterfly._ButterflyRun.encoder, butterfly._ButterflyRun.whole,
+                                       butterfly._ButterflyRun.held, butterfly._ButterflyRun._audit_end)
+
+    def encode(self: Any) -> None:
+        encoder(self)
+        if self.rank == 2:
+            leak["wire"] = np.array(self.agg[-1], copy=True)
+
+    def hang(self: Any, conn: Any, o: int) -> bool:
+        if self.rank == 2:  # every audit frame out, but never the tail
+            self._audit_out(conn, o, wait=True)
+            time.sleep(max(0.0, self.deadline - time.monotonic()))
+            return False
+        return audit_end(self, conn, o)
+
+    def fake_whole(self: Any) -> bool:
+        return whole(self) or self.rank == 1 and all(self.unsettled(q) in (None, self.plan.pieces - 1)
+                                                     for q in range(self.world))
+
+    def fake_held(self: Any, q: int, j: int) -> Any:
+        if self.rank == 1 and q == 2 and j == self.plan.pieces - 1 and "wire" in leak:
+            leak["relayed"] = True
+            return leak["wire"], bytes(64)
+        return held(self, q, j)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "encoder", encode)
+    monkeypatch.setattr(butterfly._ButterflyRun, "_audit_end", hang)
+    monkeypatch.setattr(butterfly._ButterflyRun, "whole", fake_whole)
+    monkeypatch.setattr(butterfly._ButterflyRun, "held", fake_held)
+    nodes, xs = _nodes(4, first=410), _inputs(4, 5000)
+    try:
+        comms = [n.ring(_members(nodes), r, config=CFG) for r, n in enumerate(nodes)]
+        _, errs = _run(comms, xs)
+    finally:
+        for n in nodes:
+            n.close()
+    assert leak.get("relayed"), "rank 1 relayed nothing: the test did not test it"
+    assert errs[0] is not None and errs[3] is not None, errs
 
 
 def test_a_member_that_withholds_only_its_second_bucket_is_named_by_every_owner(

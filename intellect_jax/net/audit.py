@@ -91,6 +91,13 @@ def commitment(run_id: str, step: int, epoch: int, call: int, owner: str, segmen
             f"aggregates blake3 {aggregates.hex()}\nrows blake3 {rows.hex()}").encode()
 
 
+def passed(run_id: str, step: int, epoch: int, call: int, auditor: str) -> bytes:
+    """What an auditor signs once its audit passed, with its last piece's tail: without it no
+    member places that piece from anyone but the auditor itself (a relayer that found the tail's
+    4 bytes from the piece's committed digest cannot complete a member before the audit)."""
+    return f"intellect_jax audit passed\nrun {run_id}\nouter step {step}\nepoch {epoch}\ncall {call}\nauditor {auditor}".encode()
+
+
 @dataclass(frozen=True)
 class Case:
     """One audited piece, everything a third party needs to judge it (ranks index ``ids``).

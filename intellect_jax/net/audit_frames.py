@@ -18,7 +18,7 @@ from collections.abc import Generator
 import numpy as np
 
 from intellect_jax.net import quant
-from intellect_jax.net.audit import DIGEST, ENTRY, judge, signed_piece
+from intellect_jax.net.audit import DIGEST, ENTRY, judge, passed, signed_piece
 from intellect_jax.net.pairing import audited_by
 from intellect_jax.net.errors import AuditFailed, AuditFrameError, FrameError
 from intellect_jax.net.evidence import SAT_OUT, SIG_BYTES, digest
@@ -224,6 +224,9 @@ class AuditFrames:
                 self.judged = judge(case, led.ctx.verify)
                 if self.judged.guilty is not None:
                     self.verdict = (self.judged.guilty, self.judged.why, case)
+                elif self.judged.right:  # (goes with our last piece's tail: relay.py)
+                    c = led.ctx
+                    self.passes[self.rank] = c.sign(passed(c.run_id, c.step, c.epoch, c.call, c.ids[self.rank]))
         self.mesh.poke.set()  # type: ignore[attr-defined]
         if self.verdict is not None:
             raise AuditFailed(f"our audit of rank {led.target}'s segment shows rank {self.verdict[0]} at fault: "

@@ -55,10 +55,10 @@ import numpy as np
 
 from intellect_jax.net import quant, robust
 from intellect_jax.net.robust import aggregate_piece
-from intellect_jax.net.audit import Auditing, Case, Ledger
+from intellect_jax.net.audit import Auditing, Case, Ledger, passed
 from intellect_jax.net.audit_frames import AuditFrames
 from intellect_jax.net.errors import FrameError
-from intellect_jax.net.evidence import OUTSIZE, SAT_OUT, digest, outsized, row_norm
+from intellect_jax.net.evidence import OUTSIZE, SAT_OUT, SIG_BYTES, digest, outsized, row_norm
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.mesh_call import MeshCall
 from intellect_jax.net.plan import RingPlan, butterfly_plan
@@ -179,6 +179,7 @@ class _ButterflyRun(AuditFrames):
         self.via_link = [0] * world
         self.relayed: list[set[int]] = [set() for _ in range(world)]
         self.kept: dict[tuple[int, int], np.ndarray] = {}
+        self.passes: dict[int, bytes] = {}  # owner -> its signature that its audit passed (audit.passed)
         self.placing = [threading.Lock() for _ in range(world)]  # per owner (before cond, when both are taken)
 
     @property
@@ -233,19 +234,28 @@ class _ButterflyRun(AuditFrames):
             return False
         return self.ledger is None or (self.judged is not None and self.judged.right and self.verdict is None)
 
-    def held(self, q: int, j: int) -> np.ndarray | None:
-        """Owner ``q``'s aggregate of piece ``j`` as we hold it, settled (None: we do not)."""
-        if not self._settled(q, j):
+    def held(self, q: int, j: int) -> tuple[np.ndarray, bytes | None] | None:
+        """Owner ``q``'s aggregate of piece ``j`` as we hold it, settled, with (for its last
+        piece) ``q``'s signature that its audit passed (None: we do not hold it)."""
+        wire = self.agg[j] if q == self.rank else self.kept.get((q, j))
+        if not self._settled(q, j) or wire is None:
             return None
-        return self.agg[j] if q == self.rank else self.kept.get((q, j))
+        if j < self.plan.pieces - 1:
+            return wire, None
+        sig = self.passes.get(q)
+        return None if sig is None else (wire, sig)
 
-    def relayed_in(self, q: int, j: int, wire: np.ndarray) -> bool:
+    def relayed_in(self, q: int, j: int, wire: np.ndarray, sig: bytes | None) -> bool:
         """Owner ``q``'s aggregate of piece ``j`` relayed to us: placed if it is the one ``q``
-        committed to and we do not hold it yet (False: it is not, or we cannot tell)."""
+        committed to (and its last piece, only with ``q``'s signature that its audit passed:
+        ``sig``) and we do not hold it yet (False: it is not, or we cannot tell)."""
         led = self.ledger
         with self.cond:
             ds = None if led is None else led.theirs.get(q)
         if ds is None or digest(wire) != ds[j]:
+            return False
+        last = j == self.plan.pieces - 1
+        if last and (sig is None or not self.passed_by(q, sig)):
             return False
         a, b = self.plan.piece(q, j)
         with self.placing[q]:
@@ -256,6 +266,8 @@ class _ButterflyRun(AuditFrames):
             with self.cond:
                 self.relayed[q].add(j)
                 self.kept[(q, j)] = wire
+                if last:
+                    self.passes[q] = sig  # type: ignore[assignment]
                 self.cond.notify_all()
         self.mesh.poke.set()
         return True
@@ -400,6 +412,8 @@ class _ButterflyRun(AuditFrames):
                     return
                 wire = wire[-TAIL:]
             conn.send(MsgType.DATA, wire, deadline=self.deadline)
+            if j == P - 1 and self.ledger is not None:  # and our signature that it passed (relay.py)
+                conn.send(MsgType.DATA, self.passes[self.rank], deadline=self.deadline)
             self._sent(1, k)
 
 
@@ -510,7 +524,24 @@ class _ButterflyRun(AuditFrames):
             if tail.length != end.nbytes:
                 raise FrameError(f"rank {o}: a tail of {tail.length} bytes, expected {end.nbytes}")
             conn.recv_payload_into(tail, end, deadline=self.deadline)
+            sig = bytearray(SIG_BYTES)  # its signature that its audit passed (relay.py)
+            self._signature_in(conn, o, sig)
+            if not self.passed_by(o, bytes(sig)):
+                raise FrameError(f"rank {o}: its signature that its audit passed does not verify")
+            with self.cond:
+                self.passes[o] = bytes(sig)
         return want
+
+    def _signature_in(self, conn, o: int, buf: bytearray) -> None:  # noqa: ANN001
+        hdr = self._next(conn, o, MsgType.DATA)
+        if hdr.length != len(buf):
+            raise FrameError(f"rank {o}: a signature frame of {hdr.length} bytes, expected {len(buf)}")
+        conn.recv_payload_into(hdr, buf, deadline=self.deadline)
+
+    def passed_by(self, o: int, sig: bytes) -> bool:
+        """Whether ``sig`` is rank ``o``'s signature that its audit of this bucket passed."""
+        c = self.ledger.ctx  # type: ignore[union-attr]
+        return c.verify(o, passed(c.run_id, c.step, c.epoch, c.call, c.ids[o]), sig)
 
     def _next(self, conn, o: int, want: MsgType | tuple[MsgType, ...]):  # noqa: ANN001, ANN202
         """The next frame's header in the gather, of a type in ``want``: a POST frame instead

@@ -1,35 +1,42 @@
 """The end of a butterfly call (:mod:`.butterfly`): a rank that lacks an owner's aggregates gets
 them from a rank that holds them, and every link closes cleanly.
 
-An owner that withholds its aggregates (or its last piece's tail) from some members, or whose
-link to one of them breaks in the gather, left those members unable to complete: the others
-completed, and they were removed as behind. But every member that completed holds every
-owner's aggregates, as the owner sent them, and every member holds each owner's commitment to
-them (:mod:`.audit`: the digest of each piece's aggregate, under the owner's signature). So a
-member's missing pieces can come from any member that completed, and the asker places a relayed
-piece only if it is the one the owner committed to: a relayer can neither alter nor invent one.
+An owner that withholds its aggregates (or its last piece's tail) from some members, or sends
+them frames out of place, left those members unable to complete: the others completed, and
+they were removed as behind. But every member that completed holds every owner's aggregates,
+as the owner sent them, and every member holds each owner's commitment to them (:mod:`.audit`:
+the digest of each piece's aggregate, under the owner's signature). So a member's missing
+pieces can come from any member that completed, and the asker places a relayed piece only if
+it is the one the owner committed to, and an owner's last piece only with the owner's
+signature that its own audit passed (:func:`~.audit.passed`, which follows its tail): a
+relayer can neither alter nor invent a piece, nor complete anyone before every audit passed.
 
 After its gather each link carries :attr:`~.frames.MsgType.POST` frames, in this order:
 
 * ``ASK`` (bucket, owner, first piece), to a rank that said ``DONE``: relay that owner's
   aggregates of that bucket from that piece on. A rank asks once an owner's aggregates have not
-  all come a while (:data:`WAIT` of the time the call took until a first peer said ``DONE``)
-  after a first peer said ``DONE``, or at once when the owner's own link gave them up (a ``POST``
-  frame in their place); one ``DONE`` peer per owner at a time, another after the same wait.
+  all come a while (:data:`WAIT` of the time the call took until a first peer said ``DONE``, at
+  least :data:`WAIT_MIN`) after a first peer said ``DONE``, or at once when the owner's own
+  link gave them up (a ``POST`` frame in their place); one ``DONE`` peer per owner at a time,
+  another :data:`WAIT_MIN` later while pieces are missing.
 * ``DONE``: the sender holds the whole result (every bucket's every piece, each checked against
   its owner's commitment) and its own audit passed: it asks for nothing more.
 * ``RELAY`` (bucket, owner, piece), then that piece's aggregate in a ``DATA`` frame, as the
-  relayer holds it; only to a rank that asked, each owner of each bucket once.
+  relayer holds it (the last piece: then the owner's signature that its audit passed); only to
+  a rank that asked, each owner of each bucket once.
 * ``END``: nothing more from the sender in this call (after the peer's ``DONE``, and what it
   asked for): the link is clean for a next call.
 
-A rank returns once it holds the whole result and every link has ended both ways, or once it has
-waited :data:`LINGER` of the call's time (at least :data:`LINGER_MIN`) past its completion for a
-peer whose links have not moved for that long (a peer that reads nothing, or never says
-``DONE``). Those links are shut: the call succeeded, but its ring needs new links for another
-call. Without audits nothing can be checked, so nothing is relayed (``DONE`` and ``END`` still
-close the links). A rank keeps every aggregate it received until its call returns (``1/N`` of
-the encoded vector for each owner), so that it can relay it.
+A frame out of place on an owner's link in the gather ends that link only (:meth:`Relay.local`);
+a connection closed or reset still fails the call at once, since that is how a failing rank
+tells its neighbours. A rank returns once it holds the whole result and every link has ended
+both ways, or once it has waited :data:`LINGER` of the call's time (at least
+:data:`LINGER_MIN`), plus :data:`WAIT_MIN` for each other member an asker may try first, past
+its completion for peers whose links have not moved for that long (a peer that reads nothing,
+or never says ``DONE``). Those links are shut: the call succeeded, but
+its ring needs new links for another call. Without audits nothing can be checked, so nothing
+is relayed and no POST frames are sent. A rank keeps every aggregate it received until its call
+returns (``1/N`` of the encoded vector for each owner), so that it can relay it.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import numpy as np
 
 from intellect_jax.net import quant
 from intellect_jax.net.errors import AuditFrameError, FrameError, NetError, RingClosed
+from intellect_jax.net.evidence import SIG_BYTES
 from intellect_jax.net.frames import MsgType
 
 DONE, ASK, RELAY, END = b"D", b"A", b"R", b"E"
@@ -90,6 +98,7 @@ class Relay:
         self.asked: dict[tuple[int, int], float] = {}  # (bucket, owner) -> when we last asked for it
         self.tried: set[tuple[int, int, int]] = set()  # (bucket, owner, peer k) asked
         self.asked_of: list[set[tuple[int, int]]] = [set() for _ in range(n)]
+        self.got_relays: set[tuple[int, int, int, int]] = set()  # (bucket, owner, piece, peer k) relayed to us
         # owner -> (when, why) its own link gave its aggregates up: a POST in their place (why: None), or
         # a failure of that link in the gather (with audits only that link ends: see local())
         self.gave_up: dict[int, tuple[float, BaseException | None]] = {}
@@ -170,7 +179,7 @@ class Relay:
         return (self.rank + 1 + k) % self.world
 
     def _ask(self, now: float) -> None:
-        wait = max(WAIT_MIN, WAIT * (self.first_done - self.t0))  # type: ignore[operator]
+        wait = max(WAIT_MIN, WAIT * (self.first_done - self.t0))  # type: ignore[operator]  # (then WAIT_MIN a peer)
         done = [k for k in range(self.world - 1) if self.done_from[k] and not (self.ended[0][k] or self.ended[1][k])]
         for i, b in enumerate(self.buckets):
             for q in range(self.world):
@@ -178,7 +187,7 @@ class Relay:
                 if first is None:
                     continue
                 last = self.asked.get((i, q))  # (then another DONE peer, once it had its time)
-                if last is not None and now - last < wait or \
+                if last is not None and now - last < WAIT_MIN or \
                         last is None and q not in self.gave_up and now - self.first_done < wait:  # type: ignore[operator]
                     continue
                 ks = [k for k in done if self._peer(k) != q and (i, q, k) not in self.tried]
@@ -192,7 +201,9 @@ class Relay:
 
     def _may_leave(self, now: float) -> bool:
         """Whether every link has ended both ways, or we may give up on those that have not."""
-        linger = max(LINGER_MIN, LINGER * (self.whole_at - self.t0))  # type: ignore[operator]
+        # (long enough for an asker to have asked every other member in turn: peers that lie
+        # about holding the result, asked first, cannot make the honest ones leave before their turn)
+        linger = max(LINGER_MIN, LINGER * (self.whole_at - self.t0)) + (self.world - 2) * WAIT_MIN  # type: ignore[operator]
         left = []
         for k in range(self.world - 1):
             if self.ended[0][k] and self.ended[1][k]:
@@ -253,10 +264,12 @@ class Relay:
         b = self.buckets[i]
         for j in range(first, b.plan.pieces):
             with self.cond:
-                wire = b.held(q, j)
-            if wire is not None:
+                held = b.held(q, j)
+            if held is not None:
                 conn.send(MsgType.POST, RELAY + _PLACE.pack(i, q, j), deadline=self.deadline)
-                conn.send(MsgType.DATA, wire, deadline=self.deadline)
+                conn.send(MsgType.DATA, held[0], deadline=self.deadline)
+                if held[1] is not None:  # (the last piece: with the owner's signature that its audit passed)
+                    conn.send(MsgType.DATA, held[1], deadline=self.deadline)
 
     def post_in(self, k: int, hdr: Any = None) -> None:
         """Peer ``k``'s POST frames (``hdr``: the first one's header, if the gather read it);
@@ -312,18 +325,27 @@ class Relay:
 
     def _asked_by(self, k: int, i: int, q: int, j: int) -> None:
         with self.cond:
-            if self.relaying and (i, q) not in self.served[k]:  # (each owner of each bucket once)
+            if (i, q) in self.served[k]:  # (each owner of each bucket once)
+                raise FrameError(f"rank {self._peer(k)} asks again for owner {q}'s aggregates of bucket {i}")
+            if self.relaying:
                 self.served[k].add((i, q))
                 self.jobs[k].append((i, q, j))
                 self.cond.notify_all()
 
     def _relayed(self, conn: Any, k: int, p: int, i: int, q: int, j: int) -> None:
         b = self.buckets[i]
-        if (i, q) not in self.asked_of[k] or q == self.rank:
+        if (i, q) not in self.asked_of[k] or q == self.rank or (i, q, j, k) in self.got_relays:
             raise FrameError(f"rank {p} relays what we did not ask it for")
+        self.got_relays.add((i, q, j, k))
         lo, hi = b.plan.piece(q, j)
         n = quant.encoded_nbytes(hi - lo, b.mode, b.block)
         data = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=n)
         wire = np.empty(n, np.uint8)
         conn.recv_payload_into(data, wire, deadline=self.deadline)
-        b.relayed_in(q, j, wire)  # (placed only if it is the piece its owner committed to)
+        sig = None
+        if j == b.plan.pieces - 1:  # (the last piece comes with its owner's signature that its audit passed)
+            hdr = conn.recv_header(MsgType.DATA, deadline=self.deadline, length=SIG_BYTES)
+            buf = bytearray(SIG_BYTES)
+            conn.recv_payload_into(hdr, buf, deadline=self.deadline)
+            sig = bytes(buf)
+        b.relayed_in(q, j, wire, sig)  # (placed only if it is the piece its owner committed to)

@@ -63,13 +63,14 @@ def audit_bytes(p: plan.RingPlan, rank: int, cfg: RingConfig) -> int:
     its commitment and its nonce to every other rank and its row lists to its auditor, its
     challenge (the piece and the draw) to every other rank, the commitment it got from each
     auditor's target, and its piece to each auditor (each answer counted at the size of its
-    segment's first piece)."""
+    segment's first piece); then its signature that its own audit passed, DONE and END (net.relay)."""
     world, n = p.world, p.piece(rank, 0)[1] - p.piece(rank, 0)[0]
     head = HEADER_LEN + p.pieces * audit.DIGEST + audit.DIGEST + HEADER_LEN + SIG_BYTES
     rows = p.pieces * (HEADER_LEN + world * audit.ENTRY)
     answers = (world - 1) * (HEADER_LEN + encoded_nbytes(n, cfg.mode, cfg.block_size))
     echoes = (world - 2) * head  # the target's commitment, to every auditor but the target's own
-    tails = (world - 1) * HEADER_LEN  # the last aggregate piece in two frames
+    # the last aggregate piece in two frames, then our signature that our audit passed; DONE and END
+    tails = (world - 1) * (HEADER_LEN + HEADER_LEN + SIG_BYTES + 2 * (HEADER_LEN + 1))
     nonce, challenge = HEADER_LEN + audit.DIGEST, HEADER_LEN + 4 + audit.DIGEST
     return (world - 1) * (head + nonce + challenge + HEADER_LEN + SIG_BYTES) + rows + answers + echoes + tails
 
