@@ -530,3 +530,22 @@ def forging_owner(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any], bool],
     monkeypatch.setattr(butterfly._ButterflyRun, "encoder", as_owner)
     monkeypatch.setattr(butterfly, "aggregate_piece", forged)
     yield
+
+
+def withholding_aggregates(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, int], bool]) -> None:
+    """Butterfly owners send none of their aggregates on mesh link ``k`` where ``bad(run, k)``
+    holds (``run``: the exchange's ``_ButterflyRun``); their audit and POST frames they do send."""
+    from intellect_jax.net import butterfly
+    from intellect_jax.net.frames import MsgType
+
+    honest = butterfly._ButterflyRun._gather_to
+
+    def gather(self: Any, k: int) -> None:
+        conn = self.links.out[k]
+        if bad(self, k) and not getattr(conn, "skipping", False):
+            send = conn.send
+            conn.send = lambda t, payload=b"", **kw: None if t == MsgType.DATA else send(t, payload, **kw)
+            conn.skipping = True
+        honest(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather)

@@ -15,7 +15,7 @@ import pytest
 from intellect_jax.diloco.parts import Outcome
 from intellect_jax.net import RingConfig
 from intellect_jax.net.comm import SocketCommunicator
-from tests.helpers import forging_owner, socket_run
+from tests.helpers import forging_owner, socket_run, withholding_aggregates
 
 RING = RingConfig(mode="int8", piece_numel=256, deadline=30.0, exchange="butterfly", robust="clip")
 STEPS = 8
@@ -97,20 +97,9 @@ def test_an_owner_withholding_its_aggregates_from_one_member_in_a_real_run_evict
     call completes everywhere; nobody is evicted (before the relay, n0 failed each call and was
     removed as behind), and the four finish the run with one state."""
     from intellect_jax.net import butterfly
-    from intellect_jax.net.frames import MsgType
 
-    honest = butterfly._ButterflyRun._gather_to
-
-    def gather(self: Any, k: int) -> None:
-        ids, conn = self.ledger.ctx.ids, self.links.out[k]
-        if ids[self.rank] == "n1" and ids[butterfly.peer_of(self.rank, self.world, k)] == "n0" and \
-                not getattr(conn, "skipping", False):
-            send = conn.send
-            conn.send = lambda t, payload=b"", **kw: None if t == MsgType.DATA else send(t, payload, **kw)
-            conn.skipping = True
-        honest(self, k)
-
-    monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather)
+    withholding_aggregates(monkeypatch, lambda run, k: run.ledger.ctx.ids[run.rank] == "n1" and
+                           run.ledger.ctx.ids[butterfly.peer_of(run.rank, run.world, k)] == "n0")
     r = socket_run(4, "byz-relay", dataclasses.replace(RING, deadline=10.0), outer_steps=STEPS, dim=4096)
     assert r["evictions"] == [], r["evictions"]
     assert r["outcomes"] == [Outcome.FINISHED] * 4, r["outcomes"]

@@ -20,6 +20,7 @@ from intellect_jax.net import RingConfig, butterfly, relay
 from intellect_jax.net.butterfly import MeshSeal
 from intellect_jax.net.evidence import verdict
 from intellect_jax.net.frames import MsgType
+from tests.helpers import withholding_aggregates
 from tests.test_net_ring import _inputs, _members, _nodes, _run, _same_bits
 
 CFG = RingConfig(deadline=3, exchange="butterfly", robust="clip", piece_numel=256)
@@ -132,18 +133,19 @@ def test_a_failure_in_one_bucket_gets_nobody_named_for_the_next(monkeypatch: pyt
 
 def _skip_aggregates(monkeypatch: pytest.MonkeyPatch, owner: int, victim: int) -> None:
     """``owner`` sends ``victim`` none of its aggregates (its audit frames and POST frames it does)."""
-    honest = butterfly._ButterflyRun._gather_to
+    withholding_aggregates(monkeypatch, lambda run, k: run.rank == owner and
+                           butterfly.peer_of(owner, run.world, k) == victim)
 
-    def gather(self: Any, k: int) -> None:
-        conn = self.links.out[k]
-        if self.rank == owner and butterfly.peer_of(owner, self.world, k) == victim and \
-                not getattr(conn, "skipping", False):
-            send = conn.send
-            conn.send = lambda t, payload=b"", **kw: None if t == MsgType.DATA else send(t, payload, **kw)
-            conn.skipping = True
-        honest(self, k)
 
-    monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather)
+def _outs(first: int, xs: list[Any], cfg: RingConfig = CFG) -> tuple[list, list]:
+    """One butterfly call of 4 ranks over sockets with the patches already in place; (each
+    rank's result, each rank's error)."""
+    nodes = _nodes(4, first=first)
+    try:
+        return _run([n.ring(_members(nodes), r, config=cfg) for r, n in enumerate(nodes)], xs)
+    finally:
+        for n in nodes:
+            n.close()
 
 
 def test_an_owner_s_aggregates_withheld_from_one_member_are_relayed_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,15 +154,9 @@ def test_an_owner_s_aggregates_withheld_from_one_member_are_relayed_to_it(monkey
     commitment, and completes: every rank returns the same bits, well before the deadline (before,
     rank 0 failed at the deadline and the three others completed: rank 0 was removed as behind)."""
     _skip_aggregates(monkeypatch, owner=2, victim=0)
-    nodes, xs = _nodes(4, first=380), _inputs(4, 5000)
-    try:
-        comms = [n.ring(_members(nodes), r, config=CFG) for r, n in enumerate(nodes)]
-        t0 = time.monotonic()
-        outs, errs = _run(comms, xs)
-        took = time.monotonic() - t0
-    finally:
-        for n in nodes:
-            n.close()
+    xs, t0 = _inputs(4, 5000), time.monotonic()
+    outs, errs = _outs(380, xs)
+    took = time.monotonic() - t0
     assert errs == [None] * 4, errs
     assert all(_same_bits(o, butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
     assert took < CFG.deadline * 0.8, took
@@ -197,14 +193,8 @@ def test_a_relayer_that_alters_what_it_relays_is_passed_over(monkeypatch: pytest
 
     monkeypatch.setattr(relay.Relay, "_serve", altered)
     monkeypatch.setattr(relay.Relay, "post_out", late)
-    nodes, xs = _nodes(4, first=390), _inputs(4, 5000)
-    cfg = dataclasses.replace(CFG, deadline=6)
-    try:
-        comms = [n.ring(_members(nodes), r, config=cfg) for r, n in enumerate(nodes)]
-        outs, errs = _run(comms, xs)
-    finally:
-        for n in nodes:
-            n.close()
+    xs = _inputs(4, 5000)
+    outs, errs = _outs(390 + 5 * ["piece", "pass"].index(what), xs, dataclasses.replace(CFG, deadline=6))
     assert errs == [None] * 4, errs
     assert relayed, "rank 1 relayed nothing: the test did not test it"
     assert all(_same_bits(o, butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
@@ -247,13 +237,7 @@ def test_no_member_completes_by_relay_before_an_auditor_s_audit_passed(monkeypat
     monkeypatch.setattr(butterfly._ButterflyRun, "_audit_end", hang)
     monkeypatch.setattr(butterfly._ButterflyRun, "whole", fake_whole)
     monkeypatch.setattr(butterfly._ButterflyRun, "held", fake_held)
-    nodes, xs = _nodes(4, first=410), _inputs(4, 5000)
-    try:
-        comms = [n.ring(_members(nodes), r, config=CFG) for r, n in enumerate(nodes)]
-        _, errs = _run(comms, xs)
-    finally:
-        for n in nodes:
-            n.close()
+    _, errs = _outs(410, _inputs(4, 5000))
     assert leak.get("relayed"), "rank 1 relayed nothing: the test did not test it"
     assert errs[0] is not None and errs[3] is not None, errs
 

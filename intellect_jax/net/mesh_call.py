@@ -11,7 +11,6 @@ is a bucket's (``butterfly._ButterflyRun``, whose step methods the threads call 
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -199,33 +198,21 @@ class MeshCall(Relay, Pipeline):
         """Every thread of the call, until we hold the whole result and every link has ended
         (:meth:`~.relay.Relay.steer`), or the first error, or the deadline; the links of peers
         we gave up on are then shut (:attr:`shut`)."""
-        p = self.name
-        threads = [threading.Thread(target=self.guarded(self.encoder), name=f"{p}-enc", daemon=True)]
-        for k in range(self.world - 1):
-            threads.append(threading.Thread(target=self.guarded(self.sender, k), name=f"{p}-tx{k}", daemon=True))
-            threads.append(threading.Thread(target=self.guarded(self.receiver, k), name=f"{p}-rx{k}", daemon=True))
-        for t in threads:
-            t.start()
+        self.spawn(self.encoder, self.sender, self.receiver, self._until_done)
+        for b in self.buckets:  # (after a failure nothing goes back to the pool: a thread may still hold it)
+            b.release()
+
+    def _until_done(self) -> None:
         self.steer()
         with self.cond:
             self.leaving = True  # (every link's POST loop ends)
             self.cond.notify_all()
         if self.whole_at is None:
-            self.fail(self.error or PeerTimeout(f"{p}: did not finish before its deadline"))
-        else:  # the links that did not end cleanly (given up on, failed, or at the deadline) are shut
-            self.shut = sorted({k for k in range(self.world - 1) if not (self.ended[0][k] and self.ended[1][k])}
-                               | self.dirty)
-            for k in self.shut:
-                self.links.out[k].abort()
-                self.links.inn[k].abort()
-        for t in threads:
-            t.join(max(0.0, self.deadline - time.monotonic()))
-            if t.is_alive():
-                self.fail(PeerTimeout(f"{p}: did not finish before its deadline"))
-                t.join(5.0)
-        if self.error is not None:
-            raise self.error
-        if any(t.is_alive() for t in threads):  # pragma: no cover - sockets are shut down
-            raise NetError(f"{p} threads did not stop")
-        for b in self.buckets:  # (after a failure nothing goes back to the pool: a thread may still hold it)
-            b.release()
+            self.fail(self.error or PeerTimeout(f"{self.name}: did not finish before its deadline"))
+            return
+        # the links that did not end cleanly (given up on, failed, or at the deadline) are shut
+        self.shut = sorted({k for k in range(self.world - 1) if not (self.ended[0][k] and self.ended[1][k])}
+                           | self.dirty)
+        for k in self.shut:
+            self.links.out[k].abort()
+            self.links.inn[k].abort()

@@ -190,8 +190,10 @@ class Pipeline:
         return body
 
     def spawn(self, encoder: Callable[[], None], sender: Callable[[int], None],
-              receiver: Callable[[int], None]) -> None:
-        """Run the threads to their end or the deadline; raise the first error."""
+              receiver: Callable[[int], None], meanwhile: Callable[[], None] | None = None) -> None:
+        """Run the threads to their end or the deadline; raise the first error. ``meanwhile``
+        runs on the calling thread once they have started (the butterfly's: until its call
+        may return, shutting the links it gives up on)."""
         p = self.name
         threads = [threading.Thread(target=self.guarded(encoder), name=f"{p}-enc", daemon=True)]
         for k in range(self.streams):
@@ -199,6 +201,8 @@ class Pipeline:
             threads.append(threading.Thread(target=self.guarded(receiver, k), name=f"{p}-rx{k}", daemon=True))
         for t in threads:
             t.start()
+        if meanwhile is not None:
+            meanwhile()
         for t in threads:
             t.join(max(0.0, self.deadline - time.monotonic()))
             if t.is_alive():
