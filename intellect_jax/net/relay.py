@@ -96,8 +96,7 @@ class Relay:
         self.jobs: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]  # what peer k asked us to relay
         self.served: list[set[tuple[int, int]]] = [set() for _ in range(n)]  # (bucket, owner) peer k asked for
         self.asked: dict[tuple[int, int], float] = {}  # (bucket, owner) -> when we last asked for it
-        self.tried: set[tuple[int, int, int]] = set()  # (bucket, owner, peer k) asked
-        self.asked_of: list[set[tuple[int, int]]] = [set() for _ in range(n)]
+        self.asked_of: list[set[tuple[int, int]]] = [set() for _ in range(n)]  # (bucket, owner) we asked peer k for
         self.got_relays: set[tuple[int, int, int, int]] = set()  # (bucket, owner, piece, peer k) relayed to us
         # owner -> (when, why) its own link gave its aggregates up: a POST in their place (why: None), or
         # a failure of that link in the gather (with audits only that link ends: see local())
@@ -190,12 +189,11 @@ class Relay:
                 if last is not None and now - last < WAIT_MIN or \
                         last is None and q not in self.gave_up and now - self.first_done < wait:  # type: ignore[operator]
                     continue
-                ks = [k for k in done if self._peer(k) != q and (i, q, k) not in self.tried]
+                ks = [k for k in done if self._peer(k) != q and (i, q) not in self.asked_of[k]]
                 if ks:
                     k = ks[0]
                     self.asks[k].append((i, q, first))
                     self.asked[(i, q)] = now
-                    self.tried.add((i, q, k))
                     self.asked_of[k].add((i, q))
                     self.cond.notify_all()
 
