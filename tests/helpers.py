@@ -549,3 +549,28 @@ def withholding_aggregates(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, 
         honest(self, k)
 
     monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather)
+
+
+def garbling_commitment(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, Any], bool],
+                        what: tuple[str, ...] = ("commitment", "nonce")) -> list[int]:
+    """Butterfly owners send, on a mesh connection ``conn`` where ``bad(run, conn)`` holds, their
+    own commitment under a signature that does not verify and (``what``) a nonce their header's
+    chain does not hash to; the buckets garbled go into the list returned."""
+    from intellect_jax.net import butterfly
+    from intellect_jax.net.evidence import digest
+
+    frame, garbled = butterfly._ButterflyRun._audit_frame, []
+
+    def garble(self: Any, conn: Any, payload: bytes) -> bool:
+        led = self.ledger
+        if bad(self, conn):
+            if "commitment" in what and led.commit is not None and payload == led.commit[1]:
+                payload = bytes(len(payload))
+                garbled.append(self.index)
+            elif "nonce" in what and payload == led.ctx.nonce:
+                payload = digest(payload)
+                garbled.append(self.index)
+        return frame(self, conn, payload)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_audit_frame", garble)
+    return garbled

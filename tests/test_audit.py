@@ -452,10 +452,10 @@ def test_the_audit_frames_go_out_between_the_aggregates_as_soon_as_they_are_read
         if self.rank != 0 or self.wait_for(lambda: self.ledger.commit is not None, "our commitment"):
             gather_to(self, k)
 
-    def on_commit(self: Any, owner: int, *a: Any) -> Any:
-        if owner == 0:
+    def on_commit(self: Any, owner: int, head: bytes, sig: bytes, via: int | None = None) -> Any:
+        if owner == 0 and via is None:  # (its own: others forward it too)
             seen[self.rank].append("commitment")
-        return committed(self, owner, *a)
+        return committed(self, owner, head, sig, via)
 
     def on_got(self: Any, owner: int, *a: Any) -> Any:
         if owner == 0:

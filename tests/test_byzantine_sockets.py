@@ -15,7 +15,7 @@ import pytest
 from intellect_jax.diloco.parts import Outcome
 from intellect_jax.net import RingConfig
 from intellect_jax.net.comm import SocketCommunicator
-from tests.helpers import forging_owner, socket_run, withholding_aggregates
+from tests.helpers import forging_owner, garbling_commitment, socket_run, withholding_aggregates
 
 RING = RingConfig(mode="int8", piece_numel=256, deadline=30.0, exchange="butterfly", robust="clip")
 STEPS = 8
@@ -92,18 +92,26 @@ def test_a_member_that_withholds_its_pieces_in_a_real_run_is_evicted_and_the_oth
 
 def test_an_owner_withholding_its_aggregates_from_one_member_in_a_real_run_evicts_nobody(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """n1, as owner, sends n0 its audit frames but none of its aggregates, in every all-reduce:
-    n0 gets them relayed by a member that holds them (checked against n1's commitment), so every
-    call completes everywhere; nobody is evicted (before the relay, n0 failed each call and was
-    removed as behind), and the four finish the run with one state."""
+    """n1, as owner, sends n0 none of its aggregates, its commitment under a signature that does
+    not verify and a nonce its header does not bind, in every all-reduce: two other members
+    forward n0 n1's commitment and nonce, and n0 gets the aggregates relayed by a member that
+    holds them (checked against that commitment), so every call completes everywhere; nobody is
+    evicted (before the relay, n0 failed each call and was removed as behind; before the
+    forwards, every call failed), and the four finish the run with one state."""
     from intellect_jax.net import butterfly
 
-    withholding_aggregates(monkeypatch, lambda run, k: run.ledger.ctx.ids[run.rank] == "n1" and
-                           run.ledger.ctx.ids[butterfly.peer_of(run.rank, run.world, k)] == "n0")
+    def to_n0(run: Any, k: int) -> bool:
+        ids = run.ledger.ctx.ids
+        return ids[run.rank] == "n1" and ids[butterfly.peer_of(run.rank, run.world, k)] == "n0"
+
+    withholding_aggregates(monkeypatch, to_n0)
+    garbled = garbling_commitment(monkeypatch, lambda run, conn: any(
+        conn is c and to_n0(run, k) for k, c in enumerate(run.links.out)))
     r = socket_run(4, "byz-relay", dataclasses.replace(RING, deadline=10.0), outer_steps=STEPS, dim=4096)
     assert r["evictions"] == [], r["evictions"]
     assert r["outcomes"] == [Outcome.FINISHED] * 4, r["outcomes"]
     assert len(set(r["node_hashes"])) == 1, r["node_hashes"]
+    assert len(garbled) >= 2 * STEPS, garbled
 
 
 @pytest.mark.parametrize("attack", ["flip", "push", "ratchet", "x1000", "sitout"])

@@ -20,7 +20,7 @@ from intellect_jax.net import RingConfig, butterfly, relay
 from intellect_jax.net.butterfly import MeshSeal
 from intellect_jax.net.evidence import verdict
 from intellect_jax.net.frames import MsgType
-from tests.helpers import withholding_aggregates
+from tests.helpers import garbling_commitment, withholding_aggregates
 from tests.test_net_ring import _inputs, _members, _nodes, _run, _same_bits
 
 CFG = RingConfig(deadline=3, exchange="butterfly", robust="clip", piece_numel=256)
@@ -240,6 +240,29 @@ def test_no_member_completes_by_relay_before_an_auditor_s_audit_passed(monkeypat
     _, errs = _outs(410, _inputs(4, 5000))
     assert leak.get("relayed"), "rank 1 relayed nothing: the test did not test it"
     assert errs[0] is not None and errs[3] is not None, errs
+
+
+@pytest.mark.parametrize("what", ["commitment", "nonce"])
+def test_an_owner_that_garbles_its_commitment_or_nonce_to_one_member_stalls_nobody(
+        monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    """Two buckets: rank 2 sends rank 0, in each, its commitment under a signature that does
+    not verify (``commitment``) or a nonce its header's chain does not hash to (``nonce``), and
+    nobody else anything wrong. The next two members after rank 2 forward rank 0 what rank 2
+    signed and bound, and every rank completes with the same bits, well before the deadline
+    (before, rank 0 failed the call at once for everyone: one garbled frame a call stalled the
+    run, naming nobody the coordinator could act on)."""
+    # (mesh link 1 of rank 2 joins rank 0)
+    garbled = garbling_commitment(monkeypatch, lambda run, conn: run.rank == 2 and conn is run.links.out[1], (what,))
+    a, b = _inputs(4, 5000), _inputs(4, 3000, seed=1)
+    cfg = dataclasses.replace(CFG, bucket_numel=5000)
+    t0 = time.monotonic()
+    outs, errs = _outs(430 + 5 * ["commitment", "nonce"].index(what), [{"a": a[r], "b": b[r]} for r in range(4)], cfg)
+    took = time.monotonic() - t0
+    assert errs == [None] * 4, errs
+    assert sorted(garbled) == [0, 1], garbled
+    for leaf, xs in (("a", a), ("b", b)):
+        assert all(_same_bits(o[leaf], butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
+    assert took < CFG.deadline * 0.8, took
 
 
 def test_a_member_that_withholds_only_its_second_bucket_is_named_by_every_owner(

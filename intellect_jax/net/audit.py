@@ -276,7 +276,11 @@ class Ledger:
         self.challenge: int | None = None  # the piece we ask for
         self.asked: dict[int, int] = {}  # auditor -> the piece of its target it asked us for
         self.answers: dict[int, tuple[bytes, bytes]] = {}  # sender -> (its piece, its signature to us)
-        self.heads: dict[int, tuple[bytes, bytes]] = {}  # owner -> the commitment it sent us (head, signature)
+        # owner -> the commitment we hold (head, signature): the first that verified, its own or forwarded
+        self.heads: dict[int, tuple[bytes, bytes]] = {}
+        self.direct: dict[int, tuple[bytes, bytes]] = {}  # owner -> the commitment it sent us itself, verified
+        self.undirect: set[int] = set()  # owners whose own commitment to us did not verify
+        self.versions: dict[int, list[tuple[bytes, bytes]]] = {}  # owner -> the other ones it signed that we got
         self.echoes: dict[int, tuple[bytes, bytes]] = {}  # member -> the commitment it got from our target
 
     # -- as owner (each call touches its own slot: no lock needed; hashing releases the GIL) ----
@@ -314,14 +318,29 @@ class Ledger:
                           self.piece_numel, self.mode, self.block, self.how, self.absent, root(digests), rows_root)
 
     # -- as member ---------------------------------------------------------------------
-    def committed(self, owner: int, head: bytes, signature: bytes) -> str | None:
-        """An owner's commitment arrived (``head``: its digests and rows' root); why it is no
-        commitment (None: it is)."""
-        ds = [head[i:i + DIGEST] for i in range(0, len(head) - DIGEST, DIGEST)]
-        if not self.ctx.verify(owner, self._said(owner, ds, head[-DIGEST:]), signature):
+    def committed(self, owner: int, head: bytes, signature: bytes, via: int | None = None) -> str | None:
+        """An owner's commitment arrived (``head``: its digests and rows' root), from the owner
+        itself or forwarded by member ``via``; why it is no commitment of the owner's, or none we
+        may hold (None: it is). The first that verifies is the one we hold (:attr:`heads`); any
+        other the owner signed is kept (:attr:`versions`), as evidence that it signed two."""
+        held = self.heads.get(owner)
+        if held != (head, signature) and not self._verifies(owner, head, signature):
+            if via is None:
+                self.undirect.add(owner)
             return "a commitment its signature does not cover"
-        self.theirs[owner], self.heads[owner] = ds, (head, signature)
-        return None if self._consistent(owner) else "a commitment to other aggregates than it sent"
+        if via is None:
+            self.direct[owner] = (head, signature)
+        if held is None:
+            self.theirs[owner] = [head[i:i + DIGEST] for i in range(0, len(head) - DIGEST, DIGEST)]
+            self.heads[owner] = (head, signature)
+            return None if self._consistent(owner) else "a commitment to other aggregates than it sent"
+        if held != (head, signature) and (head, signature) not in self.versions.setdefault(owner, []):
+            self.versions[owner].append((head, signature))
+        return None
+
+    def _verifies(self, owner: int, head: bytes, signature: bytes) -> bool:
+        ds = [head[i:i + DIGEST] for i in range(0, len(head) - DIGEST, DIGEST)]
+        return self.ctx.verify(owner, self._said(owner, ds, head[-DIGEST:]), signature)
 
     def may_reveal(self) -> bool:
         """Whether our nonce may go out: we hold every owner's commitment (ours included), so no
@@ -329,8 +348,10 @@ class Ledger:
         return self.commit is not None and len(self.heads) == self.world - 1
 
     def revealed(self, rank: int, nonce: bytes) -> str | None:
-        """``rank``'s nonce arrived; why it is not the one its header bound it to (None: it is).
-        With every nonce in, the pairing is drawn."""
+        """``rank``'s nonce arrived, from it or forwarded; why it is not the one its header bound
+        it to (None: it is, or we hold it already). With every nonce in, the pairing is drawn."""
+        if rank in self.reveals:
+            return None
         if len(nonce) != DIGEST or not self.ctx.accepts(rank, nonce):
             return "a nonce that is not the one its header committed to"
         self.reveals[rank] = nonce
@@ -364,15 +385,13 @@ class Ledger:
         return got == self.theirs[owner][:len(got)]
 
     def other_version(self) -> tuple[bytes, bytes] | None:
-        """Another commitment of our target, signed by it, that a member got (None: none)."""
+        """Another commitment of our target, signed by it, that a member got or we did (None: none)."""
         head, _ = self.heads[self.target]
-        ds = head[:-DIGEST]
-        for other, sig in self.echoes.values():
-            if other != head and len(other) == len(head):
-                said = self._said(self.target, [other[i:i + DIGEST] for i in range(0, len(ds), DIGEST)],
-                                  other[-DIGEST:])
-                if self.ctx.verify(self.target, said, sig):
-                    return other, sig
+        theirs = [*self.echoes.values(), *self.versions.get(self.target, ())]
+        direct = self.direct.get(self.target)
+        for other, sig in theirs + ([] if direct is None else [direct]):
+            if other != head and len(other) == len(head) and self._verifies(self.target, other, sig):
+                return other, sig
         return None
 
     def case(self, own_wire: bytes, other: tuple[bytes, bytes] | None = None) -> Case:

@@ -13,13 +13,13 @@ plan, links, codec and condition variable.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 
 import numpy as np
 
 from intellect_jax.net import quant
 from intellect_jax.net.audit import DIGEST, ENTRY, judge, passed, signed_piece
-from intellect_jax.net.pairing import audited_by
+from intellect_jax.net.pairing import audited_by, forwarders
 from intellect_jax.net.errors import AuditFailed, AuditFrameError, FrameError
 from intellect_jax.net.evidence import SAT_OUT, SIG_BYTES, digest
 from intellect_jax.net.frames import MsgType
@@ -35,23 +35,30 @@ class AuditFrames:
     audit_sent: dict[int, int]  # link to rank o -> how many of its audit steps went out
 
     def _audit_out(self, conn, o: int, wait: bool) -> bool:  # noqa: ANN001
-        """Send rank ``o`` the audit frames that are ready, in their order: our commitment, our
-        nonce (once we hold every owner's commitment), our row lists if the draw makes ``o`` our
-        auditor, our challenge, our piece that ``o`` asked for, and the commitment we got from
-        the owner ``o`` audits. With ``wait``, all of them, each waited for (False: the call
-        failed meanwhile)."""
+        """Send rank ``o`` the audit frames that are ready, in their order: our commitment, the
+        commitment we hold of each owner we forward to ``o`` (:func:`~.pairing.forwarders`),
+        our nonce (once we hold every owner's commitment), the nonce of each member we forward
+        to ``o``, our row lists if the draw makes
+        ``o`` our auditor, our challenge, our piece that ``o`` asked for, and the commitment we
+        got from the owner ``o`` audits. With ``wait``, all of them, each waited for (False:
+        the call failed meanwhile)."""
         led = self.ledger
         assert led is not None
         drawn = lambda: led.drawn is not None  # noqa: E731
-        steps = [(lambda: led.commit is not None, "our commitment", lambda: self._commit_to(conn)),
-                 (led.may_reveal, "every owner's commitment", lambda: self._audit_frame(conn, led.ctx.nonce)),
-                 (drawn, "every member's nonce", lambda: self._rows_to(conn, o)),
-                 (lambda: led.challenge is not None, "the row lists of the segment we audit",
-                  lambda: self._audit_frame(conn, np.uint32(led.challenge).tobytes() + led.drawn)),
-                 (lambda: o in led.asked, f"rank {o}'s challenge", lambda: self._answer(conn, o)),
-                 (lambda: drawn() and (audited_by(o, self.world, led.offset) in led.heads
-                                       or audited_by(o, self.world, led.offset) == self.rank),
-                  "the commitment of the segment it audits", lambda: self._echo_to(conn, o))]
+        others = [t for t in range(self.world) if t not in (o, self.rank) and
+                  self.rank in forwarders(t, o, self.world)]
+        steps = [(lambda: led.commit is not None, "our commitment", lambda: self._commit_to(conn))]
+        steps += [(lambda t=t: t in led.heads, f"rank {t}'s commitment",  # type: ignore[misc]
+                   lambda t=t: all(self._audit_frame(conn, f) for f in led.heads[t])) for t in others]
+        steps += [(led.may_reveal, "every owner's commitment", lambda: self._audit_frame(conn, led.ctx.nonce))]
+        steps += [(lambda t=t: t in led.reveals, f"rank {t}'s nonce",  # type: ignore[misc]
+                   lambda t=t: self._audit_frame(conn, led.reveals[t])) for t in others]
+        steps += [(drawn, "every member's nonce", lambda: self._rows_to(conn, o)),
+                  (lambda: led.challenge is not None, "the row lists of the segment we audit",
+                   lambda: self._audit_frame(conn, np.uint32(led.challenge).tobytes() + led.drawn)),
+                  (lambda: o in led.asked, f"rank {o}'s challenge", lambda: self._answer(conn, o)),
+                  (lambda: drawn() and self._echoable(audited_by(o, self.world, led.offset)),
+                   "the commitment of the segment it audits", lambda: self._echo_to(conn, o))]
         done = self.audit_sent.setdefault(o, 0)
         for ready, what, send in steps[done:]:
             if wait:
@@ -101,7 +108,14 @@ class AuditFrames:
         led = self.ledger
         assert led is not None
         t = audited_by(o, self.world, led.offset)
-        return t == self.rank or all(self._audit_frame(conn, f) for f in led.heads[t])
+        return t == self.rank or all(self._audit_frame(conn, f) for f in led.direct.get(t, led.heads.get(t, ())))
+
+    def _echoable(self, t: int) -> bool:
+        """Whether we may echo owner ``t``'s commitment: the one it sent us itself, or, if it
+        sent us none that verified (or gave up its link), the one we hold from another member."""
+        led = self.ledger
+        assert led is not None
+        return t == self.rank or t in led.direct or t in led.heads and (t in led.undirect or t in self.mesh.gave_up)
 
     def _answer(self, conn, o: int) -> bool:  # noqa: ANN001
         """Our piece that auditor ``o`` asked for, signed to it (our own row too, if ``o`` audits
@@ -126,19 +140,21 @@ class AuditFrames:
         sent its payload; stops early if the call fails while it waits for the draw."""
         led, P = self.ledger, self.plan.pieces
         assert led is not None
-        head = yield P * DIGEST + DIGEST
-        sig = yield SIG_BYTES
-        with self.cond:
-            bad = led.committed(o, head, sig)
-            self.cond.notify_all()
-        if bad:
-            raise FrameError(f"rank {o} sent {bad}")
-        nonce = yield DIGEST
-        with self.cond:
-            bad = led.revealed(o, nonce)
-            self.cond.notify_all()
-        if bad:
-            raise FrameError(f"rank {o} sent {bad}")
+        others = [t for t in range(self.world) if t not in (o, self.rank) and
+                  o in forwarders(t, self.rank, self.world)]
+        for t in [o, *others]:  # its commitment, then those it forwards us (as it holds them)
+            head = yield P * DIGEST + DIGEST
+            sig = yield SIG_BYTES
+            with self.cond:
+                bad = led.committed(t, head, sig, None if t == o else o)
+                self.cond.notify_all()
+            self._bad_frame(o, t, "commitment", bad, lambda t=t: t in led.heads)  # type: ignore[misc]
+        for t in [o, *others]:  # its nonce, then those it forwards us
+            nonce = yield DIGEST
+            with self.cond:
+                bad = led.revealed(t, nonce)
+                self.cond.notify_all()
+            self._bad_frame(o, t, "nonce", bad, lambda t=t: t in led.reveals)  # type: ignore[misc]
         if not self.wait_for(lambda: led.drawn is not None, "every member's nonce"):
             return
         if o == led.target:
@@ -189,6 +205,21 @@ class AuditFrames:
             with self.cond:
                 led.echoes[o] = echo
                 self.cond.notify_all()
+
+    def _bad_frame(self, o: int, t: int, what: str, bad: str | None, got: Callable[[], bool]) -> None:
+        """What to do about rank ``t``'s ``what`` that did not hold (``bad``: why; None: it did),
+        arrived from rank ``o``. A forwarded one is left out: another member may have forwarded
+        what ``t`` signed or bound, and without it ``t`` alone is at fault. Its own that does not
+        verify fails the call unless one that does comes forwarded a while after (``got``: we
+        hold one): an owner that garbles its commitment or nonce to one member stalls nobody.
+        Its own commitment to other aggregates than it sent, or a forwarded one of that kind
+        (signed by ``t``), fails the call at once."""
+        if bad is None:
+            return
+        if bad.startswith("a commitment to other aggregates"):  # (it signed what contradicts what it sent)
+            raise FrameError(f"rank {t} sent {bad}" + ("" if o == t else f" (forwarded by rank {o})"))
+        if o == t:
+            self.mesh.owe((self.index, what, t), AuditFrameError(f"rank {t} sent {bad}"), got)
 
     def _audit_read(self, conn, o: int, hdr, frames: Generator[int, bytes, None], want: int) -> int | None:  # noqa: ANN001
         """Read the audit frame ``hdr`` announces (``want``: the length :meth:`_audit_in` asked

@@ -50,3 +50,15 @@ def draw(run_id: str, step: int, epoch: int, call: int, nonces: Sequence[bytes])
     for x in nonces:
         h.update(x)
     return h.digest()
+
+
+FORWARDERS = 2  # members that forward each owner's commitment and nonce to each other member
+
+
+def forwarders(owner: int, receiver: int, world: int) -> list[int]:
+    """The members that forward ``owner``'s commitment and nonce to ``receiver`` (besides the
+    owner itself): the next :data:`FORWARDERS` ranks after the owner but the receiver. An owner
+    that garbles either to one member then stalls nobody unless both of them collude with it,
+    and each member forwards about ``FORWARDERS`` of each, not ``world - 2``."""
+    after = [(owner + i) % world for i in range(1, world)]
+    return [r for r in after if r != receiver][:FORWARDERS]

@@ -105,6 +105,9 @@ class Relay:
         self.shut: list[int] = []  # peers whose links we shut at the end (not clean)
         self.dirty: set[int] = set()  # peers whose link failed in this phase (it may hold half a frame)
         self.leaving = False  # we are done with the call: every link's thread ends
+        # what a member's own audit frame did not bring us (key -> when, the error it fails the call
+        # with, whether another member has forwarded it since): see owe()
+        self.owed: dict[Any, tuple[float, BaseException, Any]] = {}
         self.poke = threading.Event()  # something the main thread may act on happened (see steer)
 
     # -- the call's main thread ------------------------------------------------------------
@@ -140,10 +143,24 @@ class Relay:
             self.poke.wait(POLL if self.whole_at is None else 4 * POLL)
             self.poke.clear()
 
+    def owe(self, key: Any, error: BaseException, got: Any) -> None:
+        """A member's own audit frame (its commitment or nonce) did not hold: the call fails with
+        ``error`` unless another member forwards one that does (``got()``, under ``cond``) within
+        as long again as the call had taken (at least a second; see :meth:`_doomed`)."""
+        with self.cond:
+            self.owed.setdefault(key, (time.monotonic(), error, got))
+        self.poke.set()
+
     def _doomed(self, now: float) -> BaseException | None:
         """The failure of an owner's link, once no peer has said DONE to us for as long again as
         the call had taken when it failed (at least a second): no member that could relay what
-        we lack is in sight."""
+        we lack is in sight. Or a member's own audit frame that did not hold, once no other
+        member has forwarded it for that long (:meth:`owe`)."""
+        for key, (when, why, got) in list(self.owed.items()):
+            if got():
+                del self.owed[key]
+            elif now - when >= max(1.0, when - self.t0):
+                return why
         if self.whole_at is not None or self.first_done is not None:
             return None
         for when, why in self.gave_up.values():
