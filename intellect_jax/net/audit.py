@@ -11,11 +11,12 @@ piece per link:
    the members sitting out, and two roots): the digest (BLAKE3) of each aggregate's wire bytes, and for
    each piece the *row list*: every member's piece as the owner received it (its digest and its
    sender's signature; for the owner's own row, which it never sent, its digest and zeros).
-   Every member gets the aggregates' digests and the signature.
+   Every member gets the aggregates' digests and the signature, from the owner and forwarded
+   by two others (:func:`~.pairing.forwarders`): the first that verifies is the one it holds.
 2. **Pairing.** Who audits whom is drawn only once every owner is bound to its aggregates:
    each rank's call header carries the head of a hash chain of nonces (:func:`~.pairing.nonce_chain`, one
    per bucket), and each rank reveals its nonce of the bucket once it holds every owner's
-   commitment; the digest of all of them (:func:`~.pairing.draw`) picks the rotation (:func:`~.pairing.rotation`:
+   commitment (forwarded too, checked against the header's chain); the digest of all of them (:func:`~.pairing.draw`) picks the rotation (:func:`~.pairing.rotation`:
    rank ``r`` audits segment ``r - offset``). So an owner cannot know while it commits whether
    its auditor is an accomplice, and no member can choose the draw (its nonce was fixed before
    any data moved). But it can refuse it: a member that holds back its own nonce sees the draw
@@ -33,8 +34,8 @@ piece per link:
    aggregate of its rows; a member that signed two different pieces for one place (one to the
    owner, another to the auditor). A row or answer whose signature does not verify names nobody
    (an owner's forgery and a sender's trick cannot be told apart): the case shows nothing.
-5. **Echo.** Every member checks the aggregates it gets against the commitment it got, and passes
-   that commitment on to the owner's auditor: an owner that sends some members other aggregates
+5. **Echo.** Every member checks the aggregates it gets against the commitment it holds, and
+   passes the one the owner sent it itself on to the owner's auditor: an owner that sends some members other aggregates
    must sign another commitment for them, and the auditor then holds both under its signature.
 
 The auditor judges before the last piece of its own aggregate leaves and fails the call when the
