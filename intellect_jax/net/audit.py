@@ -331,10 +331,13 @@ class Ledger:
             return "a commitment its signature does not cover"
         if via is None:
             self.direct[owner] = (head, signature)
-        if held is None:
-            self.theirs[owner] = [head[i:i + DIGEST] for i in range(0, len(head) - DIGEST, DIGEST)]
-            self.heads[owner] = (head, signature)
-            return None if self._consistent(owner) else "a commitment to other aggregates than it sent"
+        ds = [head[i:i + DIGEST] for i in range(0, len(head) - DIGEST, DIGEST)]
+        got = self.received_aggs.get(owner, [])
+        if held is None and (via is None or got == ds[:len(got)]):
+            self.theirs[owner], self.heads[owner] = ds, (head, signature)
+            return None if got == ds[:len(got)] else "a commitment to other aggregates than it sent"
+        # (a forwarded one to other aggregates than the owner sent us is not held: the owner may
+        # have signed another for us, which its auditor must see in our echo; it stays evidence)
         if held != (head, signature) and (head, signature) not in self.versions.setdefault(owner, []):
             self.versions[owner].append((head, signature))
         return None

@@ -212,12 +212,11 @@ class AuditFrames:
         what ``t`` signed or bound, and without it ``t`` alone is at fault. Its own that does not
         verify fails the call unless one that does comes forwarded a while after (``got``: we
         hold one): an owner that garbles its commitment or nonce to one member stalls nobody.
-        Its own commitment to other aggregates than it sent, or a forwarded one of that kind
-        (signed by ``t``), fails the call at once."""
+        Its own commitment to other aggregates than it sent us fails the call at once."""
         if bad is None:
             return
         if bad.startswith("a commitment to other aggregates"):  # (it signed what contradicts what it sent)
-            raise FrameError(f"rank {t} sent {bad}" + ("" if o == t else f" (forwarded by rank {o})"))
+            raise FrameError(f"rank {t} sent {bad}")
         if o == t:
             self.mesh.owe((self.index, what, t), AuditFrameError(f"rank {t} sent {bad}"), got)
 
