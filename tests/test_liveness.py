@@ -148,32 +148,36 @@ def _outs(first: int, xs: list[Any], cfg: RingConfig = CFG) -> tuple[list, list]
             n.close()
 
 
-def test_an_owner_s_aggregates_withheld_from_one_member_are_relayed_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("buckets", [1, 3])
+def test_an_owner_s_aggregates_withheld_from_one_member_are_relayed_to_it(monkeypatch: pytest.MonkeyPatch,
+                                                                          buckets: int) -> None:
     """Rank 2 sends rank 0 its audit frames but none of its aggregates (and says DONE in their
     place). Rank 0 asks a member that said DONE for them, checks each against rank 2's
     commitment, and completes: every rank returns the same bits, well before the deadline (before,
-    rank 0 failed at the deadline and the three others completed: rank 0 was removed as behind)."""
+    rank 0 failed at the deadline and the three others completed: rank 0 was removed as behind).
+    With three buckets, each bucket's first audit frame comes where its previous bucket's
+    aggregates were due, and rank 0 reads on (before, its link from rank 2 ended there, and with
+    it rank 2's later audit frames: rank 0 failed)."""
     _skip_aggregates(monkeypatch, owner=2, victim=0)
-    xs, t0 = _inputs(4, 5000), time.monotonic()
-    outs, errs = _outs(380, xs)
+    sizes = [5000, 3000, 4000][:buckets]
+    leaves = [_inputs(4, n, seed=i) for i, n in enumerate(sizes)]
+    xs = [{f"b{i}": leaf[r] for i, leaf in enumerate(leaves)} for r in range(4)]
+    t0 = time.monotonic()
+    outs, errs = _outs(380 + 3 * buckets, xs, dataclasses.replace(CFG, bucket_numel=5000))
     took = time.monotonic() - t0
     assert errs == [None] * 4, errs
-    assert all(_same_bits(o, butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
+    for i, leaf in enumerate(leaves):
+        assert all(_same_bits(o[f"b{i}"], butterfly.simulate(leaf, "int8", 64, 256, "clip")) for o in outs)
     assert took < CFG.deadline * 0.8, took
 
 
-@pytest.mark.parametrize("what", ["piece", "pass"])
-def test_a_relayer_that_alters_what_it_relays_is_passed_over(monkeypatch: pytest.MonkeyPatch, what: str) -> None:
-    """As above, and rank 1 flips a byte in every piece it relays (``piece``), or in rank 2's
-    signature that its audit passed, which must come with its last piece (``pass``: so a
-    relayer that found an auditor's held-back tail from its committed digest cannot complete a
-    member before that audit); rank 3 says DONE a second late. Rank 0 asks rank 1 first, drops
-    what does not hold, then asks rank 3, and completes with the same bits as every other rank."""
-    _skip_aggregates(monkeypatch, owner=2, victim=0)
-    serve, post_out, relayed = relay.Relay._serve, relay.Relay.post_out, []
+def _altering_relayer(monkeypatch: pytest.MonkeyPatch, rank: int, what: str) -> list[int]:
+    """``rank`` flips a byte in every piece it relays (``piece``), or in the owner's signature
+    that its audit passed (``pass``); one entry goes into the list returned for each."""
+    serve, relayed = relay.Relay._serve, []
 
     def altered(self: Any, conn: Any, i: int, q: int, first: int) -> None:
-        if self.rank == 1:
+        if self.rank == rank:
             send = conn.send
 
             def flip(t: MsgType, payload: Any = b"", **kw: Any) -> Any:
@@ -186,18 +190,65 @@ def test_a_relayer_that_alters_what_it_relays_is_passed_over(monkeypatch: pytest
             conn = type("Flip", (), {"send": staticmethod(flip)})()
         serve(self, conn, i, q, first)
 
+    monkeypatch.setattr(relay.Relay, "_serve", altered)
+    return relayed
+
+
+@pytest.mark.parametrize("what", ["piece", "pass"])
+def test_a_relayer_that_alters_what_it_relays_is_passed_over(monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    """As above, and rank 1 flips a byte in every piece it relays (``piece``), or in rank 2's
+    signature that its audit passed, which must come with its last piece (``pass``: so a
+    relayer that found an auditor's held-back tail from its committed digest cannot complete a
+    member before that audit); rank 3 says DONE a second late. Rank 0 asks rank 1 first, drops
+    what does not hold, then asks rank 3, and completes with the same bits as every other rank."""
+    _skip_aggregates(monkeypatch, owner=2, victim=0)
+    relayed, post_out = _altering_relayer(monkeypatch, 1, what), relay.Relay.post_out
+
     def late(self: Any, k: int) -> None:
         if self.rank == 3:
             time.sleep(1.0)
         post_out(self, k)
 
-    monkeypatch.setattr(relay.Relay, "_serve", altered)
     monkeypatch.setattr(relay.Relay, "post_out", late)
     xs = _inputs(4, 5000)
     outs, errs = _outs(390 + 5 * ["piece", "pass"].index(what), xs, dataclasses.replace(CFG, deadline=6))
     assert errs == [None] * 4, errs
     assert relayed, "rank 1 relayed nothing: the test did not test it"
     assert all(_same_bits(o, butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_seeded_schedules_of_an_owner_withholding_from_one_member_complete_everywhere(
+        monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """A seeded schedule of what one owner does to one member, over 1 to 3 buckets: it withholds
+    all its aggregates, garbles its commitment, garbles its nonce (a non-empty mix of the three),
+    and a third rank may alter what it relays if asked. Whatever the mix, every rank completes with the
+    same bits as ``butterfly.simulate``, within the deadline, and the mix really happened."""
+    rng = np.random.default_rng(seed)
+    owner, victim = (int(r) for r in rng.choice(4, 2, replace=False))
+    what = [w for w in ("aggregates", "commitment", "nonce") if rng.random() < 0.6] or ["aggregates"]
+    buckets, alter = int(rng.integers(1, 4)), rng.random() < 0.5 and "aggregates" in what
+    link = (victim - owner - 1) % 4  # (mesh link of the owner that joins the victim)
+    if "aggregates" in what:
+        _skip_aggregates(monkeypatch, owner=owner, victim=victim)
+    garbled = [] if what == ["aggregates"] else garbling_commitment(
+        monkeypatch, lambda run, conn: run.rank == owner and conn is run.links.out[link],
+        tuple(w for w in what if w != "aggregates"))
+    if alter:  # (the victim's first peer but the owner: the one it asks first if both others said DONE)
+        _altering_relayer(monkeypatch, next(p for p in ((victim + 1 + k) % 4 for k in range(3)) if p != owner), "piece")
+    sizes = [5000, 3000, 4000][:buckets]
+    leaves = [_inputs(4, n, seed=seed + i) for i, n in enumerate(sizes)]
+    xs = [{f"b{i}": leaf[r] for i, leaf in enumerate(leaves)} for r in range(4)]
+    cfg = dataclasses.replace(CFG, bucket_numel=5000, deadline=6)
+    t0 = time.monotonic()
+    outs, errs = _outs(460 + 4 * seed, xs, cfg)
+    took = time.monotonic() - t0
+    case = dict(owner=owner, victim=victim, what=what, buckets=buckets, alter=alter)
+    assert errs == [None] * 4, (case, errs)
+    for i, leaf in enumerate(leaves):
+        assert all(_same_bits(o[f"b{i}"], butterfly.simulate(leaf, "int8", 64, 256, "clip")) for o in outs), case
+    assert took < cfg.deadline * 0.8, (case, took)
+    assert len(garbled) == (buckets * (len(what) - 1 if "aggregates" in what else len(what))), (case, garbled)
 
 
 def test_no_member_completes_by_relay_before_an_auditor_s_audit_passed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -112,10 +112,11 @@ class AuditFrames:
 
     def _echoable(self, t: int) -> bool:
         """Whether we may echo owner ``t``'s commitment: the one it sent us itself, or, if it
-        sent us none that verified (or gave up its link), the one we hold from another member."""
+        sent us none that verified (or its link to us carries no more audit frames), the one we
+        hold from another member."""
         led = self.ledger
         assert led is not None
-        return t == self.rank or t in led.direct or t in led.heads and (t in led.undirect or t in self.mesh.gave_up)
+        return t == self.rank or t in led.direct or t in led.heads and (t in led.undirect or t in self.mesh.mute)
 
     def _answer(self, conn, o: int) -> bool:  # noqa: ANN001
         """Our piece that auditor ``o`` asked for, signed to it (our own row too, if ``o`` audits

@@ -49,7 +49,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -62,7 +62,7 @@ from intellect_jax.net.evidence import OUTSIZE, SAT_OUT, SIG_BYTES, digest, outs
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.mesh_call import MeshCall
 from intellect_jax.net.plan import RingPlan, butterfly_plan
-from intellect_jax.net.relay import Posted
+from intellect_jax.net.relay import Posted, Skipped
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
 from intellect_jax.net.tree import Flat, overlaps
 
@@ -180,6 +180,7 @@ class _ButterflyRun(AuditFrames):
         self.relayed: list[set[int]] = [set() for _ in range(world)]
         self.kept: dict[tuple[int, int], np.ndarray] = {}
         self.passes: dict[int, bytes] = {}  # owner -> its signature that its audit passed (audit.passed)
+        self.pushed: dict[int, Any] = {}  # owner -> the header of our first frame from it, read in the bucket before
         self.placing = [threading.Lock() for _ in range(world)]  # per owner (before cond, when both are taken)
 
     @property
@@ -546,12 +547,21 @@ class _ButterflyRun(AuditFrames):
     def _next(self, conn, o: int, want: MsgType | tuple[MsgType, ...]):  # noqa: ANN001, ANN202
         """The next frame's header in the gather, of a type in ``want``: a POST frame instead
         means the sender gave up what it still owed us here (:class:`~.relay.Posted`: with
-        audits a member that holds it relays it, without them the call fails)."""
-        hdr = conn.recv_header((*(want if isinstance(want, tuple) else (want,)), MsgType.POST), deadline=self.deadline)
+        audits a member that holds it relays it, without them the call fails); with audits an
+        AUDIT frame where only aggregates are due (every audit frame of this bucket in) means it
+        gave up the rest of this bucket's aggregates, and is its next bucket's first frame
+        (:class:`~.relay.Skipped`: relayed likewise)."""
+        want = want if isinstance(want, tuple) else (want,)
+        hdr = self.pushed.pop(o, None)  # (read by its previous bucket's reader: see Skipped)
+        if hdr is None:
+            more = self.mesh.relaying and MsgType.AUDIT not in want and self.index + 1 < len(self.mesh.buckets)
+            hdr = conn.recv_header((*want, MsgType.POST, *((MsgType.AUDIT,) if more else ())), deadline=self.deadline)
         if hdr.mtype == MsgType.POST:
             if not self.mesh.relaying:
                 raise FrameError(f"rank {o} ended its gather before its aggregates were all out")
             raise Posted(hdr)
+        if hdr.mtype not in want:  # its next bucket's audit frames: it gave up the rest of this one's aggregates
+            raise Skipped(hdr)
         return hdr
 
     def _recv(self, conn, n: int) -> np.ndarray:  # noqa: ANN001

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from intellect_jax.net.errors import NetError, PeerTimeout
-from intellect_jax.net.relay import Posted, Relay
+from intellect_jax.net.relay import Posted, Relay, Skipped
 from intellect_jax.net.ring import Links, Pipeline
 
 WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
@@ -83,8 +83,12 @@ class MeshCall(Relay, Pipeline):
             going = self._over(side, k)
         posted = None
         try:
-            for b in self.buckets if going else ():
-                getattr(b, step3)(k)
+            for i, b in enumerate(self.buckets if going else ()):
+                try:
+                    getattr(b, step3)(k)
+                except Skipped as s:  # its owner gave up the rest of this bucket's aggregates on this link
+                    self.lost(side, k, None, skipped=True)
+                    self.buckets[i + 1].pushed[self._peer(k)] = s.hdr  # (raised only before a next bucket)
                 if self.error is not None:
                     return
         except Posted as p:  # its owner gave its aggregates up on this link: ask a member that holds them

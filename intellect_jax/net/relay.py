@@ -71,6 +71,16 @@ class Posted(Exception):
         self.hdr = hdr
 
 
+class Skipped(Exception):
+    """An AUDIT frame where an owner's aggregates (or its tail, or its signature that its audit
+    passed) of a bucket were due, with every audit frame of that bucket in: the owner gave up the
+    rest of that bucket's aggregates on this link, and the frame is its next bucket's first."""
+
+    def __init__(self, hdr: Any) -> None:
+        super().__init__("an audit frame of the next bucket in the gather")
+        self.hdr = hdr
+
+
 class Relay:
     """The post-gather phase of a :class:`~.mesh_call.MeshCall` (a mixin): its frames on each
     link, the asks, and when the call may return (see the module docstring)."""
@@ -101,6 +111,7 @@ class Relay:
         # owner -> (when, why) its own link gave its aggregates up: a POST in their place (why: None), or
         # a failure of that link in the gather (with audits only that link ends: see local())
         self.gave_up: dict[int, tuple[float, BaseException | None]] = {}
+        self.mute: set[int] = set()  # owners whose links to us carry no more audit frames (POST, or a failure)
         self.moving = [(0, time.monotonic())] * n  # per peer: (bytes both ways, when they last changed)
         self.shut: list[int] = []  # peers whose links we shut at the end (not clean)
         self.dirty: set[int] = set()  # peers whose link failed in this phase (it may hold half a frame)
@@ -179,11 +190,14 @@ class Relay:
         return self.relaying and isinstance(e, FrameError) and not isinstance(e, AuditFrameError) and \
             time.monotonic() < self.deadline
 
-    def lost(self, side: int, k: int, e: BaseException | None) -> None:
+    def lost(self, side: int, k: int, e: BaseException | None, skipped: bool = False) -> None:
         """Link ``k`` from the peer ended its gather: ``e`` its failure (we read it no more), None
-        a POST frame in place of what it still owed us (its POST frames are read on)."""
+        a POST frame in place of what it still owed us (its POST frames are read on); or, with
+        ``skipped``, it gave up the rest of one bucket's aggregates (its next bucket is read on)."""
         with self.cond:
             self.gave_up.setdefault(self._peer(k), (time.monotonic(), e))
+            if not skipped:
+                self.mute.add(self._peer(k))
             if e is not None:  # (what it sent after is not read: the link is shut at the end)
                 self.ended[side][k] = True
                 self.dirty.add(k)
