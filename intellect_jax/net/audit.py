@@ -82,6 +82,11 @@ def root(parts: Sequence[bytes]) -> bytes:
     return h.digest()
 
 
+def _digests(head: bytes) -> list[bytes]:
+    """The aggregates' digests of a commitment's head (its last 32 bytes are the rows' root)."""
+    return [head[i:i + DIGEST] for i in range(0, len(head) - DIGEST, DIGEST)]
+
+
 def commitment(run_id: str, step: int, epoch: int, call: int, owner: str, segment: int, world: int, numel: int,
                piece_numel: int, mode: str, block: int, how: str, absent: Sequence[int], aggregates: bytes,
                rows: bytes) -> bytes:
@@ -189,9 +194,7 @@ def judge(case: Case, verify: Verify) -> Judgement:
         ours = b"".join(case.aggregates) + root(case.row_roots)
         if len(head) != len(ours) or head == ours or not verify(o, commitment(
                 case.run_id, case.step, case.epoch, case.call, case.ids[o], o, world, case.numel, case.piece_numel,
-                case.mode, case.block, case.how, case.absent, root([head[i:i + DIGEST] for i in
-                                                                    range(0, len(head) - DIGEST, DIGEST)]),
-                head[-DIGEST:]), sig):
+                case.mode, case.block, case.how, case.absent, root(_digests(head)), head[-DIGEST:]), sig):
             return Judgement(None, "the other commitment is not another one signed by the owner")
         return Judgement(o, f"signed two different commitments to its aggregates of segment {o} in call {case.call}")
     if digest(case.rows) != case.row_roots[case.piece]:
@@ -324,14 +327,13 @@ class Ledger:
         itself or forwarded by member ``via``; why it is no commitment of the owner's, or none we
         may hold (None: it is). The first that verifies is the one we hold (:attr:`heads`); any
         other the owner signed is kept (:attr:`versions`), as evidence that it signed two."""
-        held = self.heads.get(owner)
-        if held != (head, signature) and not self._verifies(owner, head, signature):
+        held, ds = self.heads.get(owner), _digests(head)
+        if held != (head, signature) and not self._verifies(owner, ds, head, signature):
             if via is None:
                 self.undirect.add(owner)
             return "a commitment its signature does not cover"
         if via is None:
             self.direct[owner] = (head, signature)
-        ds = [head[i:i + DIGEST] for i in range(0, len(head) - DIGEST, DIGEST)]
         got = self.received_aggs.get(owner, [])
         if held is None and (via is None or got == ds[:len(got)]):
             self.theirs[owner], self.heads[owner] = ds, (head, signature)
@@ -342,8 +344,8 @@ class Ledger:
             self.versions[owner].append((head, signature))
         return None
 
-    def _verifies(self, owner: int, head: bytes, signature: bytes) -> bool:
-        ds = [head[i:i + DIGEST] for i in range(0, len(head) - DIGEST, DIGEST)]
+    def _verifies(self, owner: int, ds: list[bytes], head: bytes, signature: bytes) -> bool:
+        """Whether ``signature`` is ``owner``'s on the commitment ``head`` (``ds``: its digests)."""
         return self.ctx.verify(owner, self._said(owner, ds, head[-DIGEST:]), signature)
 
     def may_reveal(self) -> bool:
@@ -394,7 +396,7 @@ class Ledger:
         theirs = [*self.echoes.values(), *self.versions.get(self.target, ())]
         direct = self.direct.get(self.target)
         for other, sig in theirs + ([] if direct is None else [direct]):
-            if other != head and len(other) == len(head) and self._verifies(self.target, other, sig):
+            if other != head and len(other) == len(head) and self._verifies(self.target, _digests(other), other, sig):
                 return other, sig
         return None
 
