@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -336,6 +337,71 @@ def test_an_owner_that_sends_one_member_other_aggregates_is_caught_by_the_echoes
     assert _weigh(ev, ids, ids[auditor]) == (ids[bad], why, False)
     assert _weigh(ev, ids, ids[auditor], other=[ev["other"][0], "00" * 64])[0] is None  # not the owner's
     assert _weigh(ev, ids, ids[auditor], other=None)[::2] == (None, True)  # the rows are right: a false case
+
+
+class _Negating(_Equivocating):
+    """The owner's link to one victim: every aggregate negated, its own (honest) commitment as is."""
+
+    def send(self, mtype: Any, payload: Any, **kw: Any) -> Any:
+        led = self.run.ledger
+        if led.commit is not None and isinstance(payload, bytes) and payload == led.commit[0]:
+            return self.conn.send(mtype, payload, **kw)
+        return super().send(mtype, payload, **kw)
+
+
+def test_an_owner_and_a_forwarder_in_league_cannot_split_a_member_unseen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 sends rank 0 negated aggregates and signs a second commitment to them; its
+    accomplice rank 3, a forwarder of rank 1's commitment to rank 0, forwards rank 0 that one
+    instead of the one it got, and rank 1 holds its own (honest) commitment back from ranks 0 and
+    2 until rank 0 holds the second. Rank 0 then applies aggregates nobody else does, and every
+    commitment its auditor (rank 2) gets from anyone else is the honest one. Rank 0's echo
+    carries the commitment it holds, not just the one the owner sent it, so the auditor holds
+    both under the owner's signature: the call fails and the case convicts rank 1 (when the echo
+    was the owner's own, rank 0 completed with another result than the rest, unseen)."""
+    world, bad, victim, accomplice = 5, 1, 0, 3
+    auditor = _auditor(monkeypatch, bad, world)
+    assert pairing.forwarders(bad, victim, world) == [auditor, accomplice]
+    assert victim not in pairing.forwarders(bad, auditor, world)  # (else its forward shows the auditor too)
+    _wrap_link(monkeypatch, world, bad, victim, _Negating)
+    second: dict[str, bytes] = {}
+    holds = threading.Event()
+    committed, frame = audit.Ledger.committed, butterfly._ButterflyRun._audit_frame
+
+    def on_commit(self: Any, owner: int, head: bytes, sig: bytes, via: int | None = None) -> Any:
+        why = committed(self, owner, head, sig, via)
+        if self.rank == victim and owner == bad and self.heads.get(bad) == (second.get("head"), second.get("sig")):
+            holds.set()
+        return why
+
+    def league(self: Any, conn: Any, payload: bytes) -> bool:
+        led = self.ledger
+        to = next(butterfly.peer_of(self.rank, world, k) for k in range(world - 1) if self.links.out[k] is conn)
+        if self.rank == bad and led.commit is not None and payload == led.commit[0]:
+            if not second:  # (what it sends the victim, negated, and signs too)
+                run, ds = self, []
+                for j in range(run.plan.pieces):
+                    a, b = run.plan.piece(run.rank, j)
+                    ds.append(digest(quant.encode(-quant.decode(run.agg[j], b - a, run.mode, run.block), run.mode,
+                                                  run.block)))
+                second["head"] = b"".join(ds) + payload[-audit.DIGEST:]
+                second["sig"] = led.ctx.sign(led._said(run.rank, ds, payload[-audit.DIGEST:]))
+            if to in (victim, auditor):
+                holds.wait(10)
+        elif self.rank == accomplice and to == victim and second and payload == led.heads.get(bad, (None,))[0]:
+            payload, second["swap"] = second["head"], b"1"
+        elif self.rank == accomplice and to == victim and second.pop("swap", None):
+            payload = second["sig"]
+        return frame(self, conn, payload)
+
+    monkeypatch.setattr(audit.Ledger, "committed", on_commit)
+    monkeypatch.setattr(butterfly._ButterflyRun, "_audit_frame", league)
+    comms, outs, errs = _butterfly(world, _inputs(world, 9000, seed=14), CFG)
+    assert holds.is_set(), "rank 0 never held the second commitment: the split did not happen"
+    assert all(e is not None for e in errs) and isinstance(errs[auditor], AuditFailed), errs
+    guilty, why, ev = comms[auditor].audited  # type: ignore[misc]
+    assert guilty == bad and "signed two different commitments" in why
+    ids = [c.ids[c.rank] for c in comms]
+    assert _weigh(ev, ids, ids[auditor]) == (ids[bad], why, False)
 
 
 def test_a_sender_with_a_bad_signature_fails_the_call_at_the_owner_and_frames_nobody(

@@ -37,8 +37,9 @@ piece per link:
    owner, another to the auditor). A row or answer whose signature does not verify names nobody
    (an owner's forgery and a sender's trick cannot be told apart): the case shows nothing.
 5. **Echo.** Every member checks the aggregates it gets against the commitment it holds, and
-   passes the one the owner sent it itself on to the owner's auditor: an owner that sends some members other aggregates
-   must sign another commitment for them, and the auditor then holds both under its signature.
+   passes that one on to the owner's auditor, with the one the owner sent it itself if that is
+   another: an owner that sends some members other aggregates must sign another commitment for
+   them, and the auditor then holds both under its signature, however the member came by its own.
 
 The auditor judges before the last piece of its own aggregate leaves and fails the call when the
 case shows a fault: no rank completes without that piece, so nobody applies a forgery, and the
@@ -286,7 +287,8 @@ class Ledger:
         self.direct: dict[int, tuple[bytes, bytes]] = {}  # owner -> the commitment it sent us itself, verified
         self.undirect: set[int] = set()  # owners whose own commitment to us did not verify
         self.versions: dict[int, list[tuple[bytes, bytes]]] = {}  # owner -> the other ones it signed that we got
-        self.echoes: dict[int, tuple[bytes, bytes]] = {}  # member -> the commitment it got from our target
+        # member -> the commitment of our target it holds (head, signature), then another it got (or that one again)
+        self.echoes: dict[int, tuple[tuple[bytes, bytes], tuple[bytes, bytes]]] = {}
 
     # -- as owner (each call touches its own slot: no lock needed; hashing releases the GIL) ----
     def received(self, j: int, sender: int, wire: np.ndarray | bytes, signature: bytes) -> bool:
@@ -396,7 +398,7 @@ class Ledger:
     def other_version(self) -> tuple[bytes, bytes] | None:
         """Another commitment of our target, signed by it, that a member got or we did (None: none)."""
         head, _ = self.heads[self.target]
-        theirs = [*self.echoes.values(), *self.versions.get(self.target, ())]
+        theirs = [*(v for e in self.echoes.values() for v in e), *self.versions.get(self.target, ())]
         direct = self.direct.get(self.target)
         for other, sig in theirs + ([] if direct is None else [direct]):
             if other != head and len(other) == len(head) and self._verifies(self.target, _digests(other), other, sig):

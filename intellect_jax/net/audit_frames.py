@@ -102,17 +102,24 @@ class AuditFrames:
         return all(self._audit_frame(conn, r) for r in (led.commit[2] if o == led.auditor else ()))
 
     def _echo_to(self, conn, o: int) -> bool:  # noqa: ANN001
-        """The commitment we got from the owner ``o`` audits, so that ``o`` sees any other
-        version (nothing if that owner is us)."""
+        """The owner ``o`` audits, as we know it (nothing if that owner is us): the commitment we
+        hold, whose aggregates we apply, then the one it sent us itself if that is another
+        (else any other it signed that we got, else the held one again). So ``o`` sees every
+        version an honest member applies, however it came (a forwarder in league with the owner
+        can bring us another than the owner sent the rest), and any other we were sent."""
         led = self.ledger
         assert led is not None
         t = audited_by(o, self.world, led.offset)
-        return t == self.rank or all(self._audit_frame(conn, f) for f in led.direct.get(t, led.heads.get(t, ())))
+        if t == self.rank:
+            return True
+        held = led.heads[t]
+        other = next((v for v in (led.direct.get(t), *led.versions.get(t, ())) if v is not None and v != held), held)
+        return all(self._audit_frame(conn, f) for f in (*held, *other))
 
     def _echoable(self, t: int) -> bool:
         """Whether we may echo owner ``t``'s commitment: the one it sent us itself, or, if it
         sent us none that verified (or its link to us carries no more audit frames), the one we
-        hold from another member."""
+        hold from another member (:meth:`_echo_to`)."""
         led = self.ledger
         assert led is not None
         return t == self.rank or t in led.direct or t in led.heads and (t in led.undirect or t in self.mesh.mute)
@@ -193,8 +200,8 @@ class AuditFrames:
         with self.cond:
             led.answers[o] = (payload, sig)
             self.cond.notify_all()
-        if not own:
-            echo = (yield P * DIGEST + DIGEST), (yield SIG_BYTES)
+        if not own:  # its echo: the commitment it holds of our target, then another if it got one
+            echo = ((yield P * DIGEST + DIGEST), (yield SIG_BYTES)), ((yield P * DIGEST + DIGEST), (yield SIG_BYTES))
             with self.cond:
                 led.echoes[o] = echo
                 self.cond.notify_all()

@@ -62,14 +62,14 @@ def audit_bytes(p: plan.RingPlan, rank: int, cfg: RingConfig) -> int:
     """What one rank sends for the butterfly's audits (net.audit), to within a block per peer:
     its commitment and its nonce to every other rank, those it forwards (each owner's commitment
     and nonce to each member it is a forwarder of), its row lists to its auditor, the
-    pairing's draw to every other rank, the commitment it got from each
-    auditor's target, and its piece to each auditor (each answer counted at the size of its
+    pairing's draw to every other rank, two commitments of each auditor's
+    target (the held one, and another it got or that one again), and its piece to each auditor (each answer counted at the size of its
     segment's first piece); then its signature that its own audit passed, DONE and END (net.relay)."""
     world, n = p.world, p.piece(rank, 0)[1] - p.piece(rank, 0)[0]
     head = HEADER_LEN + p.pieces * audit.DIGEST + audit.DIGEST + HEADER_LEN + SIG_BYTES
     rows = p.pieces * (HEADER_LEN + world * audit.ENTRY)
     answers = (world - 1) * (HEADER_LEN + encoded_nbytes(n, cfg.mode, cfg.block_size))
-    echoes = (world - 2) * head  # the target's commitment, to every auditor but the target's own
+    echoes = 2 * (world - 2) * head  # the target's commitments, to every auditor but the target's own
     # the last aggregate piece in two frames, then our signature that our audit passed; DONE and END
     tails = (world - 1) * (HEADER_LEN + HEADER_LEN + SIG_BYTES + 2 * (HEADER_LEN + 1))
     nonce = drew = HEADER_LEN + audit.DIGEST
