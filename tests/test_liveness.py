@@ -6,6 +6,7 @@ calls, and nobody when half the ring or more would be named."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from intellect_jax.coordinator.roster import Arrival, Node, Role
 from intellect_jax.coordinator.schema import Missing, Report
 from intellect_jax.net import RingConfig, butterfly, relay
 from intellect_jax.net.butterfly import MeshSeal
+from intellect_jax.net.errors import FrameError
 from intellect_jax.net.evidence import verdict
 from intellect_jax.net.frames import MsgType
 from tests.helpers import garbling_commitment, withholding_aggregates
@@ -249,6 +251,27 @@ def test_seeded_schedules_of_an_owner_withholding_from_one_member_complete_every
         assert all(_same_bits(o[f"b{i}"], butterfly.simulate(leaf, "int8", 64, 256, "clip")) for o in outs), case
     assert took < cfg.deadline * 0.8, (case, took)
     assert len(garbled) == (buckets * (len(what) - 1 if "aggregates" in what else len(what))), (case, garbled)
+
+
+def test_a_link_that_fails_after_its_owner_skipped_a_bucket_dooms_the_call_in_time() -> None:
+    """An owner's link that gave up one bucket's aggregates (a skip: read on) and then fails for
+    real (say, aggregates other than committed) dooms the call once no peer has said DONE for as
+    long again as the call had taken, as any failed owner's link does: the skip recorded first
+    must not hide the failure until the deadline (found by review, 2026-11-28)."""
+    class Mesh(relay.Relay):
+        rank, world = 0, 4
+
+        def __init__(self) -> None:
+            self.cond = threading.Condition()
+            self._init_relay(True)
+
+    m = Mesh()
+    m.lost(1, 1, None, skipped=True)
+    assert m._doomed(time.monotonic() + 60) is None  # (a skip alone dooms nothing: its aggregates are relayed)
+    failure = FrameError("rank 2: its aggregates are not the ones it committed to")
+    m.lost(1, 1, failure)
+    assert m._doomed(time.monotonic()) is None and m._doomed(time.monotonic() + 1.5) is failure
+    assert 2 in m.mute
 
 
 def test_no_member_completes_by_relay_before_an_auditor_s_audit_passed(monkeypatch: pytest.MonkeyPatch) -> None:

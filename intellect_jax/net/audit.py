@@ -328,8 +328,9 @@ class Ledger:
     def committed(self, owner: int, head: bytes, signature: bytes, via: int | None = None) -> str | None:
         """An owner's commitment arrived (``head``: its digests and rows' root), from the owner
         itself or forwarded by member ``via``; why it is no commitment of the owner's, or none we
-        may hold (None: it is). The first that verifies is the one we hold (:attr:`heads`); any
-        other the owner signed is kept (:attr:`versions`), as evidence that it signed two."""
+        may hold (None: it is). The first that verifies is the one we hold (:attr:`heads`), a
+        forwarded one only if it matches the aggregates the owner already sent us; any other the
+        owner signed is kept (:attr:`versions`), as evidence that it signed two."""
         held, ds = self.heads.get(owner), _digests(head)
         if held != (head, signature) and not self._verifies(owner, ds, head, signature):
             if via is None:

@@ -196,7 +196,9 @@ class Relay:
         a POST frame in place of what it still owed us (its POST frames are read on); or, with
         ``skipped``, it gave up the rest of one bucket's aggregates (its next bucket is read on)."""
         with self.cond:
-            self.gave_up.setdefault(self._peer(k), (time.monotonic(), e))
+            p, had = self._peer(k), self.gave_up.get(self._peer(k))
+            if had is None or had[1] is None and e is not None:  # (a failure after a skip: from then on)
+                self.gave_up[p] = (time.monotonic(), e)
             if not skipped:
                 self.mute.add(self._peer(k))
             if e is not None:  # (what it sent after is not read: the link is shut at the end)
