@@ -17,7 +17,7 @@ from intellect_jax.coordinator.policing import Police
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Arrival, Node, Role
 from intellect_jax.coordinator.schema import Missing, Report
-from intellect_jax.net import RingConfig, butterfly, relay
+from intellect_jax.net import RingConfig, butterfly, mesh_call, relay
 from intellect_jax.net.butterfly import MeshSeal
 from intellect_jax.net.errors import FrameError
 from intellect_jax.net.evidence import verdict
@@ -336,6 +336,63 @@ def test_an_owner_that_garbles_its_commitment_or_nonce_to_one_member_stalls_nobo
     assert sorted(garbled) == [0, 1], garbled
     for leaf, xs in (("a", a), ("b", b)):
         assert all(_same_bits(o[leaf], butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
+    assert took < CFG.deadline * 0.8, took
+
+
+class _Altering:
+    """An owner's link to one member: the aggregates of the pieces in ``run.alter`` (every
+    piece if it holds None) with their first byte flipped, all else as is."""
+
+    def __init__(self, conn: Any, run: Any) -> None:
+        self.conn, self.run = conn, run
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+    def send(self, mtype: Any, payload: Any, **kw: Any) -> Any:
+        run = self.run
+        j = next((j for j, a in enumerate(run.agg) if isinstance(payload, np.ndarray) and a is not None and
+                  (payload is a or payload.base is a)), None)
+        if mtype == MsgType.DATA and j is not None and payload.nbytes > 4 and run.alter in (None, j):
+            payload = payload.copy()
+            payload[0] ^= 0xFF
+            run.altered.append(j)
+        return self.conn.send(mtype, payload, **kw)
+
+
+@pytest.mark.parametrize("what", ["first", "every", "every-garbled"])
+def test_an_owner_that_sends_one_member_other_aggregates_than_it_commits_to_stalls_nobody(
+        monkeypatch: pytest.MonkeyPatch, what: str) -> None:
+    """Rank 2 sends rank 0 its first aggregate, or every one, other than the ones it commits to
+    (the bytes altered; its commitment and every other frame as they should be, or its own
+    commitment under a garbled signature: rank 0 then holds a forwarded one). Rank 0 asks for
+    those pieces by relay and reads the link on, so it still gets rank 2's audit frames, and every
+    rank completes with the same bits, well before the deadline. Before, a contradicted piece
+    failed the call at once when it came before the commitment (which proves nothing to anyone
+    else), and after it, ended the link and so lost rank 2's later audit frames (found by review,
+    2026-11-28)."""
+    run = mesh_call.MeshCall.run
+
+    def wrapped(self: Any) -> Any:
+        if self.rank == 2:  # (its mesh link 1 joins rank 0)
+            b = self.buckets[0]
+            b.alter, b.altered = (0 if what == "first" else None), altered
+            self.links = dataclasses.replace(self.links, out=list(self.links.out))
+            self.links.out[1] = _Altering(self.links.out[1], b)
+        return run(self)
+
+    altered: list[int] = []
+    monkeypatch.setattr(mesh_call.MeshCall, "run", wrapped)
+    garbled = [] if what != "every-garbled" else garbling_commitment(
+        monkeypatch, lambda run, conn: run.rank == 2 and isinstance(conn, _Altering), ("commitment",))
+    xs = _inputs(4, 5000, seed=21)
+    t0 = time.monotonic()
+    outs, errs = _outs(480 + 5 * ["first", "every", "every-garbled"].index(what), xs)
+    took = time.monotonic() - t0
+    assert errs == [None] * 4, errs
+    assert altered == ([0] if what == "first" else list(range(len(altered)))) and len(altered) >= 1, altered
+    assert len(garbled) == (what == "every-garbled"), garbled
+    assert all(_same_bits(o, butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
     assert took < CFG.deadline * 0.8, took
 
 

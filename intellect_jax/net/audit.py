@@ -328,9 +328,9 @@ class Ledger:
     def committed(self, owner: int, head: bytes, signature: bytes, via: int | None = None) -> str | None:
         """An owner's commitment arrived (``head``: its digests and rows' root), from the owner
         itself or forwarded by member ``via``; why it is no commitment of the owner's, or none we
-        may hold (None: it is). The first that verifies is the one we hold (:attr:`heads`), a
-        forwarded one only if it matches the aggregates the owner already sent us; any other the
-        owner signed is kept (:attr:`versions`), as evidence that it signed two."""
+        may hold (None: it is). The first that verifies is the one we hold (:attr:`heads`); any
+        other the owner signed is kept (:attr:`versions`), as evidence that it signed two, and
+        goes in our echo (so does the owner's own, if the held one was forwarded)."""
         held, ds = self.heads.get(owner), _digests(head)
         if held != (head, signature) and not self._verifies(owner, ds, head, signature):
             if via is None:
@@ -338,12 +338,9 @@ class Ledger:
             return "a commitment its signature does not cover"
         if via is None:
             self.direct[owner] = (head, signature)
-        got = self.received_aggs.get(owner, [])
-        if held is None and (via is None or got == ds[:len(got)]):
+        if held is None:  # (aggregates it sent us before that contradict it: see contradicted())
             self.theirs[owner], self.heads[owner] = ds, (head, signature)
-            return None if got == ds[:len(got)] else "a commitment to other aggregates than it sent"
-        # (a forwarded one to other aggregates than the owner sent us is not held: the owner may
-        # have signed another for us, which its auditor must see in our echo; it stays evidence)
+            return None
         if held != (head, signature) and (head, signature) not in self.versions.setdefault(owner, []):
             self.versions[owner].append((head, signature))
         return None
@@ -387,14 +384,17 @@ class Ledger:
         return None
 
     def got(self, owner: int, j: int, wire: np.ndarray) -> bool:
-        """An owner's aggregate of piece ``j`` arrived (its commitment comes before its last);
-        False: it is not the one the owner committed to."""
-        self.received_aggs.setdefault(owner, []).append(digest(wire))
-        return owner not in self.theirs or self._consistent(owner)
+        """An owner's aggregate of piece ``j`` arrived on its link, in order (its commitment
+        comes before its last); False: it is not the one the owner committed to."""
+        d = digest(wire)
+        self.received_aggs.setdefault(owner, []).append(d)
+        return owner not in self.theirs or self.theirs[owner][j] == d
 
-    def _consistent(self, owner: int) -> bool:
-        got = self.received_aggs.get(owner, [])
-        return got == self.theirs[owner][:len(got)]
+    def contradicted(self, owner: int) -> list[int]:
+        """The pieces whose aggregates the owner sent us before the commitment we hold are not
+        the committed ones."""
+        ds = self.theirs.get(owner, ())
+        return [j for j, d in enumerate(self.received_aggs.get(owner, ())) if j < len(ds) and d != ds[j]]
 
     def other_version(self) -> tuple[bytes, bytes] | None:
         """Another commitment of our target, signed by it, that a member got or we did (None: none)."""

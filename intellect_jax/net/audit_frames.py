@@ -154,8 +154,12 @@ class AuditFrames:
             head = yield P * DIGEST + DIGEST
             sig = yield SIG_BYTES
             with self.cond:
+                fresh = t not in led.heads
                 bad = led.committed(t, head, sig, None if t == o else o)
+                wrong = led.contradicted(t) if fresh and t in led.heads else []
                 self.cond.notify_all()
+            if wrong:  # it sent us other aggregates before: asked for by relay (butterfly.contradicted)
+                self.contradicted(t, wrong)
             self._bad_frame(o, t, "commitment", bad, lambda t=t: t in led.heads)  # type: ignore[misc]
         for t in [o, *others]:  # its nonce, then those it forwards us
             nonce = yield DIGEST
@@ -211,12 +215,9 @@ class AuditFrames:
         arrived from rank ``o``. A forwarded one is left out: another member may have forwarded
         what ``t`` signed or bound, and without it ``t`` alone is at fault. Its own that does not
         verify fails the call unless one that does comes forwarded a while after (``got``: we
-        hold one): an owner that garbles its commitment or nonce to one member stalls nobody.
-        Its own commitment to other aggregates than it sent us fails the call at once."""
+        hold one): an owner that garbles its commitment or nonce to one member stalls nobody."""
         if bad is None:
             return
-        if bad.startswith("a commitment to other aggregates"):  # (it signed what contradicts what it sent)
-            raise FrameError(f"rank {t} sent {bad}")
         if o == t:
             self.mesh.owe((self.index, what, t), AuditFrameError(f"rank {t} sent {bad}"), got)
 

@@ -177,6 +177,7 @@ class _ButterflyRun(AuditFrames):
         # the gather (relay.py): each owner's aggregates placed from its own link (in order) and by
         # relay; those received, kept to relay them in turn (with audits: checkable by the asker)
         self.via_link = [0] * world
+        self.wrong: list[set[int]] = [set() for _ in range(world)]  # read from the link, but not the committed ones
         self.relayed: list[set[int]] = [set() for _ in range(world)]
         self.kept: dict[tuple[int, int], np.ndarray] = {}
         self.passes: dict[int, bytes] = {}  # owner -> its signature that its audit passed (audit.passed)
@@ -221,11 +222,12 @@ class _ButterflyRun(AuditFrames):
         and (with audits) checked against its commitment, or relayed (checked too)."""
         if q == self.rank:
             return self.agg[j] is not None
-        return j in self.relayed[q] or j < self.via_link[q] and (self.ledger is None or q in self.ledger.theirs)
+        return j in self.relayed[q] or j < self.via_link[q] and j not in self.wrong[q] and \
+            (self.ledger is None or q in self.ledger.theirs)
 
     def unsettled(self, q: int) -> int | None:
         """The first piece of owner ``q``'s segment not yet settled (None: all are)."""
-        if self.via_link[q] == self.plan.pieces and self._settled(q, 0):
+        if self.via_link[q] == self.plan.pieces and not self.wrong[q] and self._settled(q, 0):
             return None
         return next((j for j in range(self.plan.pieces) if not self._settled(q, j)), None)
 
@@ -245,6 +247,17 @@ class _ButterflyRun(AuditFrames):
             return wire, None
         sig = self.passes.get(q)
         return None if sig is None else (wire, sig)
+
+    def contradicted(self, q: int, js: list[int]) -> None:
+        """Owner ``q``'s aggregates of pieces ``js`` from its link are not the ones it committed
+        to: unsettled (whatever was placed for them the relay overwrites), and asked for by
+        relay at once; its link is read on (its later frames are in step: the content of these
+        was wrong, proving nothing to anyone else, and nobody is named)."""
+        with self.cond:  # (only with audits, so with the relay)
+            self.wrong[q].update(js)
+            self.via_link[q] = max(self.via_link[q], max(js) + 1)
+            self.cond.notify_all()
+        self.mesh.lost(1, (q - self.rank - 1) % self.world, None, skipped=True)
 
     def relayed_in(self, q: int, j: int, wire: np.ndarray, sig: bytes | None) -> bool:
         """Owner ``q``'s aggregate of piece ``j`` relayed to us: placed if it is the one ``q``
@@ -478,14 +491,17 @@ class _ButterflyRun(AuditFrames):
             wire = self._wire(b - a)
             try:
                 want = self._aggregate_in(conn, o, j, wire, frames, want)
-                if led is not None and not led.got(o, j, wire):
-                    raise FrameError(f"rank {o}: its aggregates are not the ones it committed to")
+                wrong = led is not None and not led.got(o, j, wire)
             except BaseException:
                 self.ws.release(wire)
                 raise
             if want is _STOPPED:
                 self.ws.release(wire)
                 return
+            if wrong:  # not the one it committed to: asked for by relay, and its link read on
+                self.ws.release(wire)
+                self.contradicted(o, [j])
+                continue
             with self.placing[o]:
                 with self.cond:
                     known = j in self.relayed[o]

@@ -183,7 +183,8 @@ class Relay:
     def local(self, e: BaseException) -> bool:
         """Whether a failure in the gather ends that link only (with audits: what its owner still
         owed us a member that holds it relays, checked against its commitment), not the call: a
-        frame out of place or of the wrong size, or aggregates other than the committed ones.
+        frame out of place or of the wrong size. (Aggregates other than the committed ones do not
+        even end the link: ``butterfly._ButterflyRun.contradicted``.)
         Not a connection closed or reset: a rank that fails shuts its links, and its neighbours
         must fail at once too (so an owner that shuts its link to one member still fails the
         call, as before); not an audit frame whose content does not hold (it names its sender
@@ -194,7 +195,8 @@ class Relay:
     def lost(self, side: int, k: int, e: BaseException | None, skipped: bool = False) -> None:
         """Link ``k`` from the peer ended its gather: ``e`` its failure (we read it no more), None
         a POST frame in place of what it still owed us (its POST frames are read on); or, with
-        ``skipped``, it gave up the rest of one bucket's aggregates (its next bucket is read on)."""
+        ``skipped``, it gave up some of one bucket's aggregates (the rest of them, or sent others
+        than it committed to) and is read on."""
         with self.cond:
             p, had = self._peer(k), self.gave_up.get(self._peer(k))
             if had is None or had[1] is None and e is not None:  # (a failure after a skip: from then on)
