@@ -223,19 +223,22 @@ def test_a_relayer_that_alters_what_it_relays_is_passed_over(monkeypatch: pytest
 def test_seeded_schedules_of_an_owner_withholding_from_one_member_complete_everywhere(
         monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
     """A seeded schedule of what one owner does to one member, over 1 to 3 buckets: it withholds
-    all its aggregates, garbles its commitment, garbles its nonce (a non-empty mix of the three),
-    and a third rank may alter what it relays if asked. Whatever the mix, every rank completes with the
-    same bits as ``butterfly.simulate``, within the deadline, and the mix really happened."""
+    all its aggregates or sends other ones than it commits to (piece 0's, or every piece's), and
+    garbles its commitment, its nonce, both or neither (something in all), and a third rank may
+    alter what it relays if asked. Whatever the mix, every rank completes with the same bits as
+    ``butterfly.simulate``, within the deadline, and the mix really happened."""
     rng = np.random.default_rng(seed)
     owner, victim = (int(r) for r in rng.choice(4, 2, replace=False))
-    what = [w for w in ("aggregates", "commitment", "nonce") if rng.random() < 0.6] or ["aggregates"]
-    buckets, alter = int(rng.integers(1, 4)), rng.random() < 0.5 and "aggregates" in what
+    agg = (None, "withheld", "altered", "altered-first")[int(rng.integers(4))]
+    what = [w for w in ("commitment", "nonce") if rng.random() < 0.6]
+    agg = agg if agg or what else "withheld"
+    buckets, alter = int(rng.integers(1, 4)), rng.random() < 0.5 and agg is not None
     link = (victim - owner - 1) % 4  # (mesh link of the owner that joins the victim)
-    if "aggregates" in what:
+    altered = [] if agg in (None, "withheld") else _altering(monkeypatch, owner, victim, agg == "altered-first")
+    if agg == "withheld":
         _skip_aggregates(monkeypatch, owner=owner, victim=victim)
-    garbled = [] if what == ["aggregates"] else garbling_commitment(
-        monkeypatch, lambda run, conn: run.rank == owner and conn is run.links.out[link],
-        tuple(w for w in what if w != "aggregates"))
+    garbled = [] if not what else garbling_commitment(
+        monkeypatch, lambda run, conn: run.rank == owner and conn is run.links.out[link], tuple(what))
     if alter:  # (the victim's first peer but the owner: the one it asks first if both others said DONE)
         _altering_relayer(monkeypatch, next(p for p in ((victim + 1 + k) % 4 for k in range(3)) if p != owner), "piece")
     sizes = [5000, 3000, 4000][:buckets]
@@ -245,12 +248,13 @@ def test_seeded_schedules_of_an_owner_withholding_from_one_member_complete_every
     t0 = time.monotonic()
     outs, errs = _outs(460 + 4 * seed, xs, cfg)
     took = time.monotonic() - t0
-    case = dict(owner=owner, victim=victim, what=what, buckets=buckets, alter=alter)
+    case = dict(owner=owner, victim=victim, agg=agg, what=what, buckets=buckets, alter=alter)
     assert errs == [None] * 4, (case, errs)
     for i, leaf in enumerate(leaves):
         assert all(_same_bits(o[f"b{i}"], butterfly.simulate(leaf, "int8", 64, 256, "clip")) for o in outs), case
     assert took < cfg.deadline * 0.8, (case, took)
-    assert len(garbled) == (buckets * (len(what) - 1 if "aggregates" in what else len(what))), (case, garbled)
+    assert len(garbled) == buckets * len(what), (case, garbled)
+    assert bool(altered) == (agg is not None and agg.startswith("altered")), (case, altered)
 
 
 def test_a_link_that_fails_after_its_owner_skipped_a_bucket_dooms_the_call_in_time() -> None:
@@ -340,24 +344,40 @@ def test_an_owner_that_garbles_its_commitment_or_nonce_to_one_member_stalls_nobo
 
 
 class _Altering:
-    """An owner's link to one member: the aggregates of the pieces in ``run.alter`` (every
-    piece if it holds None) with their first byte flipped, all else as is."""
+    """An owner's link to one member: its aggregates of piece 0 (``first``) or of every piece,
+    in every bucket, with their first byte flipped (each altered (bucket, piece) goes into
+    ``altered``); all else as is."""
 
-    def __init__(self, conn: Any, run: Any) -> None:
-        self.conn, self.run = conn, run
+    def __init__(self, conn: Any, buckets: list[Any], first: bool, altered: list[tuple[int, int]]) -> None:
+        self.conn, self.buckets, self.first, self.altered = conn, buckets, first, altered
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.conn, name)
 
     def send(self, mtype: Any, payload: Any, **kw: Any) -> Any:
-        run = self.run
-        j = next((j for j, a in enumerate(run.agg) if isinstance(payload, np.ndarray) and a is not None and
-                  (payload is a or payload.base is a)), None)
-        if mtype == MsgType.DATA and j is not None and payload.nbytes > 4 and run.alter in (None, j):
-            payload = payload.copy()
-            payload[0] ^= 0xFF
-            run.altered.append(j)
+        if mtype == MsgType.DATA and isinstance(payload, np.ndarray) and payload.nbytes > 4:
+            at = next(((i, j) for i, b in enumerate(self.buckets) for j, a in enumerate(b.agg)
+                       if a is not None and (payload is a or payload.base is a)), None)
+            if at is not None and (not self.first or at[1] == 0):
+                payload = payload.copy()
+                payload[0] ^= 0xFF
+                self.altered.append(at)
         return self.conn.send(mtype, payload, **kw)
+
+
+def _altering(monkeypatch: pytest.MonkeyPatch, owner: int, victim: int, first: bool) -> list[tuple[int, int]]:
+    """``owner`` sends ``victim`` aggregates other than it commits to (:class:`_Altering`)."""
+    run, altered = mesh_call.MeshCall.run, []
+
+    def wrapped(self: Any) -> Any:
+        if self.rank == owner:
+            k = (victim - owner - 1) % self.world
+            self.links = dataclasses.replace(self.links, out=list(self.links.out))
+            self.links.out[k] = _Altering(self.links.out[k], self.buckets, first, altered)
+        return run(self)
+
+    monkeypatch.setattr(mesh_call.MeshCall, "run", wrapped)
+    return altered
 
 
 @pytest.mark.parametrize("what", ["first", "every", "every-garbled"])
@@ -371,18 +391,7 @@ def test_an_owner_that_sends_one_member_other_aggregates_than_it_commits_to_stal
     failed the call at once when it came before the commitment (which proves nothing to anyone
     else), and after it, ended the link and so lost rank 2's later audit frames (found by review,
     2026-11-28)."""
-    run = mesh_call.MeshCall.run
-
-    def wrapped(self: Any) -> Any:
-        if self.rank == 2:  # (its mesh link 1 joins rank 0)
-            b = self.buckets[0]
-            b.alter, b.altered = (0 if what == "first" else None), altered
-            self.links = dataclasses.replace(self.links, out=list(self.links.out))
-            self.links.out[1] = _Altering(self.links.out[1], b)
-        return run(self)
-
-    altered: list[int] = []
-    monkeypatch.setattr(mesh_call.MeshCall, "run", wrapped)
+    altered = _altering(monkeypatch, 2, 0, what == "first")
     garbled = [] if what != "every-garbled" else garbling_commitment(
         monkeypatch, lambda run, conn: run.rank == 2 and isinstance(conn, _Altering), ("commitment",))
     xs = _inputs(4, 5000, seed=21)
@@ -390,7 +399,7 @@ def test_an_owner_that_sends_one_member_other_aggregates_than_it_commits_to_stal
     outs, errs = _outs(480 + 5 * ["first", "every", "every-garbled"].index(what), xs)
     took = time.monotonic() - t0
     assert errs == [None] * 4, errs
-    assert altered == ([0] if what == "first" else list(range(len(altered)))) and len(altered) >= 1, altered
+    assert altered == ([(0, 0)] if what == "first" else [(0, j) for j in range(len(altered))]) and altered, altered
     assert len(garbled) == (what == "every-garbled"), garbled
     assert all(_same_bits(o, butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
     assert took < CFG.deadline * 0.8, took
