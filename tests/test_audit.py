@@ -116,25 +116,26 @@ def test_a_nonce_other_than_its_header_bound_fails_the_call_and_names_its_sender
                          for e in named), errs
 
 
-def test_a_member_that_drew_another_pairing_fails_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_challenge_drawn_from_another_pairing_fails_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """A member shown other nonces than the rest (by a rank that equivocates) would audit by
-    another pairing and leave some segment unaudited: every member sends every other the draw it
-    made before anything that depends on it, and a member whose draw differs fails the call for
-    the others instead (the first to see it names it; the rest see their links close)."""
+    another pairing and leave some segment unaudited: every challenge carries the auditor's draw,
+    and a member whose draw differs fails the call for the others instead (the first to see it
+    names it; the rest see their links close)."""
     world, bad = 4, 3
     send = butterfly._ButterflyRun._audit_frame
 
     def other(self: Any, conn: Any, payload: bytes) -> bool:
         led = self.ledger
-        if self.rank == bad and led is not None and led.drawn is not None and payload == led.drawn:
-            payload = digest(led.drawn)
+        if self.rank == bad and led is not None and led.drawn is not None and len(payload) == 4 + audit.DIGEST \
+                and payload[4:] == led.drawn:
+            payload = payload[:4] + digest(led.drawn)
         return send(self, conn, payload)
 
     monkeypatch.setattr(butterfly._ButterflyRun, "_audit_frame", other)
     comms, _, errs = _butterfly(world, _inputs(world, 9000, seed=13), CFG)
     assert all(e is not None for e in errs), errs
     named = [e for r, e in enumerate(errs) if r != bad and isinstance(e, FrameError)]
-    assert named and all(f"rank {bad} drew another pairing than ours" in str(e) for e in named), errs
+    assert named and all(f"rank {bad} audits by another draw of the pairing than ours" in str(e) for e in named), errs
 
 
 def test_an_owner_that_forges_its_aggregate_fails_the_call_and_is_caught_with_evidence(
@@ -183,7 +184,7 @@ def test_an_owner_forging_one_piece_is_caught_only_when_that_piece_is_drawn(monk
     auditor = _auditor(monkeypatch, bad, world)
     for drawn, seen in ((0, True), (1, False)):
         with monkeypatch.context() as m:
-            m.setattr(pairing, "challenge", lambda draw, segment, k, d=drawn: d % k)
+            m.setattr(commlib.secrets, "randbelow", lambda k, d=drawn: d % k)
             with _owner(m, bad, pieces={0}):
                 comms, outs, errs = _butterfly(world, xs, CFG)
         verdict = comms[auditor].audited
@@ -504,7 +505,7 @@ def test_a_forger_that_left_before_the_barrier_is_banned_all_the_same() -> None:
 
 def test_the_audit_frames_go_out_between_the_aggregates_as_soon_as_they_are_ready(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """An owner's commitment, draw and answers do not wait for its last aggregate: they go
+    """An owner's commitment, challenge and answers do not wait for its last aggregate: they go
     out between its aggregates as soon as each is ready, so the audit's round trips overlap the
     gather. Rank 0 here holds its gather back until it has committed: every other member gets its
     commitment before any of its aggregates, and the call completes, bit-identical."""

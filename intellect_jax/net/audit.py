@@ -22,14 +22,12 @@ piece per link:
    any data moved). But it can refuse it: a member that holds back its own nonce sees the draw
    first, and by withholding it stalls the call, which names nobody, and the retry draws anew.
    The owner then sends its auditor the row lists.
-3. **Challenge.** The draw also picks the piece ``j`` of each segment its auditor checks
-   (:func:`~.pairing.challenge`), so every member knows it with the pairing and sends the
-   auditor its own piece ``j`` of the segment in the codec at once, signed to the auditor (the
-   owner too: its own row went through the codec like every other): no challenge to wait for,
-   and none an auditor could withhold from one member. An owner cannot know which piece will be
-   checked while it aggregates. Every member sends every other the draw it made first: a member
-   shown other nonces than the rest (a rank that equivocates) fails the call rather than leave
-   a segment unaudited.
+3. **Challenge.** Only then does the auditor draw one piece ``j`` at random and ask every member
+   for its own piece ``j`` of the segment in the codec, signed to the auditor (the owner too: its
+   own row went through the codec like every other). An owner cannot know which piece will be
+   checked while it aggregates. The challenge carries the pairing's draw: a member shown other
+   nonces than the rest (a rank that equivocates) fails the call rather than leave a segment
+   unaudited.
 4. **Check** (:func:`judge`, the same code on the auditor and the coordinator). The rows must be
    the committed ones and the aggregate of the committed rows must be the committed aggregate.
    A failure names one member with what it signed itself: an owner whose aggregate is not the
@@ -234,7 +232,7 @@ def judge(case: Case, verify: Verify) -> Judgement:
 class Auditing:
     """What one call needs to audit and be audited: the context of its statements, ``sign(data)
     -> 64-byte signature`` with our key, ``verify(rank, data, signature)`` with the certificate
-    each peer presented."""
+    each peer presented, and ``choose(pieces) -> piece`` (random: an owner must not guess it)."""
 
     run_id: str
     step: int
@@ -243,6 +241,7 @@ class Auditing:
     ids: tuple[str, ...]
     sign: Callable[[bytes], bytes]
     verify: Verify
+    choose: Callable[[int], int]
     nonce: bytes  # ours for this call, revealed once we hold every owner's commitment
     accepts: Callable[[int, bytes], bool]  # (rank, nonce): whether it is the one its header bound it to
     revealed: Callable[[dict[int, bytes]], None]  # told every rank's nonce once all are in
@@ -279,8 +278,8 @@ class Ledger:
         self.theirs: dict[int, list[bytes]] = {}  # owner -> its committed aggregate digests
         self.received_aggs: dict[int, list[bytes]] = {}  # owner -> digests of its aggregates so far
         self.audited: tuple[list[bytes], bytes, list[bytes]] | None = None  # the target's commitment
-        self.challenge: int | None = None  # the piece of our target we check, once drawn
-        self.asked: dict[int, int] = {}  # auditor -> the piece of its target it checks, once drawn
+        self.challenge: int | None = None  # the piece we ask for
+        self.asked: dict[int, int] = {}  # auditor -> the piece of its target it asked us for
         self.answers: dict[int, tuple[bytes, bytes]] = {}  # sender -> (its piece, its signature to us)
         # owner -> the commitment we hold (head, signature): the first that verified, its own or forwarded
         self.heads: dict[int, tuple[bytes, bytes]] = {}
@@ -329,8 +328,9 @@ class Ledger:
         """An owner's commitment arrived (``head``: its digests and rows' root), from the owner
         itself or forwarded by member ``via``; why it is no commitment of the owner's, or none we
         may hold (None: it is). The first that verifies is the one we hold (:attr:`heads`); any
-        other the owner signed is kept (:attr:`versions`), as evidence that it signed two, and
-        goes in our echo (so does the owner's own, if the held one was forwarded)."""
+        other the owner signed is kept (:attr:`versions`), as evidence that it signed two; our
+        echo carries the held one and one other (the owner's own first, if the held one was
+        forwarded)."""
         held, ds = self.heads.get(owner), _digests(head)
         if held != (head, signature) and not self._verifies(owner, ds, head, signature):
             if via is None:
@@ -368,19 +368,17 @@ class Ledger:
             self.offset = pairing.rotation(self.drawn, self.world)
             self.target = audited_by(self.rank, self.world, self.offset)
             self.auditor = auditor_of(self.rank, self.world, self.offset)
-            self.asked = {o: pairing.challenge(self.drawn, audited_by(o, self.world, self.offset), self.plan.pieces)
-                          for o in range(self.world) if o != self.rank}
-            self.challenge = pairing.challenge(self.drawn, self.target, self.plan.pieces)
             c.revealed(dict(self.reveals))
         return None
 
     def rows_of_target(self, rows: list[bytes]) -> str | None:
         """Our target's row lists arrived (after the draw); why they are not the committed ones
-        (None: they are)."""
+        (None: they are, and we draw the piece we check)."""
         ds, sig = self.theirs[self.target], self.heads[self.target][1]
         if root([digest(r) for r in rows]) != self.heads[self.target][0][-DIGEST:]:
             return "row lists that are not the ones it committed"
         self.audited = (ds, sig, rows)
+        self.challenge = self.ctx.choose(self.plan.pieces)
         return None
 
     def got(self, owner: int, j: int, wire: np.ndarray) -> bool:

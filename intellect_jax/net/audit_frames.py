@@ -3,7 +3,7 @@ for them on the mesh's links, and the auditor's verdict before its last bytes le
 
 They are :attr:`~.frames.MsgType.AUDIT` frames, sent between a rank's aggregates as soon as
 each is ready (:meth:`AuditFrames._audit_out`), so the audit's round trips (commitment, then
-nonces, then answers and row lists) overlap the gather rather than follow it; those not out by the last
+nonces, then challenge, then answers) overlap the gather rather than follow it; those not out by the last
 aggregate go before its tail, and every one must be in before that tail is read.
 
 A mixin of :class:`~.butterfly._ButterflyRun` (one bucket), whose link threads call these steps
@@ -38,9 +38,9 @@ class AuditFrames:
         """Send rank ``o`` the audit frames that are ready, in their order: our commitment, the
         commitment we hold of each owner we forward to ``o`` (:func:`~.pairing.forwarders`),
         our nonce (once we hold every owner's commitment), the nonce of each member we forward
-        to ``o``, the draw (once every nonce is in), our row lists if the draw makes ``o`` our
-        auditor, our piece that ``o`` checks (:func:`~.pairing.challenge`), and the commitment
-        we got from the owner ``o`` audits. With ``wait``, all of them, each waited for (False:
+        to ``o``, our row lists if the draw makes
+        ``o`` our auditor, our challenge, our piece that ``o`` asked for, and our echo of the
+        owner ``o`` audits (:meth:`_echo_to`). With ``wait``, all of them, each waited for (False:
         the call failed meanwhile)."""
         led = self.ledger
         assert led is not None
@@ -53,9 +53,10 @@ class AuditFrames:
         steps += [(led.may_reveal, "every owner's commitment", lambda: self._audit_frame(conn, led.ctx.nonce))]
         steps += [(lambda t=t: t in led.reveals, f"rank {t}'s nonce",  # type: ignore[misc]
                    lambda t=t: self._audit_frame(conn, led.reveals[t])) for t in others]
-        steps += [(drawn, "every member's nonce", lambda: self._audit_frame(conn, led.drawn)),
-                  (drawn, "every member's nonce", lambda: self._rows_to(conn, o)),
-                  (drawn, "every member's nonce", lambda: self._answer(conn, o)),
+        steps += [(drawn, "every member's nonce", lambda: self._rows_to(conn, o)),
+                  (lambda: led.challenge is not None, "the row lists of the segment we audit",
+                   lambda: self._audit_frame(conn, np.uint32(led.challenge).tobytes() + led.drawn)),
+                  (lambda: o in led.asked, f"rank {o}'s challenge", lambda: self._answer(conn, o)),
                   (lambda: drawn() and self._echoable(audited_by(o, self.world, led.offset)),
                    "the commitment of the segment it audits", lambda: self._echo_to(conn, o))]
         done = self.audit_sent.setdefault(o, 0)
@@ -79,8 +80,8 @@ class AuditFrames:
         assert led is not None
         if not self._audit_out(conn, o, wait=True):
             return False
-        if not self.wait_for(lambda: led.audited is not None and len(led.answers) == self.world - 1 and
-                             len(led.echoes) == self.world - 2, "the pieces of our audit"):
+        if not self.wait_for(lambda: len(led.answers) == self.world - 1 and len(led.echoes) == self.world - 2,
+                             "the pieces of our audit"):
             return False
         self._judge()
         return True
@@ -125,7 +126,7 @@ class AuditFrames:
         return t == self.rank or t in led.direct or t in led.heads and (t in led.undirect or t in self.mesh.mute)
 
     def _answer(self, conn, o: int) -> bool:  # noqa: ANN001
-        """Our piece that auditor ``o`` checks, signed to it (our own row too, if ``o`` audits
+        """Our piece that auditor ``o`` asked for, signed to it (our own row too, if ``o`` audits
         our segment: we encoded it like every other)."""
         led = self.ledger
         assert led is not None
@@ -141,11 +142,11 @@ class AuditFrames:
 
     def _audit_in(self, o: int) -> Generator[int, bytes, None]:
         """Rank ``o``'s audit frames, in their order: its commitment and those it forwards us,
-        its nonce and those it forwards us, the draw it made, its row lists if the draw makes it
-        the owner we audit, its piece for our audit and (unless ``o`` is the owner we audit) the
-        commitment it got from that owner. Yields the length of the next frame (:data:`ANSWER`:
-        an answer's) and is sent its payload; stops early if the call fails while it waits for
-        the draw."""
+        its nonce and those it forwards us, its row lists
+        if the draw makes it the owner we audit, its challenge (with the draw it made), its
+        piece for our audit and (unless ``o`` is the owner we audit) its echo of that owner's
+        commitment (two: :meth:`_echo_to`). Yields the length of the next frame (:data:`ANSWER`: an answer's) and is
+        sent its payload; stops early if the call fails while it waits for the draw."""
         led, P = self.ledger, self.plan.pieces
         assert led is not None
         others = [t for t in range(self.world) if t not in (o, self.rank) and
@@ -169,8 +170,6 @@ class AuditFrames:
             self._bad_frame(o, t, "nonce", bad, lambda t=t: t in led.reveals)  # type: ignore[misc]
         if not self.wait_for(lambda: led.drawn is not None, "every member's nonce"):
             return
-        if (yield DIGEST) != led.drawn:  # a member showed different nonces (or headers) to different members
-            raise FrameError(f"rank {o} drew another pairing than ours: the members were shown different nonces")
         if o == led.target:
             rows = []
             for _ in range(P):
@@ -180,6 +179,16 @@ class AuditFrames:
                 self.cond.notify_all()
             if bad:
                 raise FrameError(f"rank {o} sent {bad}")
+        asked = yield 4 + DIGEST
+        j = int(np.frombuffer(asked[:4], np.uint32)[0])
+        if asked[4:] != led.drawn:  # a member showed different nonces (or headers) to different members
+            raise FrameError(f"rank {o} audits by another draw of the pairing than ours: the members were "
+                             "shown different nonces")
+        if j >= P:
+            raise FrameError(f"rank {o} asks for piece {j} of {P}")
+        with self.cond:
+            led.asked[o] = j
+            self.cond.notify_all()
         payload = yield ANSWER
         sig = yield SIG_BYTES
         a, b = self.plan.piece(led.target, led.challenge)  # type: ignore[arg-type]
@@ -226,8 +235,10 @@ class AuditFrames:
         for) and hand it on; the length of the next one (None: that was the last)."""
         led = self.ledger
         assert led is not None
-        if want == ANSWER:  # (asked for after the draw: the challenge is known)
-            a, b = self.plan.piece(led.target, led.challenge)  # type: ignore[arg-type]
+        if want == ANSWER:
+            if led.challenge is None:
+                raise FrameError(f"rank {o} answered our audit before we asked")
+            a, b = self.plan.piece(led.target, led.challenge)
             want = quant.encoded_nbytes(b - a, self.mode, self.block)
         if hdr.length != want:
             raise FrameError(f"rank {o}: an audit frame of {hdr.length} bytes, expected {want}")

@@ -759,7 +759,7 @@ class SocketCommunicator:
 
         return Auditing(self.node.cfg.run_id, self.step, self.epoch, call, tuple(self.ids),
                         lambda data: evidence.raw_signature(self.node.cfg.identity.sign(data)), check,
-                        nonce, accepts, revealed)
+                        secrets.randbelow, nonce, accepts, revealed)
 
     def _cert(self, links: Links, rank: int) -> bytes | None:
         """``rank``'s certificate (DER): ours, or the one its connection to us presented (asked

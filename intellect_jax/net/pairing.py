@@ -5,8 +5,7 @@ names nobody, after which the retry draws anew (docs/net.md, "Audits of the owne
 
 Each rank's call header carries the head of a hash chain (:func:`nonce_chain`, one nonce per
 bucket); a rank reveals its bucket's nonce once it holds every owner's commitment, and the
-digest of all of them (:func:`draw`) gives the offset (:func:`rotation`) and the piece each
-auditor checks (:func:`challenge`).
+digest of all of them (:func:`draw`) gives the offset (:func:`rotation`).
 """
 
 from __future__ import annotations
@@ -51,15 +50,6 @@ def draw(run_id: str, step: int, epoch: int, call: int, nonces: Sequence[bytes])
     for x in nonces:
         h.update(x)
     return h.digest()
-
-
-def challenge(draw: bytes, segment: int, pieces: int) -> int:
-    """The piece of ``segment`` its auditor checks, ``0 .. pieces - 1``, from the pairing's draw:
-    every member knows it with the pairing, so it answers at once, with no challenge to wait
-    for (one an auditor could withhold from a member), and no owner knows it while it commits."""
-    h = hasher()
-    h.update(b"intellect_jax audit piece\n" + draw + segment.to_bytes(4, "big"))
-    return int.from_bytes(h.digest()[:8], "big") % pieces
 
 
 FORWARDERS = 2  # members that forward each owner's commitment and nonce to each other member

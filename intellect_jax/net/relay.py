@@ -17,8 +17,9 @@ After its gather each link carries :attr:`~.frames.MsgType.POST` frames, in this
   aggregates of that bucket from that piece on. A rank asks once an owner's aggregates have not
   all come a while (:data:`WAIT` of the time the call took until a first peer said ``DONE``, at
   least :data:`WAIT_MIN`) after a first peer said ``DONE``, or at once when the owner's own
-  link gave them up (a ``POST`` frame in their place, or its next bucket's first audit frame:
-  :class:`Skipped`, and that link is read on); one ``DONE`` peer per owner at a time,
+  link gave them up (a ``POST`` frame in their place; its next bucket's first audit frame:
+  :class:`Skipped`; or aggregates other than it committed to: ``_ButterflyRun.contradicted``;
+  the last two read on); one ``DONE`` peer per owner at a time,
   another :data:`WAIT_MIN` later while pieces are missing.
 * ``DONE``: the sender holds the whole result (every bucket's every piece, each checked against
   its owner's commitment) and its own audit passed: it asks for nothing more.

@@ -61,8 +61,8 @@ def ring_bytes(numel: int, world: int, rank: int, cfg: RingConfig) -> int:
 def audit_bytes(p: plan.RingPlan, rank: int, cfg: RingConfig) -> int:
     """What one rank sends for the butterfly's audits (net.audit), to within a block per peer:
     its commitment and its nonce to every other rank, those it forwards (each owner's commitment
-    and nonce to each member it is a forwarder of), its row lists to its auditor, the
-    pairing's draw to every other rank, two commitments of each auditor's
+    and nonce to each member it is a forwarder of), its row lists to its auditor, its
+    challenge (the piece and the draw) to every other rank, two commitments of each auditor's
     target (the held one, and another it got or that one again), and its piece to each auditor (each answer counted at the size of its
     segment's first piece); then its signature that its own audit passed, DONE and END (net.relay)."""
     world, n = p.world, p.piece(rank, 0)[1] - p.piece(rank, 0)[0]
@@ -72,10 +72,10 @@ def audit_bytes(p: plan.RingPlan, rank: int, cfg: RingConfig) -> int:
     echoes = 2 * (world - 2) * head  # the target's commitments, to every auditor but the target's own
     # the last aggregate piece in two frames, then our signature that our audit passed; DONE and END
     tails = (world - 1) * (HEADER_LEN + HEADER_LEN + SIG_BYTES + 2 * (HEADER_LEN + 1))
-    nonce = drew = HEADER_LEN + audit.DIGEST
+    nonce, challenge = HEADER_LEN + audit.DIGEST, HEADER_LEN + 4 + audit.DIGEST
     forwards = sum(rank in pairing.forwarders(t, m, world) for t in range(world) for m in range(world)
                    if rank not in (t, m) and t != m) * (head + nonce)
-    return (world - 1) * (head + nonce + drew + HEADER_LEN + SIG_BYTES) + rows + answers + echoes + tails + \
+    return (world - 1) * (head + nonce + challenge + HEADER_LEN + SIG_BYTES) + rows + answers + echoes + tails + \
         forwards
 
 
