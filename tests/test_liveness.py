@@ -259,9 +259,10 @@ def test_seeded_schedules_of_an_owner_withholding_from_one_member_complete_every
 
 def test_a_link_that_fails_after_its_owner_skipped_a_bucket_dooms_the_call_in_time() -> None:
     """An owner's link that gave up one bucket's aggregates (a skip: read on) and then fails for
-    real (say, aggregates other than committed) dooms the call once no peer has said DONE for as
-    long again as the call had taken, as any failed owner's link does: the skip recorded first
-    must not hide the failure until the deadline (found by review, 2026-11-28)."""
+    real (a frame out of place) dooms the call once no peer has said DONE for as long again as
+    the call had taken, as any failed owner's link does: the skip recorded first must not hide
+    the failure until the deadline. So do aggregates other than committed, though that link is
+    read on (both found by review, 2026-11-28)."""
     class Mesh(relay.Relay):
         rank, world = 0, 4
 
@@ -276,6 +277,13 @@ def test_a_link_that_fails_after_its_owner_skipped_a_bucket_dooms_the_call_in_ti
     m.lost(1, 1, failure)
     assert m._doomed(time.monotonic()) is None and m._doomed(time.monotonic() + 1.5) is failure
     assert 2 in m.mute
+    # aggregates other than committed: the link is read on, yet the call is doomed if nobody says DONE
+    m = Mesh()
+    m.lost(1, 2, failure, skipped=True)
+    assert m._doomed(time.monotonic()) is None and m._doomed(time.monotonic() + 1.5) is failure
+    assert 3 not in m.mute and not m.ended[1][2] and 2 not in m.dirty
+    m.done_from[0], m.first_done = True, time.monotonic()  # (a peer said DONE: it may relay them)
+    assert m._doomed(time.monotonic() + 60) is None
 
 
 def test_no_member_completes_by_relay_before_an_auditor_s_audit_passed(monkeypatch: pytest.MonkeyPatch) -> None:

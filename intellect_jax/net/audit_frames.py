@@ -158,9 +158,11 @@ class AuditFrames:
                 fresh = t not in led.heads
                 bad = led.committed(t, head, sig, None if t == o else o)
                 wrong = led.contradicted(t) if fresh and t in led.heads else []
+                if wrong and self.mesh.relaying:  # (at once: no piece of them counts as settled meanwhile)
+                    self.unsettle(t, wrong)
                 self.cond.notify_all()
             if wrong:  # it sent us other aggregates before: asked for by relay (butterfly.contradicted)
-                self.contradicted(t, wrong)
+                self.contradicted(t, wrong, unsettled=True)
             self._bad_frame(o, t, "commitment", bad, lambda t=t: t in led.heads)  # type: ignore[misc]
         for t in [o, *others]:  # its nonce, then those it forwards us
             nonce = yield DIGEST

@@ -248,16 +248,27 @@ class _ButterflyRun(AuditFrames):
         sig = self.passes.get(q)
         return None if sig is None else (wire, sig)
 
-    def contradicted(self, q: int, js: list[int]) -> None:
+    def contradicted(self, q: int, js: list[int], unsettled: bool = False) -> None:
         """Owner ``q``'s aggregates of pieces ``js`` from its link are not the ones it committed
-        to: unsettled (whatever was placed for them the relay overwrites), and asked for by
-        relay at once; its link is read on (its later frames are in step: the content of these
-        was wrong, proving nothing to anyone else, and nobody is named)."""
-        with self.cond:  # (only with audits, so with the relay)
-            self.wrong[q].update(js)
-            self.via_link[q] = max(self.via_link[q], max(js) + 1)
-            self.cond.notify_all()
-        self.mesh.lost(1, (q - self.rank - 1) % self.world, None, skipped=True)
+        to: unsettled (whatever was placed for them the relay overwrites; ``unsettled``: the
+        caller did it, under ``cond``: :meth:`unsettle`), and asked for by relay at once; its
+        link is read on (its later frames are in step: the content of these was wrong, proving
+        nothing to anyone else, and nobody is named). If no peer says DONE in time, the call
+        fails with it (``relay.Relay._doomed``); without the relay, at once."""
+        if not self.mesh.relaying:  # (some bucket unaudited: nothing is relayed)
+            raise FrameError(f"rank {q}: its aggregates are not the ones it committed to")
+        if not unsettled:
+            with self.cond:
+                self.unsettle(q, js)
+        self.mesh.lost(1, (q - self.rank - 1) % self.world,
+                       FrameError(f"rank {q}: its aggregates of pieces {js} are not the ones it committed to"),
+                       skipped=True)
+
+    def unsettle(self, q: int, js: list[int]) -> None:
+        """(Under ``cond``.) Owner ``q``'s pieces ``js`` from its link are not in our result."""
+        self.wrong[q].update(js)
+        self.via_link[q] = max(self.via_link[q], max(js) + 1)
+        self.cond.notify_all()
 
     def relayed_in(self, q: int, j: int, wire: np.ndarray, sig: bytes | None) -> bool:
         """Owner ``q``'s aggregate of piece ``j`` relayed to us: placed if it is the one ``q``

@@ -196,15 +196,16 @@ class Relay:
     def lost(self, side: int, k: int, e: BaseException | None, skipped: bool = False) -> None:
         """Link ``k`` from the peer ended its gather: ``e`` its failure (we read it no more), None
         a POST frame in place of what it still owed us (its POST frames are read on); or, with
-        ``skipped``, it gave up some of one bucket's aggregates (the rest of them, or sent others
-        than it committed to) and is read on."""
+        ``skipped``, it gave up some of one bucket's aggregates and is read on: the rest of them
+        (``e`` None), or it sent others than it committed to (``e``: what dooms the call if no
+        peer says DONE in time, as a failed link's error does)."""
         with self.cond:
             p, had = self._peer(k), self.gave_up.get(self._peer(k))
             if had is None or had[1] is None and e is not None:  # (a failure after a skip: from then on)
                 self.gave_up[p] = (time.monotonic(), e)
             if not skipped:
                 self.mute.add(self._peer(k))
-            if e is not None:  # (what it sent after is not read: the link is shut at the end)
+            if e is not None and not skipped:  # (what it sent after is not read: the link is shut at the end)
                 self.ended[side][k] = True
                 self.dirty.add(k)
             self.cond.notify_all()
