@@ -95,6 +95,29 @@ def test_the_pairing_is_drawn_anew_in_every_bucket_from_the_members_nonces(monke
     assert len({v[0] for v in by_draw.values()}) > 1
 
 
+def test_the_audited_piece_is_the_auditor_s_draw_not_the_pairing_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The piece an auditor checks must not follow from the pairing's draw: an owner may be the
+    last to reveal its nonce, so it could compute such a piece first and withhold its nonce (a
+    stall naming nobody) whenever the piece is one it forged. With every member's nonces the
+    same in six calls (so the same draw, the same pairing), the auditors still ask for other
+    pieces (the same piece six times over is a 1-in-625 fluke at 5 pieces a segment)."""
+    world, asked = 4, []
+    monkeypatch.setattr(commlib.secrets, "token_bytes", lambda n: bytes(n))
+    rows_of_target = audit.Ledger.rows_of_target
+
+    def spy(self: Any, rows: list[bytes]) -> Any:
+        why = rows_of_target(self, rows)
+        asked.append((self.drawn, self.target, self.challenge))
+        return why
+
+    monkeypatch.setattr(audit.Ledger, "rows_of_target", spy)
+    for _ in range(6):
+        _, _, errs = _butterfly(world, _inputs(world, 9000, seed=15), CFG)
+        assert errs == [None] * world
+    assert len({d for d, _, _ in asked}) == 1 and butterfly_plan(9000, world, 64, 512).pieces == 5
+    assert len({j for _, t, j in asked if t == 0}) > 1, asked
+
+
 def test_a_nonce_other_than_its_header_bound_fails_the_call_and_names_its_sender(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 2 reveals a nonce its header's chain does not hash to (it would choose the draw
