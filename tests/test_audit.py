@@ -376,8 +376,8 @@ class _Negating(_Equivocating):
 def test_an_owner_and_a_forwarder_in_league_cannot_split_a_member_unseen(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 sends rank 0 negated aggregates and signs a second commitment to them; its
     accomplice rank 3, a forwarder of rank 1's commitment to rank 0, forwards rank 0 that one
-    instead of the one it got, and rank 1 holds its own (honest) commitment back from ranks 0 and
-    2 until rank 0 holds the second. Rank 0 then applies aggregates nobody else does, and every
+    instead of the one it got, and both hold the honest one back from everyone else until rank 0
+    holds the second. Rank 0 then applies aggregates nobody else does, and every
     commitment its auditor (rank 2) gets from anyone else is the honest one. Rank 0's echo
     carries the commitment it holds, not just the one the owner sent it, so the auditor holds
     both under the owner's signature: the call fails and the case convicts rank 1 (when the echo
@@ -409,10 +409,13 @@ def test_an_owner_and_a_forwarder_in_league_cannot_split_a_member_unseen(monkeyp
                                                   run.block)))
                 second["head"] = b"".join(ds) + payload[-audit.DIGEST:]
                 second["sig"] = led.ctx.sign(led._said(run.rank, ds, payload[-audit.DIGEST:]))
-            if to in (victim, auditor):
+            if to != accomplice:
                 holds.wait(10)
-        elif self.rank == accomplice and to == victim and second and payload == led.heads.get(bad, (None,))[0]:
-            payload, second["swap"] = second["head"], b"1"
+        elif self.rank == accomplice and second and payload == led.heads.get(bad, (None,))[0]:
+            if to == victim:
+                payload, second["swap"] = second["head"], b"1"
+            else:  # (the honest one reaches the others only once the victim holds the second)
+                holds.wait(10)
         elif self.rank == accomplice and to == victim and second.pop("swap", None):
             payload = second["sig"]
         return frame(self, conn, payload)
