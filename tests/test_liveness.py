@@ -196,6 +196,50 @@ def _altering_relayer(monkeypatch: pytest.MonkeyPatch, rank: int, what: str) -> 
     return relayed
 
 
+def test_an_owner_that_withholds_one_bucket_s_aggregates_only_is_read_on_in_the_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2 sends rank 0 none of its first bucket's aggregates but all of its second's (its
+    audit frames all along). Its second bucket starts with an aggregate, not an audit frame (its
+    first aggregate goes out before it can commit), so only a mark at the start of each bucket's
+    gather tells rank 0 that the first bucket's aggregates were skipped; rank 0 asks for them by
+    relay and reads the second bucket on, and every rank completes with the same bits, well
+    before the deadline (found by review, 2026-11-28)."""
+    honest, dropped = butterfly._ButterflyRun._gather_to, []
+
+    def gather(self: Any, k: int) -> None:
+        conn = self.links.out[k]
+        if self.rank == 2 and self.index == 0 and butterfly.peer_of(2, self.world, k) == 0:
+            send = conn.send
+            conn.send = lambda t, payload=b"", **kw: dropped.append(t) if t == MsgType.DATA else send(t, payload, **kw)
+            try:
+                honest(self, k)
+            finally:
+                del conn.send
+        else:
+            honest(self, k)
+
+    audit_out, first = butterfly._ButterflyRun._audit_out, []
+
+    def data_first(self: Any, conn: Any, o: int, wait: bool) -> bool:
+        if self.rank == 2 and self.index == 1 and o == 0 and not wait and not first:
+            first.append(True)  # (its first aggregate goes first, as when it cannot commit yet)
+            return True
+        return audit_out(self, conn, o, wait)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather)
+    monkeypatch.setattr(butterfly._ButterflyRun, "_audit_out", data_first)
+    a, b = _inputs(4, 5000, seed=31), _inputs(4, 3000, seed=32)
+    cfg = dataclasses.replace(CFG, bucket_numel=5000)
+    t0 = time.monotonic()
+    outs, errs = _outs(500, [{"a": a[r], "b": b[r]} for r in range(4)], cfg)
+    took = time.monotonic() - t0
+    assert errs == [None] * 4, errs
+    assert dropped, "nothing was withheld"
+    for leaf, xs in (("a", a), ("b", b)):
+        assert all(_same_bits(o[leaf], butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
+    assert took < CFG.deadline * 0.8, took
+
+
 @pytest.mark.parametrize("what", ["piece", "pass"])
 def test_a_relayer_that_alters_what_it_relays_is_passed_over(monkeypatch: pytest.MonkeyPatch, what: str) -> None:
     """As above, and rank 1 flips a byte in every piece it relays (``piece``), or in rank 2's

@@ -46,6 +46,7 @@ connection to and one from every other rank (:class:`~.ring.Links` whose ``out[k
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ Vector = np.ndarray | Flat  # a bucket: one flat float32 array, or several seen 
 
 RING_MODES = ("fp32", "bf16", "int8", "int4")  # codecs whose contributions can be cut into segments
 TAIL = 4  # bytes of an auditor's last aggregate piece held back until its audit passed (no rank completes without)
+BUCKET_MARK = struct.Struct("<I")  # with audits, each bucket's gather on a link starts with its index (AUDIT)
 _STOPPED = object()  # (the call failed while a link's thread waited)
 
 
@@ -423,6 +425,9 @@ class _ButterflyRun(AuditFrames):
         conn, o, P = self.links.out[k], peer_of(self.rank, self.world, k), self.plan.pieces
         if not self._after_step1():
             return
+        if self.ledger is not None:  # (an audit frame, whatever comes next: a member whose previous bucket
+            # we gave up on this link knows this one has begun: relay.Skipped)
+            conn.send(MsgType.AUDIT, BUCKET_MARK.pack(self.index), deadline=self.deadline)
         for j in range(P):
             if not self.wait_for(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
                 return
@@ -495,6 +500,15 @@ class _ButterflyRun(AuditFrames):
         """Step 3 on link ``k``: the aggregates of its sender's segment, and when auditing its
         audit frames (:mod:`.audit_frames`) between them, every one before the last piece's tail."""
         conn, o, P, led = self.links.inn[k], peer_of(self.rank, self.world, k), self.plan.pieces, self.ledger
+        if led is not None:  # its mark of this bucket's gather (see _gather_to)
+            hdr = self._next(conn, o, MsgType.AUDIT)
+            mark = bytearray(BUCKET_MARK.size)
+            if hdr.length != len(mark):
+                raise FrameError(f"rank {o}: a frame of {hdr.length} bytes where bucket {self.index}'s gather starts")
+            conn.recv_payload_into(hdr, mark, deadline=self.deadline)
+            if BUCKET_MARK.unpack(mark)[0] != self.index:
+                raise FrameError(f"rank {o}: the gather of bucket {BUCKET_MARK.unpack(mark)[0]} where bucket "
+                                 f"{self.index}'s is due")
         frames = None if led is None else self._audit_in(o)
         want = None if frames is None else next(frames)  # the length of its next audit frame (None: all in)
         for j in range(P):

@@ -76,7 +76,8 @@ class Posted(Exception):
 class Skipped(Exception):
     """An AUDIT frame where an owner's aggregates (or its tail, or its signature that its audit
     passed) of a bucket were due, with every audit frame of that bucket in: the owner gave up the
-    rest of that bucket's aggregates on this link, and the frame is its next bucket's first."""
+    rest of that bucket's aggregates on this link, and the frame is its next bucket's first (the
+    mark every bucket's gather starts with: ``butterfly.BUCKET_MARK``)."""
 
     def __init__(self, hdr: Any) -> None:
         super().__init__("an audit frame of the next bucket in the gather")
