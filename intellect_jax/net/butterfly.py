@@ -506,9 +506,9 @@ class _ButterflyRun(AuditFrames):
             if hdr.length != len(mark):
                 raise FrameError(f"rank {o}: a frame of {hdr.length} bytes where bucket {self.index}'s gather starts")
             conn.recv_payload_into(hdr, mark, deadline=self.deadline)
-            if BUCKET_MARK.unpack(mark)[0] != self.index:
-                raise FrameError(f"rank {o}: the gather of bucket {BUCKET_MARK.unpack(mark)[0]} where bucket "
-                                 f"{self.index}'s is due")
+            (i,) = BUCKET_MARK.unpack(mark)
+            if i != self.index:
+                raise FrameError(f"rank {o}: the gather of bucket {i} where bucket {self.index}'s is due")
         frames = None if led is None else self._audit_in(o)
         want = None if frames is None else next(frames)  # the length of its next audit frame (None: all in)
         for j in range(P):
