@@ -322,8 +322,12 @@ def test_a_link_that_fails_after_its_owner_skipped_a_bucket_dooms_the_call_in_ti
     assert m._doomed(time.monotonic()) is None and m._doomed(time.monotonic() + 1.5) is failure
     assert 2 in m.mute
     # aggregates other than committed: the link is read on, yet the call is doomed if nobody says DONE
+    # for as long again as the call had taken once that link's gather ended (before, the members that
+    # could relay them may still be in their own gathers)
     m = Mesh()
     m.lost(1, 2, failure, skipped=True)
+    assert m._doomed(time.monotonic() + 60) is None
+    m.gathered_from(2)
     assert m._doomed(time.monotonic()) is None and m._doomed(time.monotonic() + 1.5) is failure
     assert 3 not in m.mute and not m.ended[1][2] and 2 not in m.dirty
     m.done_from[0], m.first_done = True, time.monotonic()  # (a peer said DONE: it may relay them)

@@ -99,6 +99,8 @@ class MeshCall(Relay, Pipeline):
                 raise
             self.lost(side, k, e)
             return
+        if side == 1:
+            self.gathered_from(k)
         if going and self.error is None and self.relaying:  # the call's end on this link (relay.py)
             self.post_out(k) if side == 0 else self.post_in(k, posted)
         elif going and self.error is None:  # (without audits nothing can be relayed: no POST frames)

@@ -111,9 +111,11 @@ class Relay:
         self.asked: dict[tuple[int, int], float] = {}  # (bucket, owner) -> when we last asked for it
         self.asked_of: list[set[tuple[int, int]]] = [set() for _ in range(n)]  # (bucket, owner) we asked peer k for
         self.got_relays: set[tuple[int, int, int, int]] = set()  # (bucket, owner, piece, peer k) relayed to us
-        # owner -> (when, why) its own link gave its aggregates up: a POST in their place (why: None), or
-        # a failure of that link in the gather (with audits only that link ends: see local())
+        # owner -> (when, why) its own link gave its aggregates up: a POST in their place or a skipped
+        # bucket (why: None), a failure of that link in the gather (with audits only that link ends:
+        # see local()), or aggregates other than committed on a link still read (see lost())
         self.gave_up: dict[int, tuple[float, BaseException | None]] = {}
+        self.gathered: dict[int, float] = {}  # peer k -> when its link's gather ended (its last bucket read)
         self.mute: set[int] = set()  # owners whose links to us carry no more audit frames (POST, or a failure)
         self.moving = [(0, time.monotonic())] * n  # per peer: (bytes both ways, when they last changed)
         self.shut: list[int] = []  # peers whose links we shut at the end (not clean)
@@ -168,8 +170,10 @@ class Relay:
     def _doomed(self, now: float) -> BaseException | None:
         """The failure of an owner's link, once no peer has said DONE to us for as long again as
         the call had taken when it failed (at least a second): no member that could relay what
-        we lack is in sight. Or a member's own audit frame that did not hold, once no other
-        member has forwarded it for that long (:meth:`owe`)."""
+        we lack is in sight. For aggregates other than committed on a link still read, from when
+        that link's gather ended (before, the peers that could relay them are still in their
+        own gathers). Or a member's own audit frame that did not hold, once no other member has
+        forwarded it for that long (:meth:`owe`)."""
         for key, (when, why, got) in list(self.owed.items()):
             if got():
                 del self.owed[key]
@@ -177,10 +181,21 @@ class Relay:
                 return why
         if self.whole_at is not None or self.first_done is not None:
             return None
-        for when, why in self.gave_up.values():
+        for p, (when, why) in self.gave_up.items():
+            k = (p - self.rank - 1) % self.world
+            if why is not None and not self.ended[1][k]:  # (still read on: see lost())
+                if k not in self.gathered:
+                    continue
+                when = max(when, self.gathered[k])
             if why is not None and now - when >= max(1.0, when - self.t0):
                 return why
         return None
+
+    def gathered_from(self, k: int) -> None:
+        """Peer ``k``'s link has brought every bucket's gather (or gave the rest up)."""
+        with self.cond:
+            self.gathered.setdefault(k, time.monotonic())
+        self.poke.set()
 
     def local(self, e: BaseException) -> bool:
         """Whether a failure in the gather ends that link only (with audits: what its owner still
