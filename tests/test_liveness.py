@@ -139,6 +139,27 @@ def _skip_aggregates(monkeypatch: pytest.MonkeyPatch, owner: int, victim: int) -
                            butterfly.peer_of(owner, run.world, k) == victim)
 
 
+def _skip_one_bucket(monkeypatch: pytest.MonkeyPatch, owner: int, victim: int, bucket: int) -> list[Any]:
+    """``owner`` sends ``victim`` none of bucket ``bucket``'s aggregates (its audit frames, and every
+    other bucket's aggregates, it does); the types of the frames it dropped go into the list."""
+    honest, dropped = butterfly._ButterflyRun._gather_to, []
+
+    def gather(self: Any, k: int) -> None:
+        conn = self.links.out[k]
+        if self.rank == owner and self.index == bucket and butterfly.peer_of(owner, self.world, k) == victim:
+            send = conn.send
+            conn.send = lambda t, payload=b"", **kw: dropped.append(t) if t == MsgType.DATA else send(t, payload, **kw)
+            try:
+                honest(self, k)
+            finally:
+                del conn.send
+        else:
+            honest(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather)
+    return dropped
+
+
 def _outs(first: int, xs: list[Any], cfg: RingConfig = CFG) -> tuple[list, list]:
     """One butterfly call of 4 ranks over sockets with the patches already in place; (each
     rank's result, each rank's error)."""
@@ -204,20 +225,7 @@ def test_an_owner_that_withholds_one_bucket_s_aggregates_only_is_read_on_in_the_
     gather tells rank 0 that the first bucket's aggregates were skipped; rank 0 asks for them by
     relay and reads the second bucket on, and every rank completes with the same bits, well
     before the deadline (found by review, 2026-11-28)."""
-    honest, dropped = butterfly._ButterflyRun._gather_to, []
-
-    def gather(self: Any, k: int) -> None:
-        conn = self.links.out[k]
-        if self.rank == 2 and self.index == 0 and butterfly.peer_of(2, self.world, k) == 0:
-            send = conn.send
-            conn.send = lambda t, payload=b"", **kw: dropped.append(t) if t == MsgType.DATA else send(t, payload, **kw)
-            try:
-                honest(self, k)
-            finally:
-                del conn.send
-        else:
-            honest(self, k)
-
+    dropped = _skip_one_bucket(monkeypatch, owner=2, victim=0, bucket=0)
     audit_out, first = butterfly._ButterflyRun._audit_out, []
 
     def data_first(self: Any, conn: Any, o: int, wait: bool) -> bool:
@@ -226,7 +234,6 @@ def test_an_owner_that_withholds_one_bucket_s_aggregates_only_is_read_on_in_the_
             return True
         return audit_out(self, conn, o, wait)
 
-    monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather)
     monkeypatch.setattr(butterfly._ButterflyRun, "_audit_out", data_first)
     a, b = _inputs(4, 5000, seed=31), _inputs(4, 3000, seed=32)
     cfg = dataclasses.replace(CFG, bucket_numel=5000)
@@ -263,22 +270,26 @@ def test_a_relayer_that_alters_what_it_relays_is_passed_over(monkeypatch: pytest
     assert all(_same_bits(o, butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(12))
 def test_seeded_schedules_of_an_owner_withholding_from_one_member_complete_everywhere(
         monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
     """A seeded schedule of what one owner does to one member, over 1 to 3 buckets: it withholds
-    all its aggregates or sends other ones than it commits to (piece 0's, or every piece's), and
+    all its aggregates, or one bucket's, or sends other ones than it commits to (piece 0's, or
+    every piece's), and
     garbles its commitment, its nonce, both or neither (something in all), and a third rank may
     alter what it relays if asked. Whatever the mix, every rank completes with the same bits as
     ``butterfly.simulate``, within the deadline, and the mix really happened."""
     rng = np.random.default_rng(seed)
     owner, victim = (int(r) for r in rng.choice(4, 2, replace=False))
-    agg = (None, "withheld", "altered", "altered-first")[int(rng.integers(4))]
+    agg = (None, "withheld", "altered", "altered-first", "withheld-one")[int(rng.integers(5))]
     what = [w for w in ("commitment", "nonce") if rng.random() < 0.6]
     agg = agg if agg or what else "withheld"
     buckets, alter = int(rng.integers(1, 4)), rng.random() < 0.5 and agg is not None
     link = (victim - owner - 1) % 4  # (mesh link of the owner that joins the victim)
-    altered = [] if agg in (None, "withheld") else _altering(monkeypatch, owner, victim, agg == "altered-first")
+    altered = [] if agg not in ("altered", "altered-first") else _altering(monkeypatch, owner, victim,
+                                                                          agg == "altered-first")
+    one = int(rng.integers(buckets)) if agg == "withheld-one" else None
+    dropped = [] if one is None else _skip_one_bucket(monkeypatch, owner=owner, victim=victim, bucket=one)
     if agg == "withheld":
         _skip_aggregates(monkeypatch, owner=owner, victim=victim)
     garbled = [] if not what else garbling_commitment(
@@ -292,13 +303,14 @@ def test_seeded_schedules_of_an_owner_withholding_from_one_member_complete_every
     t0 = time.monotonic()
     outs, errs = _outs(460 + 4 * seed, xs, cfg)
     took = time.monotonic() - t0
-    case = dict(owner=owner, victim=victim, agg=agg, what=what, buckets=buckets, alter=alter)
+    case = dict(owner=owner, victim=victim, agg=agg, one=one, what=what, buckets=buckets, alter=alter)
     assert errs == [None] * 4, (case, errs)
     for i, leaf in enumerate(leaves):
         assert all(_same_bits(o[f"b{i}"], butterfly.simulate(leaf, "int8", 64, 256, "clip")) for o in outs), case
     assert took < cfg.deadline * 0.8, (case, took)
     assert len(garbled) == buckets * len(what), (case, garbled)
     assert bool(altered) == (agg is not None and agg.startswith("altered")), (case, altered)
+    assert bool(dropped) == (agg == "withheld-one"), (case, dropped)
 
 
 def test_a_link_that_fails_after_its_owner_skipped_a_bucket_dooms_the_call_in_time() -> None:
