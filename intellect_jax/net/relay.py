@@ -182,12 +182,14 @@ class Relay:
         if self.whole_at is not None or self.first_done is not None:
             return None
         for p, (when, why) in self.gave_up.items():
+            if why is None:
+                continue
             k = (p - self.rank - 1) % self.world
-            if why is not None and not self.ended[1][k]:  # (still read on: see lost())
+            if not self.ended[1][k]:  # (still read on: see lost())
                 if k not in self.gathered:
                     continue
                 when = max(when, self.gathered[k])
-            if why is not None and now - when >= max(1.0, when - self.t0):
+            if now - when >= max(1.0, when - self.t0):
                 return why
         return None
 
@@ -216,11 +218,12 @@ class Relay:
         (``e`` None), or it sent others than it committed to (``e``: what dooms the call if no
         peer says DONE in time, as a failed link's error does)."""
         with self.cond:
-            p, had = self._peer(k), self.gave_up.get(self._peer(k))
+            p = self._peer(k)
+            had = self.gave_up.get(p)
             if had is None or had[1] is None and e is not None:  # (a failure after a skip: from then on)
                 self.gave_up[p] = (time.monotonic(), e)
             if not skipped:
-                self.mute.add(self._peer(k))
+                self.mute.add(p)
             if e is not None and not skipped:  # (what it sent after is not read: the link is shut at the end)
                 self.ended[side][k] = True
                 self.dirty.add(k)
