@@ -207,6 +207,34 @@ def test_a_member_address_that_is_no_address_is_a_config_mismatch() -> None:
         nodes[0].close()
 
 
+@pytest.mark.parametrize("exchange", ["ring", "butterfly"])
+def test_links_open_when_every_listener_answers_later_than_a_dial_s_slice(
+        monkeypatch: pytest.MonkeyPatch, exchange: str) -> None:
+    """A ring dials in slices of half a second (to notice an abort); listeners that take longer
+    to answer (a loaded machine) still give every rank working links, not connections whose
+    dialer gave up on them after they were queued (every rank then failed the call with a
+    peer that closed the connection before its header)."""
+    from intellect_jax.net.listener import Listener
+    reserve = Listener._reserve
+
+    def slow(self: Any, conn: Any) -> Any:
+        time.sleep(0.7)
+        return reserve(self, conn)
+
+    monkeypatch.setattr(Listener, "_reserve", slow)
+    world = 3
+    xs = _inputs(world, 3000)
+    nodes = _nodes(world)
+    try:
+        comms = _ring(nodes, RingConfig(exchange=exchange, deadline=20))
+        outs, errs = _run(comms, xs)
+    finally:
+        for node in nodes:
+            node.close()
+    assert errs == [None] * world
+    assert all(_same_bits(o, outs[0]) for o in outs)
+
+
 def test_config_mismatch_fails_every_rank_fast() -> None:
     nodes = _nodes(3)
     peers = _members(nodes)

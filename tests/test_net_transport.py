@@ -222,6 +222,30 @@ def test_listener_routes_by_channel_and_connect_retries() -> None:
         b.close()
 
 
+def test_a_dial_whose_channel_request_is_out_waits_for_the_answer_past_its_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listener slow to answer (under load) may queue a connection for its accepter after
+    the dialer's timeout: the dialer waits for that answer (up to ``handshake_timeout``), so
+    the accepter gets a working link, not one its dialer closed before its first frame."""
+    reserve = Listener._reserve
+
+    def slow(self: Listener, conn: Connection) -> str | None:
+        time.sleep(0.6)
+        return reserve(self, conn)
+
+    monkeypatch.setattr(Listener, "_reserve", slow)
+    cfg = _cfg()
+    with Listener(cfg) as lst:
+        t0 = time.monotonic()
+        a = connect(cfg, lst.address, "chan/slow", timeout=0.2)
+        assert time.monotonic() - t0 >= 0.6
+        b = lst.accept("chan/slow", timeout=2)
+        a.send(MsgType.DATA, b"first")
+        assert b.recv(MsgType.DATA, deadline=_deadline())[1] == b"first"
+        a.close()
+        b.close()
+
+
 def test_injected_and_replayed_frames_rejected() -> None:
     a, b = _pair()
     bad = bytearray(pack_header(MsgType.DATA, a.cfg.run, 0, 4, payload_tag(b"evil", "sha256"), "sha256"))
