@@ -169,13 +169,15 @@ def test_revocation_refuses_the_next_connection_at_once(tmp_path: Path) -> None:
         auth.issue(n)
     cfg = {n: TransportConfig("r", Credentials.load(tmp_path, n)) for n in ("srv", "m1", "m2")}
     with Listener(cfg["srv"]) as lst:
-        connect(cfg["m1"], lst.address, "c", timeout=5).close()
+        m1 = connect(cfg["m1"], lst.address, "c", timeout=5)
         assert lst.accept("c", peer="m1", timeout=5).identity == "m1"
+        m1.close()
         auth.revoke("m1")  # the operator, while the listener runs
         with pytest.raises(AuthError, match="identity m1 is revoked"):
             connect(cfg["m1"], lst.address, "c", timeout=5)
-        connect(cfg["m2"], lst.address, "c", timeout=5).close()  # everyone else as before
+        m2 = connect(cfg["m2"], lst.address, "c", timeout=5)  # everyone else as before
         assert lst.accept("c", peer="m2", timeout=5).identity == "m2"
+        m2.close()
         assert lst.refused["refused"] >= 1
     with pytest.raises(IdentityError, match="identity m1 is revoked"):  # nor can it start again
         Credentials.load(tmp_path, "m1")

@@ -212,8 +212,9 @@ def test_links_open_when_every_listener_answers_later_than_a_dial_s_slice(
         monkeypatch: pytest.MonkeyPatch, exchange: str) -> None:
     """A ring dials in slices of half a second (to notice an abort); listeners that take longer
     to answer (a loaded machine) still give every rank working links, not connections whose
-    dialer gave up on them after they were queued (every rank then failed the call with a
-    peer that closed the connection before its header)."""
+    dialer gave up on them after they were queued (over the butterfly every rank then failed
+    the call with a peer that closed the connection before its header; over the ring no dial
+    ever got through, and every rank failed at the deadline)."""
     from intellect_jax.net.listener import Listener
     reserve = Listener._reserve
 

@@ -230,19 +230,38 @@ def test_a_dial_whose_channel_request_is_out_waits_for_the_answer_past_its_timeo
     reserve = Listener._reserve
 
     def slow(self: Listener, conn: Connection) -> str | None:
-        time.sleep(0.6)
+        time.sleep(1.2)
         return reserve(self, conn)
 
     monkeypatch.setattr(Listener, "_reserve", slow)
     cfg = _cfg()
     with Listener(cfg) as lst:
         t0 = time.monotonic()
-        a = connect(cfg, lst.address, "chan/slow", timeout=0.2)
-        assert time.monotonic() - t0 >= 0.6
+        a = connect(cfg, lst.address, "chan/slow", timeout=0.5)
+        assert time.monotonic() - t0 >= 1.2
         b = lst.accept("chan/slow", timeout=2)
         a.send(MsgType.DATA, b"first")
         assert b.recv(MsgType.DATA, deadline=_deadline())[1] == b"first"
         a.close()
+        b.close()
+
+
+def test_a_queued_connection_its_dialer_closed_is_passed_over_by_the_accepter() -> None:
+    """A dialer that leaves after the listener answered (it gave up, or died) leaves a queued
+    connection nobody will write to: the accepter passes it over for the next one on the
+    channel (an idle one is kept), instead of returning a link that fails at its first frame."""
+    cfg = _cfg()
+    with Listener(cfg) as lst:
+        gone = connect(cfg, lst.address, "chan/x", timeout=5)
+        gone.close()
+        time.sleep(0.2)  # (its FIN is in)
+        live = connect(cfg, lst.address, "chan/x", timeout=5)
+        b = lst.accept("chan/x", timeout=2)  # (nothing sent yet on the live one)
+        live.send(MsgType.DATA, b"hi")
+        assert b.recv(MsgType.DATA, deadline=_deadline())[1] == b"hi"
+        with pytest.raises(PeerTimeout):
+            lst.accept("chan/x", timeout=0.2)
+        live.close()
         b.close()
 
 

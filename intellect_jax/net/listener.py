@@ -267,7 +267,8 @@ class Listener:
     def accept(self, channel: str, *, timeout: float, peer: str | None = None, name: str | None = None) -> Connection:
         """Wait for an authenticated connection on ``channel`` from identity ``peer`` (None: any
         identity of the run; the caller then checks ``conn.identity``). Connections on the
-        channel from anyone else are closed and counted as refused."""
+        channel from anyone else are closed and counted as refused; those whose dialer has
+        closed them already are closed too."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
@@ -278,6 +279,9 @@ class Listener:
                                                  f"which belongs to {peer}"))
                         self.refused["channel of another identity"] += 1
                         conn.close()
+                        continue
+                    if conn.hung_up():  # its dialer left after we answered (it gave up, or died): a
+                        conn.close()  # dead link would fail the accepter's call; its retry may be next
                         continue
                     if name:
                         conn.peer = name

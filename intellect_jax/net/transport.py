@@ -338,6 +338,22 @@ class Connection:
         hdr = self.recv_header(expect, deadline=deadline, max_len=max_len)
         return hdr, self._read(hdr, deadline)
 
+    def hung_up(self) -> bool:
+        """Whether the peer has closed its end with nothing left for us to read (a look that
+        neither waits nor consumes anything)."""
+        try:
+            if getattr(self._sock, "pending", lambda: 0)():
+                return False  # (bytes already decrypted and buffered)
+            poll = select.poll()  # (not select.select: descriptors past 1023)
+            poll.register(self._sock, select.POLLIN)
+            if not poll.poll(0):
+                return False  # (nothing has come, not even its end)
+            return socket.socket.recv(self._sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (OSError, ValueError):  # (reset, or closed here already)
+            return True
+
     def abort(self) -> None:
         """Shut the socket down so that blocked threads wake up with an error."""
         try:  # the descriptor's shutdown, not SSLSocket's: that one drops the OpenSSL object, and a
@@ -387,10 +403,13 @@ def connect(cfg: TransportConfig, address: Address, channel: str, *, expect: str
     """Dial ``address`` and open ``channel`` on it over mutual TLS 1.3, retrying refused or
     dropped attempts until ``timeout``. ``expect``: the identity the peer must hold (an
     :class:`AuthError` otherwise); None accepts any identity of the run (the caller checks).
-    An attempt whose channel request went out waits for its answer up to ``handshake_timeout``,
-    even past ``timeout``: the listener may have queued it for its accepter already, and given
-    up, it would reach the accepter as a link closed before its first frame (a caller that dials
-    in short slices, to stay abortable, fails its peer that way under load)."""
+    An attempt whose channel request went out waits for the answer as long as the listener may
+    take to send it (``handshake_timeout`` + 2 ``first_bytes_timeout`` from the end of our TLS
+    handshake), even past ``timeout``: the listener queues the connection for its accepter as
+    it answers and cannot tell that we left, so a dial given up then reaches the accepter as a
+    link closed before its first frame (a caller that dials in short slices, to stay abortable,
+    failed its peer that way under load). So ``connect`` may take that much longer than
+    ``timeout`` when a peer stops right after the TLS handshake."""
     timeout = cfg.connect_timeout if timeout is None else timeout
     deadline = time.monotonic() + timeout
     peer = name or f"{address[0]}:{address[1]}"
@@ -446,7 +465,9 @@ def _open(cfg: TransportConfig, address: Address, channel: str, expect: str | No
         if expect is not None and ident != expect:
             raise AuthError(f"{peer} is {ident!r}, not {expect!r}")
         conn = Connection(tls, cfg, peer, channel, ident, serial, cert)
-        hs_deadline = time.monotonic() + cfg.handshake_timeout  # (not the dial's: see connect)
+        # (not the dial's deadline, see connect: the listener's runs handshake_timeout from the end of
+        # its TLS handshake, which it may finish up to 2 first_bytes_timeout after the connection came)
+        hs_deadline = time.monotonic() + cfg.handshake_timeout + 2 * cfg.first_bytes_timeout
         try:
             try:
                 conn.send(MsgType.HELLO, channel.encode(), deadline=hs_deadline)
