@@ -236,6 +236,33 @@ def test_links_open_when_every_listener_answers_later_than_a_dial_s_slice(
     assert all(_same_bits(o, outs[0]) for o in outs)
 
 
+@pytest.mark.parametrize("exchange", ["ring", "butterfly"])
+def test_an_abort_ends_a_dial_that_waits_for_its_peer_s_answer(monkeypatch: pytest.MonkeyPatch,
+                                                                exchange: str) -> None:
+    """Every listener takes 6 s to answer a dial (a peer that stops right after the TLS
+    handshake); a dial waits for that answer past its own timeout, but an abort (the epoch
+    broke) still ends every rank's call at once, not when the answers come."""
+    from intellect_jax.net.listener import Listener
+    reserve = Listener._reserve
+
+    def stuck(self: Any, conn: Any) -> Any:
+        time.sleep(6.0)
+        return reserve(self, conn)
+
+    monkeypatch.setattr(Listener, "_reserve", stuck)
+    nodes = _nodes(3)
+    try:
+        comms = _ring(nodes, RingConfig(exchange=exchange, deadline=20))
+        threading.Timer(0.5, lambda: [c.abort() for c in comms]).start()
+        t0 = time.monotonic()
+        _, errs = _run(comms, _inputs(3, 3000))
+        took = time.monotonic() - t0
+    finally:
+        for node in nodes:
+            node.close()
+    assert all(isinstance(e, NetError) for e in errs) and took < 3.0, (took, errs)
+
+
 def test_config_mismatch_fails_every_rank_fast() -> None:
     nodes = _nodes(3)
     peers = _members(nodes)

@@ -12,7 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+import socket
+import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 
@@ -35,6 +38,7 @@ from intellect_jax.net.transport import (
     TransportConfig,
     connect,
     parse_address,
+    shut,
     send_msg,
 )
 
@@ -280,10 +284,11 @@ class NetNode:
         return self.cfg.name
 
     def connect(self, address: Address | str, channel: str, *, expect: str | None, timeout: float | None = None,
-                name: str | None = None) -> Connection:
+                name: str | None = None, dialing: Callable[[socket.socket], None] | None = None) -> Connection:
         """Connection on ``channel`` to the peer at ``address``, which must hold identity
-        ``expect`` (None: any identity of the run)."""
-        return connect(self.cfg, parse_address(address), channel, expect=expect, timeout=timeout, name=name)
+        ``expect`` (None: any identity of the run); ``dialing``: see :func:`~.transport.connect`."""
+        return connect(self.cfg, parse_address(address), channel, expect=expect, timeout=timeout, name=name,
+                       dialing=dialing)
 
     def accept(self, channel: str, *, peer: str | None, timeout: float, name: str | None = None) -> Connection:
         """Next connection on ``channel`` from identity ``peer`` (None: any identity of the run)."""
@@ -388,6 +393,8 @@ class SocketCommunicator:
         self._dead: dict[int, NetError] = {}  # rank -> why its link to or from us failed (butterfly)
         self._heads: dict[int, bytes] = {}  # rank -> the head of its nonce chain in this call's header (audits)
         self._opening: list[Connection] = []  # the mesh's links opened so far, while _mesh runs
+        self._dials: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # sockets of dials under way (_dial)
+        self._dials_lock = threading.Lock()
         self._links: Links | None = None
         self._workspace = Workspace()
         self._closed = False
@@ -436,9 +443,8 @@ class SocketCommunicator:
         try:
             for to, k in outs:
                 ch = self._channel(me, to, k)
-                links.out.append(self._until(lambda t: self.node.connect(self.peers[to], ch, expect=self.ids[to],
-                                                                         timeout=t, name=self._name(to)),
-                                             deadline, f"connecting to {self._name(to)}"))
+                links.out.append(self._until(lambda t: self._dial(to, ch, t), deadline,
+                                             f"connecting to {self._name(to)}"))
             for frm, k in inns:
                 ch = self._channel(frm, me, k)
                 links.inn.append(self._until(lambda t: self.node.accept(ch, peer=self.ids[frm], timeout=t,
@@ -469,8 +475,7 @@ class SocketCommunicator:
 
             def go() -> Connection:
                 conn = last.out[k].get() if last else self._opened(self._until(
-                    lambda t: self.node.connect(self.peers[to], ch, expect=self.ids[to], timeout=t,
-                                                name=self._name(to)), deadline, f"connecting to {self._name(to)}"))
+                    lambda t: self._dial(to, ch, t), deadline, f"connecting to {self._name(to)}"))
                 def start() -> None:
                     if not last:  # (a new link: its peer reads it all along, see Connection.bound_unsent)
                         conn.bound_unsent(self.node.cfg.notsent_lowat)
@@ -506,6 +511,17 @@ class SocketCommunicator:
             links.abort()
             raise RingClosed(f"ring epoch {self.epoch} aborted while opening its links")
         return links
+
+    def _dial(self, to: int, ch: str, timeout: float) -> Connection:
+        """A connection to rank ``to`` on channel ``ch``, each try's socket where :meth:`abort`
+        finds it (a dial waits for a peer's answer past its timeout: ``transport.connect``)."""
+        def dialing(sock: socket.socket) -> None:
+            with self._dials_lock:
+                self._dials.add(sock)
+            if self._aborted:
+                shut(sock)
+        return self.node.connect(self.peers[to], ch, expect=self.ids[to], timeout=timeout, name=self._name(to),
+                                 dialing=dialing)
 
     def _opened(self, conn: Connection) -> Connection:
         """``conn``, just opened by :meth:`_mesh`, where :meth:`abort` finds it meanwhile."""
@@ -777,6 +793,10 @@ class SocketCommunicator:
             links.abort()
         for conn in list(self._opening):  # (a mesh still opening: its header reads wake up too)
             conn.abort()
+        with self._dials_lock:  # (and dials still waiting for their peer's answer)
+            dials = list(self._dials)
+        for sock in dials:
+            shut(sock)
 
     def _teardown(self) -> None:
         self._closed = True

@@ -24,7 +24,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -356,11 +356,7 @@ class Connection:
 
     def abort(self) -> None:
         """Shut the socket down so that blocked threads wake up with an error."""
-        try:  # the descriptor's shutdown, not SSLSocket's: that one drops the OpenSSL object, and a
-            # thread still in a call would go on with plain reads of ciphertext or fail oddly
-            socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
-        except OSError:
-            pass
+        shut(self._sock)
 
     def close(self) -> None:
         """Abort and release the socket."""
@@ -398,8 +394,19 @@ def recv_msg(conn: Connection, deadline: float | None = None, max_len: int = MAX
     return msg
 
 
+def shut(sock: socket.socket) -> None:
+    """Shut a socket down both ways, so that threads blocked on it wake up with an error (nothing
+    if it is closed already)."""
+    try:  # the descriptor's shutdown, not SSLSocket's: that one drops the OpenSSL object, and a
+        # thread still in a call would go on with plain reads of ciphertext or fail oddly
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 def connect(cfg: TransportConfig, address: Address, channel: str, *, expect: str | None = None,
-            timeout: float | None = None, name: str | None = None) -> Connection:
+            timeout: float | None = None, name: str | None = None,
+            dialing: Callable[[socket.socket], None] | None = None) -> Connection:
     """Dial ``address`` and open ``channel`` on it over mutual TLS 1.3, retrying refused or
     dropped attempts until ``timeout``. ``expect``: the identity the peer must hold (an
     :class:`AuthError` otherwise); None accepts any identity of the run (the caller checks).
@@ -409,7 +416,8 @@ def connect(cfg: TransportConfig, address: Address, channel: str, *, expect: str
     it answers and cannot tell that we left, so a dial given up then reaches the accepter as a
     link closed before its first frame (a caller that dials in short slices, to stay abortable,
     failed its peer that way under load). So ``connect`` may take that much longer than
-    ``timeout`` when a peer stops right after the TLS handshake."""
+    ``timeout`` when a peer stops right after the TLS handshake. ``dialing`` is handed each
+    try's socket as it opens: shutting it down ends that try at once (an abort)."""
     timeout = cfg.connect_timeout if timeout is None else timeout
     deadline = time.monotonic() + timeout
     peer = name or f"{address[0]}:{address[1]}"
@@ -423,7 +431,7 @@ def connect(cfg: TransportConfig, address: Address, channel: str, *, expect: str
                                 f"{drops} times in {timeout:.1f}s (our certificate refused?): {last}")
             raise PeerTimeout(f"could not connect to {peer} within {timeout:.1f}s ({last})")
         try:
-            return _open(cfg, address, channel, expect, peer, min(left, cfg.handshake_timeout))
+            return _open(cfg, address, channel, expect, peer, min(left, cfg.handshake_timeout), dialing)
         except _Retry as e:
             cause = e.__cause__
             if isinstance(cause, PeerClosed):
@@ -440,12 +448,14 @@ class _Retry(Exception):
 
 
 def _open(cfg: TransportConfig, address: Address, channel: str, expect: str | None, peer: str,
-          timeout: float) -> Connection:
+          timeout: float, dialing: Callable[[socket.socket], None] | None) -> Connection:
     try:
         sock = socket.create_connection(address, timeout=timeout)
     except OSError as e:
         raise _Retry() from e
     try:
+        if dialing is not None:
+            dialing(sock)
         _tune(sock, cfg)
         sock.settimeout(timeout)
         try:
@@ -459,6 +469,8 @@ def _open(cfg: TransportConfig, address: Address, channel: str, expect: str | No
         except (OSError, EOFError) as e:  # dropped before the handshake finished (listener over budget)
             raise _Retry() from e
         sock = tls
+        if dialing is not None:  # (the TLS socket holds the descriptor now; the plain one is detached)
+            dialing(tls)
         ident, serial, cert = peer_identity(tls)
         if cfg.identity.revocations.revoked(serial):
             raise AuthError(f"{peer}: identity {ident} is revoked")
