@@ -313,6 +313,88 @@ def test_seeded_schedules_of_an_owner_withholding_from_one_member_complete_every
     assert bool(dropped) == (agg == "withheld-one"), (case, dropped)
 
 
+def _withholding_answers(monkeypatch: pytest.MonkeyPatch, bad: int, what: str) -> list[tuple[int, int]]:
+    """Rank ``bad`` sends every auditor but its own (``what``) no answer, no echo, or neither, in
+    the call's last bucket; what the auditors made of each row an owner supplied goes into the
+    list (auditor, member, taken)."""
+    from intellect_jax.net import audit, audit_frames
+
+    answer, echo, supply, supplied = audit_frames.AuditFrames._answer, audit_frames.AuditFrames._echo_to, \
+        audit.Ledger.supply, []
+
+    def withheld(honest: Any, kind: str) -> Any:
+        def send(self: Any, conn: Any, o: int) -> bool:
+            if self.rank == bad and o != self.ledger.auditor and what in (kind, "both") and \
+                    self.index == len(self.mesh.buckets) - 1:
+                return True
+            return honest(self, conn, o)
+        return send
+
+    def took(self: Any, r: int, payload: bytes) -> bool:
+        ok = supply(self, r, payload)
+        supplied.append((self.rank, r, ok))
+        return ok
+
+    monkeypatch.setattr(audit_frames.AuditFrames, "_answer", withheld(answer, "answer"))
+    monkeypatch.setattr(audit_frames.AuditFrames, "_echo_to", withheld(echo, "echo"))
+    monkeypatch.setattr(audit.Ledger, "supply", took)
+    return supplied
+
+
+@pytest.mark.parametrize("what,buckets", [("answer", 1), ("echo", 1), ("both", 1), ("both", 3)])
+def test_a_member_withholding_its_answers_or_echoes_stalls_nobody(monkeypatch: pytest.MonkeyPatch, what: str,
+                                                                  buckets: int) -> None:
+    """Rank 1 sends every auditor but its own no answer to its challenge (``answer``), no echo of
+    the commitment it audits (``echo``), or neither, in the last bucket (its next frame on the
+    link is then out of step, which ends the link). Each such auditor, once that link ended,
+    asks the owner it audits for rank 1's row, which that owner holds under rank 1's signature
+    and committed to, checks it against the row list, and judges without the echoes that have
+    not come: every rank completes with the same bits as ``butterfly.simulate``, within the
+    deadline (before, every rank waited for them and failed at the deadline, and nobody was
+    named: the call was retried until the honest nodes left). In an earlier bucket the ended
+    link would take that bucket's later frames with it (docs/net.md, limits)."""
+    supplied = _withholding_answers(monkeypatch, bad=1, what=what)
+    sizes = [5000, 3000, 4000][:buckets]
+    leaves = [_inputs(4, n, seed=40 + i) for i, n in enumerate(sizes)]
+    xs = [{f"b{i}": leaf[r] for i, leaf in enumerate(leaves)} for r in range(4)]
+    cfg = dataclasses.replace(CFG, bucket_numel=5000, deadline=8)
+    t0 = time.monotonic()
+    outs, errs = _outs(560 + 4 * ["answer", "echo", "both"].index(what) + buckets, xs, cfg)
+    took = time.monotonic() - t0
+    assert errs == [None] * 4, errs
+    for i, leaf in enumerate(leaves):
+        assert all(_same_bits(o[f"b{i}"], butterfly.simulate(leaf, "int8", 64, 256, "clip")) for o in outs)
+    assert took < cfg.deadline * 0.75, took
+    if what == "echo":  # (its answers came: nobody asks for its rows)
+        assert supplied == [], supplied
+    else:  # every auditor but rank 1 itself and its own auditor
+        assert len(supplied) == 2 and all(r == 1 and ok for _, r, ok in supplied), supplied
+
+
+def test_an_owner_that_supplies_another_row_than_it_committed_to_completes_nobody(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above (rank 1 answers only its own auditor), and every owner alters the rows it
+    supplies (two members in league: a withholder and an owner): no supplied row is the one the
+    row list commits to, so none is taken for rank 1's answer, the audits wait on and every
+    rank fails at the deadline; nobody applies a row its sender did not sign."""
+    from intellect_jax.net import audit_frames
+
+    supplied, honest = _withholding_answers(monkeypatch, bad=1, what="both"), audit_frames.AuditFrames._supply
+
+    def supply(self: Any, conn: Any, o: int) -> bool:
+        def send(t: MsgType, payload: Any, **kw: Any) -> Any:
+            if len(payload) > self.world:  # (a row, not the request read back)
+                payload = bytes(payload)[:-1] + bytes([bytes(payload)[-1] ^ 1])
+            return conn.send(t, payload, **kw)
+        return honest(self, type("Altering", (), {"send": staticmethod(send)})(), o)
+
+    monkeypatch.setattr(audit_frames.AuditFrames, "_supply", supply)
+    xs = _inputs(4, 5000, seed=44)
+    outs, errs = _outs(572, xs, dataclasses.replace(CFG, deadline=4))
+    assert all(e is not None for e in errs), errs
+    assert supplied and not any(ok for *_, ok in supplied), supplied
+
+
 def test_a_link_that_fails_after_its_owner_skipped_a_bucket_dooms_the_call_in_time() -> None:
     """An owner's link that gave up one bucket's aggregates (a skip: read on) and then fails for
     real (a frame out of place) dooms the call once no peer has said DONE for as long again as

@@ -27,7 +27,9 @@ piece per link:
    own row went through the codec like every other). An owner cannot know which piece will be
    checked while it aggregates. The challenge carries the pairing's draw: a member shown other
    nonces than the rest (a rank that equivocates) fails the call rather than leave a segment
-   unaudited.
+   unaudited. A member's answer that does not come the owner supplies instead (it keeps every
+   row it was sent until the challenge: :meth:`Ledger.decide`, ``audit_frames``), checked
+   against its row list, which carries the sender's signature.
 4. **Check** (:func:`judge`, the same code on the auditor and the coordinator). The rows must be
    the committed ones and the aggregate of the committed rows must be the committed aggregate.
    A failure names one member with what it signed itself: an owner whose aggregate is not the
@@ -41,8 +43,8 @@ piece per link:
 
 The auditor judges before the last piece of its own aggregate leaves and fails the call when the
 case shows a fault: no rank completes without that piece, so nobody applies a forgery, and the
-case goes to the coordinator with the retry. An owner that withholds its row stalls the whole
-call the same way, never just its auditor. What an audit cannot see: an owner that forges ``f``
+case goes to the coordinator with the retry. An owner that withholds its own row stalls the
+whole call the same way, never just its auditor (nobody else holds that row). What an audit cannot see: an owner that forges ``f``
 of its ``P`` pieces is caught with probability ``f / P`` per call (the others are applied), and
 an owner the draw pairs with an accomplice (with ``k`` colluders, ``(k - 1) / (N - 1)`` of its
 calls), and colluders that stall every other call: with its accomplice's nonce held back a
@@ -56,7 +58,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -280,7 +282,8 @@ class Ledger:
         self.audited: tuple[list[bytes], bytes, list[bytes]] | None = None  # the target's commitment
         self.challenge: int | None = None  # the piece we ask for
         self.asked: dict[int, int] = {}  # auditor -> the piece of its target it asked us for
-        self.answers: dict[int, tuple[bytes, bytes]] = {}  # sender -> (its piece, its signature to us)
+        # sender -> (its piece, its signature to us; None: supplied by our target, see supply)
+        self.answers: dict[int, tuple[bytes, bytes | None]] = {}
         # owner -> the commitment we hold (head, signature): the first that verified, its own or forwarded
         self.heads: dict[int, tuple[bytes, bytes]] = {}
         self.direct: dict[int, tuple[bytes, bytes]] = {}  # owner -> the commitment it sent us itself, verified
@@ -288,6 +291,14 @@ class Ledger:
         self.versions: dict[int, list[tuple[bytes, bytes]]] = {}  # owner -> the other ones it signed that we got
         # member -> the commitment of our target it holds (head, signature), then another it got (or that one again)
         self.echoes: dict[int, tuple[tuple[bytes, bytes], tuple[bytes, bytes]]] = {}
+        # the second source of answers (audit_frames): when we may ask our target for the rows of
+        # members whose answers have not come, what we asked it for (a byte per rank, 1: wanted),
+        # the members whose echoes we then do without, and those whose rows it supplied
+        self.want_at: float | None = None
+        self.wants: bytes | None = None
+        self.excused: frozenset[int] = frozenset()
+        self.supplied: set[int] = set()
+        self.wanted: bytes | None = None  # as owner: what our auditor asked us for
 
     # -- as owner (each call touches its own slot: no lock needed; hashing releases the GIL) ----
     def received(self, j: int, sender: int, wire: np.ndarray | bytes, signature: bytes) -> bool:
@@ -380,6 +391,47 @@ class Ledger:
         self.audited = (ds, sig, rows)
         self.challenge = self.ctx.choose(self.plan.pieces)
         return None
+
+    def decide(self, now: float, gone: Collection[int] = ()) -> bool:
+        """Whether what we ask our target for is settled (under the caller's lock): nothing once
+        every other member's answer and echo are in; else, once those of every member but the
+        ``gone`` (whose links to us carry no more audit frames) are, or from :attr:`want_at` on,
+        the rows of the members whose answers have not come (the target's own excepted: it has
+        no second source), and we do without the echoes not in by then (:attr:`excused`)."""
+        if self.wants is not None:
+            return True
+        if self.challenge is None or self.want_at is None:
+            return False
+        others = [r for r in range(self.world) if r not in (self.rank, self.target)]
+        lacking = [r for r in others if r not in self.answers]
+        mute = [r for r in others if r not in self.echoes]
+        waiting = [r for r in {*lacking, *mute} if r not in gone] or self.target not in self.answers
+        if waiting and now < self.want_at:
+            return False
+        self.wants = bytes(int(r in lacking) for r in range(self.world))
+        self.excused = frozenset(mute)
+        return True
+
+    def want(self, rows: bytes) -> str | None:
+        """As owner: what our auditor asks us for arrived (a byte per rank); why it is not a
+        request we can serve (None: it is)."""
+        if any(v > 1 for v in rows) or rows[self.rank] or rows[self.auditor]:
+            return "a request for rows that is none (a byte 0 or 1 per member, neither ours nor its own)"
+        self.wanted = rows
+        return None
+
+    def supply(self, r: int, payload: bytes) -> bool:
+        """Member ``r``'s row of the piece we check, as our target supplied it: kept as ``r``'s
+        answer if it is the row the target committed to (its sender's signature is in the row
+        list), unless ``r``'s own has come; False if it is not the committed one."""
+        _, _, rows = self.audited  # type: ignore[misc]
+        entry = rows[self.challenge][r * ENTRY:(r + 1) * ENTRY]  # type: ignore[index]
+        if digest(payload) != entry[:DIGEST]:
+            return False
+        if r not in self.answers:
+            self.answers[r] = (payload, None)
+            self.supplied.add(r)
+        return True
 
     def got(self, owner: int, j: int, wire: np.ndarray) -> bool:
         """An owner's aggregate of piece ``j`` arrived on its link, in order (its commitment

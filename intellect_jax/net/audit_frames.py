@@ -6,6 +6,17 @@ each is ready (:meth:`AuditFrames._audit_out`), so the audit's round trips (comm
 nonces, then challenge, then answers) overlap the gather rather than follow it; those not out by the last
 aggregate go before its tail, and every one must be in before that tail is read.
 
+An answer has a second source: the owner of the audited segment holds every member's row of
+it, signed to it by its sender and listed in its signed row lists, and keeps them until its
+auditor's challenge (then the challenged piece's only). The auditor asks its target for the rows
+of the members whose answers have not come (:meth:`~.audit.Ledger.decide`: once every other
+member's answer and echo are in, or those of every member whose link to us has not ended, or
+once they have had as long again as the call had taken when we drew the challenge, at least
+:data:`WANT_MIN`), takes each supplied row that is the committed one as that member's answer,
+and judges without the echoes not in by then; so a member that withholds its answer or echo
+stalls nobody. The request always goes out (empty once all came), and the target always reads
+it back before the rows.
+
 A mixin of :class:`~.butterfly._ButterflyRun` (one bucket), whose link threads call these steps
 in the frame order of docs/net.md; it uses the bucket's ``ledger`` (:class:`~.audit.Ledger`),
 plan, links, codec and condition variable.
@@ -13,6 +24,7 @@ plan, links, codec and condition variable.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator
 
 import numpy as np
@@ -27,6 +39,7 @@ from intellect_jax.net.ring import Finding
 
 
 ANSWER = -1  # the length of an answer to our audit: known once we have drawn our challenge
+WANT_MIN = 1.0  # seconds at least that answers get before we ask the owner we audit for them
 
 
 class AuditFrames:
@@ -39,9 +52,10 @@ class AuditFrames:
         commitment we hold of each owner we forward to ``o`` (:func:`~.pairing.forwarders`),
         our nonce (once we hold every owner's commitment), the nonce of each member we forward
         to ``o``, our row lists if the draw makes
-        ``o`` our auditor, our challenge, our piece that ``o`` asked for, and our echo of the
-        owner ``o`` audits (:meth:`_echo_to`). With ``wait``, all of them, each waited for (False:
-        the call failed meanwhile)."""
+        ``o`` our auditor, our challenge, our piece that ``o`` asked for, our echo of the
+        owner ``o`` audits (:meth:`_echo_to`), what we ask ``o`` for if we audit it
+        (:meth:`_want_from`), and what it asked us for if it audits us (:meth:`_supply`). With
+        ``wait``, all of them, each waited for (False: the call failed meanwhile)."""
         led = self.ledger
         assert led is not None
         drawn = lambda: led.drawn is not None  # noqa: E731
@@ -58,7 +72,11 @@ class AuditFrames:
                    lambda: self._audit_frame(conn, np.uint32(led.challenge).tobytes() + led.drawn)),
                   (lambda: o in led.asked, f"rank {o}'s challenge", lambda: self._answer(conn, o)),
                   (lambda: drawn() and self._echoable(audited_by(o, self.world, led.offset)),
-                   "the commitment of the segment it audits", lambda: self._echo_to(conn, o))]
+                   "the commitment of the segment it audits", lambda: self._echo_to(conn, o)),
+                  (lambda: drawn() and (o != led.target or led.decide(time.monotonic(), self.mesh.mute)),
+                   "the answers and echoes of our audit", lambda: self._want_from(conn, o)),
+                  (lambda: drawn() and (o != led.auditor or led.wanted is not None or o in self.mesh.mute),
+                   f"rank {o}'s request for rows", lambda: self._supply(conn, o))]
         done = self.audit_sent.setdefault(o, 0)
         for ready, what, send in steps[done:]:
             if wait:
@@ -80,8 +98,9 @@ class AuditFrames:
         assert led is not None
         if not self._audit_out(conn, o, wait=True):
             return False
-        if not self.wait_for(lambda: len(led.answers) == self.world - 1 and len(led.echoes) == self.world - 2,
-                             "the pieces of our audit"):
+        others = [r for r in range(self.world) if r not in (self.rank, led.target)]
+        if not self.wait_for(lambda: len(led.answers) == self.world - 1 and
+                             all(r in led.echoes or r in led.excused for r in others), "the pieces of our audit"):
             return False
         self._judge()
         return True
@@ -125,6 +144,30 @@ class AuditFrames:
         assert led is not None
         return t == self.rank or t in led.direct or t in led.heads and (t in led.undirect or t in self.mesh.mute)
 
+    def _want_from(self, conn, o: int) -> bool:  # noqa: ANN001
+        """What we ask our target ``o`` for (:meth:`~.audit.Ledger.decide`: the rows of the
+        members whose answers to our audit have not come; nothing if ``o`` is not our target)."""
+        led = self.ledger
+        assert led is not None
+        return o != led.target or self._audit_frame(conn, led.wants)  # type: ignore[arg-type]
+
+    def _supply(self, conn, o: int) -> bool:  # noqa: ANN001
+        """If ``o`` audits us: its request as we read it, then each member's row it asked for
+        (its piece of our segment that ``o`` challenged, as the member sent it to us; each is
+        checked against our row lists, which carry its sender's signature)."""
+        led = self.ledger
+        assert led is not None
+        wanted = led.wanted
+        if o != led.auditor or wanted is None:  # (None: its link to us ended before its request came)
+            return True
+        j = led.asked[o]
+        self._audit_frame(conn, wanted)
+        for r in (r for r, v in enumerate(wanted) if v):
+            with self.cond:
+                row = self.kept_rows[j][r]
+            self._audit_frame(conn, bytes(self.row_nbytes(j)) if row is None else row)
+        return True
+
     def _answer(self, conn, o: int) -> bool:  # noqa: ANN001
         """Our piece that auditor ``o`` asked for, signed to it (our own row too, if ``o`` audits
         our segment: we encoded it like every other)."""
@@ -144,9 +187,11 @@ class AuditFrames:
         """Rank ``o``'s audit frames, in their order: its commitment and those it forwards us,
         its nonce and those it forwards us, its row lists
         if the draw makes it the owner we audit, its challenge (with the draw it made), its
-        piece for our audit and (unless ``o`` is the owner we audit) its echo of that owner's
-        commitment (two: :meth:`_echo_to`). Yields the length of the next frame (:data:`ANSWER`: an answer's) and is
-        sent its payload; stops early if the call fails while it waits for the draw."""
+        piece for our audit, (unless ``o`` is the owner we audit) its echo of that owner's
+        commitment (two: :meth:`_echo_to`), what it asks us for if it audits us, and if we audit
+        it the rows it supplies (our request as it read it, then each row asked for). Yields the
+        length of the next frame (:data:`ANSWER`: an answer's, or a supplied row's) and is sent
+        its payload; stops early if the call fails while it waits for the draw."""
         led, P = self.ledger, self.plan.pieces
         assert led is not None
         others = [t for t in range(self.world) if t not in (o, self.rank) and
@@ -178,6 +223,9 @@ class AuditFrames:
                 rows.append((yield self.world * ENTRY))
             with self.cond:
                 bad = led.rows_of_target(rows)
+                if bad is None:  # (answers that have not come by then we ask the target for: _want_from)
+                    now = time.monotonic()
+                    led.want_at = now + max(WANT_MIN, now - self.mesh.t0)  # type: ignore[attr-defined]
                 self.cond.notify_all()
             if bad:
                 raise FrameError(f"rank {o} sent {bad}")
@@ -191,6 +239,8 @@ class AuditFrames:
         with self.cond:
             led.asked[o] = j
             self.cond.notify_all()
+        if o == led.auditor:  # (of the rows we kept to supply, only the challenged piece's are still of use)
+            self.drop_rows(but=j)
         payload = yield ANSWER
         sig = yield SIG_BYTES
         a, b = self.plan.piece(led.target, led.challenge)  # type: ignore[arg-type]
@@ -220,6 +270,21 @@ class AuditFrames:
             with self.cond:
                 led.echoes[o] = echo
                 self.cond.notify_all()
+        if o == led.auditor:  # what it asks us for, for its audit of our segment
+            wanted = yield self.world
+            with self.cond:
+                bad = led.want(wanted)
+                self.cond.notify_all()
+            if bad:
+                raise FrameError(f"rank {o} sent {bad}")
+        if own:  # the rows it supplies of those we asked it for: first what we asked, as it read it
+            if (yield self.world) != led.wants:
+                raise FrameError(f"rank {o} supplies other rows than we asked it for")
+            for r in [r for r, v in enumerate(led.wants) if v]:  # type: ignore[arg-type]
+                row = yield ANSWER
+                with self.cond:
+                    led.supply(r, row)  # (one that is not the committed row is left out: we go on waiting)
+                    self.cond.notify_all()
 
     def _bad_frame(self, o: int, t: int, what: str, bad: str | None, got: Callable[[], bool]) -> None:
         """What to do about rank ``t``'s ``what`` that did not hold (``bad``: why; None: it did),

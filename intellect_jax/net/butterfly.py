@@ -169,6 +169,9 @@ class _ButterflyRun(AuditFrames):
         self.norms = [[0.0] * world for _ in range(self.plan.pieces)]  # of the rows kept in wires (row_norm)
         self.weighed = 0  # pieces of our segment weighed (_weigh)
         self.outsize: dict[int, list] = {}  # sender -> [pieces its row was outsized in, the first one's Outsize]
+        # when auditing, each sender's own piece of our segment as it came, kept until our auditor's
+        # challenge (then only the challenged piece's) so that we can supply it (audit_frames._supply)
+        self.kept_rows: list[list[np.ndarray | None]] = [[None] * world for _ in range(self.plan.pieces)]
         if auditing is not None and seal is None:
             raise ValueError("auditing owners needs signed pieces (a seal)")
         self.ledger = None if auditing is None else Ledger(auditing, rank, x.shape[0], piece_numel, mode, block, how,
@@ -209,10 +212,11 @@ class _ButterflyRun(AuditFrames):
         return self.mesh._after_step1()
 
     def release(self) -> None:
-        """Our aggregates, and those we kept to relay, back to the pool."""
+        """Our aggregates, those we kept to relay, and the rows we kept to supply, back to the pool."""
         for w in self.agg:
             if w is not None:
                 self.ws.release(w)
+        self.drop_rows()
         for (q, j), w in self.kept.items():
             if j not in self.relayed[q]:  # (a relayed piece is no pooled buffer)
                 self.ws.release(w)
@@ -299,6 +303,28 @@ class _ButterflyRun(AuditFrames):
         self.mesh.poke.set()
         return True
 
+    def _keep_row(self, j: int, sender: int, wire: np.ndarray) -> None:
+        """``sender``'s own piece ``j`` of our segment, done with: kept to supply if we are
+        audited (:attr:`kept_rows`), else back to the pool."""
+        if self.ledger is None:
+            self.ws.release(wire)
+            return
+        with self.cond:
+            self.kept_rows[j][sender] = wire
+
+    def drop_rows(self, but: int | None = None) -> None:
+        """The rows kept to supply back to the pool, but piece ``but``'s."""
+        with self.cond:
+            dropped = [w for j, ws in enumerate(self.kept_rows) if j != but for w in ws if w is not None]
+            self.kept_rows = [ws if j == but else [None] * self.world for j, ws in enumerate(self.kept_rows)]
+        for w in dropped:
+            self.ws.release(w)
+
+    def row_nbytes(self, j: int) -> int:
+        """Bytes of a row of piece ``j`` of our segment on the wire."""
+        a, b = self.plan.piece(self.rank, j)
+        return quant.encoded_nbytes(b - a, self.mode, self.block)
+
     def _wire(self, n: int) -> np.ndarray:
         """A pooled buffer for ``n`` values on the wire (give it back with ``ws.release``)."""
         return self.ws.get(quant.encoded_nbytes(n, self.mode, self.block))
@@ -348,9 +374,9 @@ class _ButterflyRun(AuditFrames):
                     seen[1] = Outsize(j, b - a, ratio, tuple(None if w is None else w[0].tobytes() for w in wires),
                                       tuple(None if w is None else w[1] for w in wires))
         finally:
-            for w in wires:
+            for i, w in enumerate(wires):
                 if w is not None:
-                    self.ws.release(w[0])
+                    self._keep_row(j, i, w[0])
 
     def weigh_into(self, w: Weighing, bucket: int) -> None:
         """Add this bucket's weighing to the call's."""
@@ -489,7 +515,7 @@ class _ButterflyRun(AuditFrames):
         if keep:
             self.norms[j][o] = row_norm(row, self.mesh.wide(k, b - a))
         else:
-            self.ws.release(wire)
+            self._keep_row(j, o, wire)
         with self.cond:
             self.rows[j][o] = row
             if keep:
