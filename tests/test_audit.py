@@ -636,3 +636,33 @@ def test_audit_frames_out_of_order_fail_the_call_on_their_sender_and_frame_nobod
         assert not isinstance(e, FrameError) or (f"r{bad} " in str(e) and "AUDIT" in str(e)), errs
     for c in comms:
         assert set(c.missing) <= {bad} and c.audited is None and (c.suspect is None or c.suspect[0] == bad)
+
+
+def test_an_auditor_asks_its_target_for_the_rows_of_members_gone_quiet_and_takes_only_committed_ones() -> None:
+    """``Ledger.decide``: the request for rows waits for the answer and echo of every member
+    whose link to the auditor has not ended (never on time alone: an echo merely late could be
+    made so by a colluder), then names the members whose answers have not come; ``supply``
+    takes a supplied row as an answer only if it is the one the target's row list commits to,
+    and never over an answer that came."""
+    ctx = audit.Auditing("run", 3, 1, 0, ("a", "b", "c", "d"), sign=lambda data: bytes(64),
+                         verify=lambda r, data, sig: True, choose=lambda pieces: 0, nonce=bytes(32),
+                         accepts=lambda r, nonce: True, revealed=lambda nonces: None)
+    led = audit.Ledger(ctx, 0, 4000, 256, "int8", 64, "mean", frozenset())
+    led.target, led.auditor = 2, 3
+    assert not led.decide(()), "decided before the challenge"
+    led.challenge = 0
+    rows = [quant.encode(np.full(250, r, np.float32), "int8", 64).tobytes() for r in range(4)]
+    led.audited = ([], b"", [b"".join(digest(p) + bytes(ENTRY - 32) for p in rows)])
+    led.answers[2], led.answers[1] = (rows[2], b"s"), (rows[1], b"s")
+    assert not led.decide(()), "member 1's echo and member 3's answer and echo are due"
+    led.echoes[1] = ((b"", b""), (b"", b""))
+    assert not led.decide(()), "member 3's link has not ended"
+    assert led.decide({3}) and led.wants == bytes([0, 0, 0, 1])
+    assert not led.supply(3, rows[1]) and 3 not in led.answers  # (another member's row: not the committed one)
+    assert led.supply(3, rows[3]) and led.answers[3] == (rows[3], None)
+    assert led.supply(1, rows[1]) and led.answers[1] == (rows[1], b"s")  # (its own answer stays)
+    done = audit.Ledger(ctx, 0, 4000, 256, "int8", 64, "mean", frozenset())
+    done.target, done.auditor, done.challenge = 2, 3, 0
+    done.answers = {r: (rows[r], b"s") for r in (1, 2, 3)}
+    done.echoes = {r: ((b"", b""), (b"", b"")) for r in (1, 3)}
+    assert done.decide(()) and done.wants == bytes(4)  # (all came: an empty request)

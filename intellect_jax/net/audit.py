@@ -291,13 +291,8 @@ class Ledger:
         self.versions: dict[int, list[tuple[bytes, bytes]]] = {}  # owner -> the other ones it signed that we got
         # member -> the commitment of our target it holds (head, signature), then another it got (or that one again)
         self.echoes: dict[int, tuple[tuple[bytes, bytes], tuple[bytes, bytes]]] = {}
-        # the second source of answers (audit_frames): when we may ask our target for the rows of
-        # members whose answers have not come, what we asked it for (a byte per rank, 1: wanted),
-        # the members whose echoes we then do without, and those whose rows it supplied
-        self.want_at: float | None = None
+        # the second source of answers (audit_frames): what we asked our target for (a byte per rank, 1: wanted)
         self.wants: bytes | None = None
-        self.excused: frozenset[int] = frozenset()
-        self.supplied: set[int] = set()
         self.wanted: bytes | None = None  # as owner: what our auditor asked us for
 
     # -- as owner (each call touches its own slot: no lock needed; hashing releases the GIL) ----
@@ -392,24 +387,22 @@ class Ledger:
         self.challenge = self.ctx.choose(self.plan.pieces)
         return None
 
-    def decide(self, now: float, gone: Collection[int] = ()) -> bool:
-        """Whether what we ask our target for is settled (under the caller's lock): nothing once
-        every other member's answer and echo are in; else, once those of every member but the
-        ``gone`` (whose links to us carry no more audit frames) are, or from :attr:`want_at` on,
-        the rows of the members whose answers have not come (the target's own excepted: it has
-        no second source), and we do without the echoes not in by then (:attr:`excused`)."""
+    def decide(self, gone: Collection[int]) -> bool:
+        """Whether what we ask our target for is settled (under the caller's lock): once the
+        answer and echo of every member but the ``gone`` (whose links to us carry no more audit
+        frames) are in, and the target's own answer (unless it is gone), the rows of the members
+        whose answers have not come (nothing once all came; never the target's own row: nobody
+        else holds it)."""
         if self.wants is not None:
             return True
-        if self.challenge is None or self.want_at is None:
+        if self.challenge is None:
             return False
         others = [r for r in range(self.world) if r not in (self.rank, self.target)]
         lacking = [r for r in others if r not in self.answers]
-        mute = [r for r in others if r not in self.echoes]
-        waiting = [r for r in {*lacking, *mute} if r not in gone] or self.target not in self.answers
-        if waiting and now < self.want_at:
+        if any(r not in gone for r in lacking) or any(r not in self.echoes and r not in gone for r in others) or \
+                self.target not in self.answers and self.target not in gone:
             return False
         self.wants = bytes(int(r in lacking) for r in range(self.world))
-        self.excused = frozenset(mute)
         return True
 
     def want(self, rows: bytes) -> str | None:
@@ -428,9 +421,7 @@ class Ledger:
         entry = rows[self.challenge][r * ENTRY:(r + 1) * ENTRY]  # type: ignore[index]
         if digest(payload) != entry[:DIGEST]:
             return False
-        if r not in self.answers:
-            self.answers[r] = (payload, None)
-            self.supplied.add(r)
+        self.answers.setdefault(r, (payload, None))
         return True
 
     def got(self, owner: int, j: int, wire: np.ndarray) -> bool:

@@ -8,23 +8,19 @@ aggregate go before its tail, and every one must be in before that tail is read.
 
 An answer has a second source: the owner of the audited segment holds every member's row of
 it, signed to it by its sender and listed in its signed row lists, and keeps them until its
-auditor's challenge (then the challenged piece's only). The auditor asks its target for the rows
-of the members whose answers have not come (:meth:`~.audit.Ledger.decide`: once every other
-member's answer and echo are in, or those of every member whose link to us has not ended, or
-once they have had as long again as the call had taken when we drew the challenge, at least
-:data:`WANT_MIN`), takes each supplied row that is the committed one as that member's answer,
-and judges without the echoes not in by then; so a member that withholds its answer or echo
-stalls nobody. The request always goes out (empty once all came), and the target always reads
-it back before the rows.
-
-A mixin of :class:`~.butterfly._ButterflyRun` (one bucket), whose link threads call these steps
-in the frame order of docs/net.md; it uses the bucket's ``ledger`` (:class:`~.audit.Ledger`),
-plan, links, codec and condition variable.
+auditor's challenge (then the challenged piece's only). Once the answer and echo of every
+member whose link to it has not ended are in (:meth:`~.audit.Ledger.decide`), the auditor asks
+its target for the rows of the members whose answers have not come (an empty request if all
+came), takes each supplied row that is the committed one as that member's answer, and judges
+without the echoes of the members whose links ended. So a member that withholds its answer or
+echo, its next frame then out of step, which ends its link, stalls nobody (in the call's last
+bucket: an ended link loses its later buckets' frames). The target reads the request back
+before the rows, unless the auditor's link to it ended before the request came (the auditor
+is then out of step already).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Generator
 
 import numpy as np
@@ -39,7 +35,6 @@ from intellect_jax.net.ring import Finding
 
 
 ANSWER = -1  # the length of an answer to our audit: known once we have drawn our challenge
-WANT_MIN = 1.0  # seconds at least that answers get before we ask the owner we audit for them
 
 
 class AuditFrames:
@@ -73,7 +68,7 @@ class AuditFrames:
                   (lambda: o in led.asked, f"rank {o}'s challenge", lambda: self._answer(conn, o)),
                   (lambda: drawn() and self._echoable(audited_by(o, self.world, led.offset)),
                    "the commitment of the segment it audits", lambda: self._echo_to(conn, o)),
-                  (lambda: drawn() and (o != led.target or led.decide(time.monotonic(), self.mesh.mute)),
+                  (lambda: drawn() and (o != led.target or self._decided()),
                    "the answers and echoes of our audit", lambda: self._want_from(conn, o)),
                   (lambda: drawn() and (o != led.auditor or led.wanted is not None or o in self.mesh.mute),
                    f"rank {o}'s request for rows", lambda: self._supply(conn, o))]
@@ -93,14 +88,16 @@ class AuditFrames:
 
     def _audit_end(self, conn, o: int) -> bool:  # noqa: ANN001
         """Every audit frame still due to ``o``; then wait until our own audit has every piece
-        and every commitment echoed to us, and judge (False: the call failed meanwhile)."""
+        (answered, or supplied by our target) and every commitment echoed to us by a member whose
+        link to us has not ended, and judge (False: the call failed meanwhile)."""
         led = self.ledger
         assert led is not None
         if not self._audit_out(conn, o, wait=True):
             return False
         others = [r for r in range(self.world) if r not in (self.rank, led.target)]
+        gone = self.mesh.mute  # type: ignore[attr-defined]
         if not self.wait_for(lambda: len(led.answers) == self.world - 1 and
-                             all(r in led.echoes or r in led.excused for r in others), "the pieces of our audit"):
+                             all(r in led.echoes or r in gone for r in others), "the pieces of our audit"):
             return False
         self._judge()
         return True
@@ -144,6 +141,18 @@ class AuditFrames:
         assert led is not None
         return t == self.rank or t in led.direct or t in led.heads and (t in led.undirect or t in self.mesh.mute)
 
+    def _decided(self) -> bool:
+        """(Under ``cond``.) Whether what we ask our target for is settled
+        (:meth:`~.audit.Ledger.decide`); every waiter is told when it just was."""
+        led = self.ledger
+        assert led is not None
+        if led.wants is not None:
+            return True
+        if not led.decide(self.mesh.mute):  # type: ignore[attr-defined]
+            return False
+        self.cond.notify_all()
+        return True
+
     def _want_from(self, conn, o: int) -> bool:  # noqa: ANN001
         """What we ask our target ``o`` for (:meth:`~.audit.Ledger.decide`: the rows of the
         members whose answers to our audit have not come; nothing if ``o`` is not our target)."""
@@ -158,8 +167,8 @@ class AuditFrames:
         led = self.ledger
         assert led is not None
         wanted = led.wanted
-        if o != led.auditor or wanted is None:  # (None: its link to us ended before its request came)
-            return True
+        if o != led.auditor or wanted is None:  # (None: its link to us ended before its request came,
+            return True  # so it is out of step already: it reads our tail where this was due, and its link ends)
         j = led.asked[o]
         self._audit_frame(conn, wanted)
         for r in (r for r, v in enumerate(wanted) if v):
@@ -223,9 +232,6 @@ class AuditFrames:
                 rows.append((yield self.world * ENTRY))
             with self.cond:
                 bad = led.rows_of_target(rows)
-                if bad is None:  # (answers that have not come by then we ask the target for: _want_from)
-                    now = time.monotonic()
-                    led.want_at = now + max(WANT_MIN, now - self.mesh.t0)  # type: ignore[attr-defined]
                 self.cond.notify_all()
             if bad:
                 raise FrameError(f"rank {o} sent {bad}")
@@ -263,7 +269,7 @@ class AuditFrames:
                         self.findings.append((o, Finding(why, led.target, led.challenge,  # type: ignore[arg-type]
                                                          b - a, payload, sig)))
         with self.cond:
-            led.answers[o] = (payload, sig)
+            led.answers.setdefault(o, (payload, sig))  # (unless our target supplied it first)
             self.cond.notify_all()
         if not own:  # its echo: the commitment it holds of our target, then another if it got one
             echo = ((yield P * DIGEST + DIGEST), (yield SIG_BYTES)), ((yield P * DIGEST + DIGEST), (yield SIG_BYTES))
@@ -326,7 +332,8 @@ class AuditFrames:
         with self.judging:
             if self.judged is None:
                 wire = self._encode(led.target, led.challenge)  # type: ignore[arg-type]
-                case = led.case(wire.tobytes(), led.other_version())
+                with self.cond:  # (an echo or answer may still come in meanwhile, to nobody's use)
+                    case = led.case(wire.tobytes(), led.other_version())
                 self.ws.release(wire)
                 self.judged = judge(case, led.ctx.verify)
                 if self.judged.guilty is not None:

@@ -63,7 +63,8 @@ class MeshCall(Relay, Pipeline):
     def sender(self, k: int) -> None:
         """To the owner of segment ``o``: our own pieces of it in every bucket, signed; then each
         bucket's aggregates, and when auditing, between them, its audit frames
-        (:mod:`.audit_frames`: commitment, nonce, row lists, challenge, answer, echo; the last
+        (:mod:`.audit_frames`: commitment, nonce, row lists, challenge, answer, echo, request
+        for rows, rows supplied; the last
         piece's tail waits for our own audit: without it nobody completes)."""
         self._link(0, k, "_scatter_to", "_gather_to")
 

@@ -157,7 +157,7 @@ class Pipeline:
                 left = self.deadline - time.monotonic()
                 if left <= 0:
                     raise PeerTimeout(f"{self.name}: {what} not ready before the deadline")
-                self.cond.wait(min(left, 0.25))  # (a ready() that turns on time alone is seen soon)
+                self.cond.wait(min(left, 1.0))
             return True
 
     def take(self, m: int) -> tuple | None:
