@@ -300,6 +300,8 @@ class CoordinatorClient:
         except (CoordinatorError, *TRANSIENT) as e:
             self._say(f"node {self.node_id}: could not tell {self._name} that it leaves ({e}); closing its session")
         finally:
+            with self._lock:  # (a heartbeat already under way on this session then fails on its closed
+                self._gen += 1  # connection: it must not take that for a lost coordinator and register us again)
             self._drop_session()
 
     def status(self) -> dict[str, Any]:
