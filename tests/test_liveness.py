@@ -94,9 +94,9 @@ def test_a_bad_link_cuts_nobody_s_pieces_short_on_the_others(monkeypatch: pytest
     assert "does not verify" in str(errs[0]), errs[0]
 
 
-def _call(monkeypatch: pytest.MonkeyPatch, first: int, xs: list[Any], **cfg: Any) -> tuple[list, list]:
+def _call(monkeypatch: pytest.MonkeyPatch, first: int, xs: list[Any], **cfg: Any) -> tuple[list, list, list]:
     """One butterfly call of 4 ranks over sockets with the patches already in place; (each
-    rank's ``missing``, each rank's error)."""
+    rank's ``missing``, each rank's error, each rank's result)."""
     nodes = _nodes(4, first=first)
     try:
         comms = [n.ring(_members(nodes), r, config=RingConfig(**{**dict(deadline=CFG.deadline, exchange="butterfly",
@@ -104,33 +104,51 @@ def _call(monkeypatch: pytest.MonkeyPatch, first: int, xs: list[Any], **cfg: Any
                  for r, n in enumerate(nodes)]
         for c in comms:
             c.inspect = lambda theirs: verdict(theirs, None)
-        _, errs = _run(comms, xs)
-        return [c.missing for c in comms], errs
+        outs, errs = _run(comms, xs)
+        return [c.missing for c in comms], errs, outs
     finally:
         for n in nodes:
             n.close()
 
 
-def test_a_failure_in_one_bucket_gets_nobody_named_for_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two buckets: rank 2 withholds the last 4 bytes of its bucket-0 aggregate from rank 0 only.
-    Rank 0's link from rank 2 ends in bucket 0's gather (what comes in their place is no tail),
-    and with it rank 2's bucket-1 audit frames, which nobody relays yet (docs/net.md): rank 0
-    fails. But its bucket-1 pieces went out before any bucket's gather, so nobody lacks them and
-    nobody is named (when each bucket's step 1 followed the bucket before, rank 0 never sent
-    them, and all three named it)."""
+@pytest.mark.parametrize("how", ["dropped", "closed"])
+def test_a_failure_in_one_bucket_gets_nobody_named_for_the_next(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Two buckets: rank 2 withholds the last 4 bytes of its bucket-0 aggregate from rank 0 only
+    (``dropped``), or closes its link to rank 0 there (``closed``). Its bucket-1 pieces went out
+    before any bucket's gather, so nobody lacks them and nobody is named (when each bucket's
+    step 1 followed the bucket before, rank 0 never sent them, and all three named it). What
+    comes in place of the tail is bucket 1's mark, out of step: rank 0 reads the link on from
+    there (``_ButterflyRun.resync``) and gets the last piece of bucket 0 relayed, and every rank
+    completes with the same bits (before, that link ended there, and with it rank 2's bucket-1
+    audit frames: rank 0 failed). A closed link still fails the call (a failing rank tells its
+    neighbours so)."""
     honest = butterfly._ButterflyRun._gather_to
 
     def gather(self: Any, k: int) -> None:
         if self.rank == 2 and self.x.shape[0] == 5000 and butterfly.peer_of(2, self.world, k) == 0:
-            send = self.links.out[k].send
-            self.links.out[k].send = lambda t, payload, **kw: (
-                None if getattr(payload, "nbytes", 0) == butterfly.TAIL else send(t, payload, **kw))
+            conn = self.links.out[k]
+            send = conn.send
+
+            def tailless(t: MsgType, payload: Any = b"", **kw: Any) -> Any:
+                if getattr(payload, "nbytes", 0) != butterfly.TAIL:
+                    return send(t, payload, **kw)
+                if how == "closed":
+                    conn.abort()
+                return None
+            conn.send = tailless
         honest(self, k)
 
     monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather)
     a, b = _inputs(4, 5000), _inputs(4, 3000, seed=1)
-    missing, errs = _call(monkeypatch, 360, [{"a": a[r], "b": b[r]} for r in range(4)], bucket_numel=5000)
-    assert errs[0] is not None and all(m == () for m in missing), (missing, errs)
+    missing, errs, outs = _call(monkeypatch, 360 + 5 * ["dropped", "closed"].index(how),
+                                [{"a": a[r], "b": b[r]} for r in range(4)], bucket_numel=5000)
+    assert all(m == () for m in missing), (missing, errs)
+    if how == "closed":
+        assert errs[0] is not None, errs
+        return
+    assert errs == [None] * 4, errs
+    for leaf, xs in (("a", a), ("b", b)):
+        assert all(_same_bits(o[leaf], butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
 
 
 def _skip_aggregates(monkeypatch: pytest.MonkeyPatch, owner: int, victim: int) -> None:
@@ -313,10 +331,11 @@ def test_seeded_schedules_of_an_owner_withholding_from_one_member_complete_every
     assert bool(dropped) == (agg == "withheld-one"), (case, dropped)
 
 
-def _withholding_answers(monkeypatch: pytest.MonkeyPatch, bad: int, what: str) -> list[tuple[int, int]]:
+def _withholding_answers(monkeypatch: pytest.MonkeyPatch, bad: int, what: str,
+                         bucket: int = -1) -> list[tuple[int, int]]:
     """Rank ``bad`` sends every auditor but its own (``what``) no answer, no echo, or neither, in
-    the call's last bucket; what the auditors made of each row an owner supplied goes into the
-    list (auditor, member, taken)."""
+    the call's bucket ``bucket`` (-1: the last); what the auditors made of each row an owner
+    supplied goes into the list (auditor, member, taken)."""
     from intellect_jax.net import audit, audit_frames
 
     answer, echo, supply, supplied = audit_frames.AuditFrames._answer, audit_frames.AuditFrames._echo_to, \
@@ -325,7 +344,7 @@ def _withholding_answers(monkeypatch: pytest.MonkeyPatch, bad: int, what: str) -
     def withheld(honest: Any, kind: str) -> Any:
         def send(self: Any, conn: Any, o: int) -> bool:
             if self.rank == bad and o != self.ledger.auditor and what in (kind, "both") and \
-                    self.index == len(self.mesh.buckets) - 1:
+                    self.index == bucket % len(self.mesh.buckets):
                 return True
             return honest(self, conn, o)
         return send
@@ -341,25 +360,26 @@ def _withholding_answers(monkeypatch: pytest.MonkeyPatch, bad: int, what: str) -
     return supplied
 
 
-@pytest.mark.parametrize("what,buckets", [("answer", 1), ("echo", 1), ("both", 1), ("both", 3)])
+@pytest.mark.parametrize("what,buckets,bucket", [("answer", 1, 0), ("echo", 1, 0), ("both", 1, 0), ("both", 3, 2),
+                                                 ("both", 3, 0), ("answer", 3, 1)])
 def test_a_member_withholding_its_answers_or_echoes_stalls_nobody(monkeypatch: pytest.MonkeyPatch, what: str,
-                                                                  buckets: int) -> None:
+                                                                  buckets: int, bucket: int) -> None:
     """Rank 1 sends every auditor but its own no answer to its challenge (``answer``), no echo of
-    the commitment it audits (``echo``), or neither, in the last bucket (its next frame on the
-    link is then out of step, which ends the link). Each such auditor, once that link ended,
-    asks the owner it audits for rank 1's row, which that owner holds under rank 1's signature
-    and committed to, checks it against the row list, and judges without the echoes that have
-    not come: every rank completes with the same bits as ``butterfly.simulate``, within the
-    deadline (before, every rank waited for them and failed at the deadline, and nobody was
-    named: the call was retried until the honest nodes left). In an earlier bucket the ended
-    link would take that bucket's later frames with it (docs/net.md, limits)."""
-    supplied = _withholding_answers(monkeypatch, bad=1, what=what)
+    the commitment it audits (``echo``), or neither, in one bucket (its next frame on the link is
+    then out of step). Each such auditor, once that link is out of step, asks the owner it audits
+    for rank 1's row, which that owner holds under rank 1's signature and committed to, checks
+    it against the row list, and judges without the echoes that have not come; in a bucket but
+    the last it reads the link on from the next bucket's mark. Every rank completes with the
+    same bits as ``butterfly.simulate``, within the deadline (before, the call failed on every
+    rank, naming nobody, and was retried until the honest nodes left)."""
+    supplied = _withholding_answers(monkeypatch, bad=1, what=what, bucket=bucket)
     sizes = [5000, 3000, 4000][:buckets]
     leaves = [_inputs(4, n, seed=40 + i) for i, n in enumerate(sizes)]
     xs = [{f"b{i}": leaf[r] for i, leaf in enumerate(leaves)} for r in range(4)]
     cfg = dataclasses.replace(CFG, bucket_numel=5000, deadline=8)
     t0 = time.monotonic()
-    outs, errs = _outs(560 + 4 * ["answer", "echo", "both"].index(what) + buckets, xs, cfg)
+    cases = [("answer", 1, 0), ("echo", 1, 0), ("both", 1, 0), ("both", 3, 2), ("both", 3, 0), ("answer", 3, 1)]
+    outs, errs = _outs(560 + 5 * cases.index((what, buckets, bucket)), xs, cfg)
     took = time.monotonic() - t0
     assert errs == [None] * 4, errs
     for i, leaf in enumerate(leaves):
@@ -390,7 +410,7 @@ def test_an_owner_that_supplies_another_row_than_it_committed_to_completes_nobod
 
     monkeypatch.setattr(audit_frames.AuditFrames, "_supply", supply)
     xs = _inputs(4, 5000, seed=44)
-    outs, errs = _outs(572, xs, dataclasses.replace(CFG, deadline=4))
+    outs, errs = _outs(600, xs, dataclasses.replace(CFG, deadline=4))
     assert all(e is not None for e in errs), errs
     assert supplied and not any(ok for *_, ok in supplied), supplied
 
@@ -572,7 +592,7 @@ def test_a_member_that_withholds_only_its_second_bucket_is_named_by_every_owner(
 
     monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
     a, b = _inputs(4, 5000), _inputs(4, 3000, seed=1)
-    missing, errs = _call(monkeypatch, 350, [{"a": a[r], "b": b[r]} for r in range(4)], bucket_numel=5000)
+    missing, errs, _ = _call(monkeypatch, 350, [{"a": a[r], "b": b[r]} for r in range(4)], bucket_numel=5000)
     assert all(e is not None for e in errs), errs
     assert missing == [(2,), (2,), (), (2,)], (missing, errs)
 
@@ -592,7 +612,7 @@ def test_a_peer_that_reads_slowly_holds_nobody_s_pieces_back_until_the_deadline(
         honest(self, k)
 
     monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
-    missing, errs = _call(monkeypatch, 370, _inputs(4, 4 * 256 * 40), deadline=4)
+    missing, errs, _ = _call(monkeypatch, 370, _inputs(4, 4 * 256 * 40), deadline=4)
     assert missing[1] == () and missing[3] == (), (missing, errs)
 
 
@@ -732,7 +752,7 @@ def test_a_peer_that_holds_its_header_back_from_one_member_delays_nobody_else_s_
         honest(self, k)
 
     monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
-    missing, errs = _call(monkeypatch, 390, _inputs(4, 4 * 256 * 40), deadline=4)
+    missing, errs, _ = _call(monkeypatch, 390, _inputs(4, 4 * 256 * 40), deadline=4)
     assert missing[1] == () and missing[3] == (), (missing, errs)
 
 

@@ -51,6 +51,33 @@ def _deadline(s: float = 2.0) -> float:
     return time.monotonic() + s
 
 
+def test_a_refused_frame_is_read_past_and_the_next_one_is_whole() -> None:
+    """A frame its reader refuses (of another type, or another length than expected) leaves its
+    payload unread (``Connection.unread``); ``skip_unread`` reads past it, over several chunks if
+    it is large, and the frame after it arrives whole; with nothing unread it reads nothing."""
+    a, b = _pair()
+    try:
+        big = np.arange(600_000, dtype=np.float32)  # 2.4 MB: three chunks of 1 MiB
+        errs: list[BaseException] = []
+        t = threading.Thread(target=lambda: [a.send(MsgType.DATA, big), a.send(MsgType.AUDIT, b"\x07" * 4),
+                                             a.send(MsgType.AUDIT, b"\x08" * 4)])
+        t.start()
+        with pytest.raises(FrameError, match="expected a AUDIT frame, got DATA"):
+            b.recv_header(MsgType.AUDIT, deadline=_deadline())
+        assert b.unread is not None and b.unread.length == big.nbytes
+        b.skip_unread(deadline=_deadline())
+        assert b.unread is None
+        with pytest.raises(FrameError, match="of 4 bytes, expected 5"):
+            b.recv_header(MsgType.AUDIT, deadline=_deadline(), length=5)
+        b.skip_unread(deadline=_deadline())
+        b.skip_unread(deadline=_deadline())  # (nothing unread: the next frame is left alone)
+        hdr, payload = b.recv(MsgType.AUDIT, deadline=_deadline())
+        assert payload == b"\x08" * 4 and b.unread is None and not errs
+        t.join(5)
+    finally:
+        a.close(), b.close()
+
+
 def test_handshake_and_zero_copy_roundtrip() -> None:
     cfg = _cfg()
     with Listener(cfg) as lst:

@@ -12,11 +12,11 @@ auditor's challenge (then the challenged piece's only). Once the answer and echo
 member whose link to it has not ended are in (:meth:`~.audit.Ledger.decide`), the auditor asks
 its target for the rows of the members whose answers have not come (an empty request if all
 came), takes each supplied row that is the committed one as that member's answer, and judges
-without the echoes of the members whose links ended. So a member that withholds its answer or
-echo, its next frame then out of step, which ends its link, stalls nobody (in the call's last
-bucket: an ended link loses its later buckets' frames). The target reads the request back
-before the rows, unless the auditor's link to it ended before the request came (the auditor
-is then out of step already).
+without the echoes of the members whose links ended (or went out of step in this bucket:
+``_ButterflyRun.resync``). So a member that withholds its answer or echo, its next frame then
+out of step, stalls nobody. The target reads the request back before the rows, and a member
+answers an auditor's challenge, unless that auditor's link to it ended before the request or
+challenge came (the auditor is then out of step already).
 """
 
 from __future__ import annotations
@@ -65,12 +65,12 @@ class AuditFrames:
         steps += [(drawn, "every member's nonce", lambda: self._rows_to(conn, o)),
                   (lambda: led.challenge is not None, "the row lists of the segment we audit",
                    lambda: self._audit_frame(conn, np.uint32(led.challenge).tobytes() + led.drawn)),
-                  (lambda: o in led.asked, f"rank {o}'s challenge", lambda: self._answer(conn, o)),
+                  (lambda: o in led.asked or o in self._gone(), f"rank {o}'s challenge", lambda: self._answer(conn, o)),
                   (lambda: drawn() and self._echoable(audited_by(o, self.world, led.offset)),
                    "the commitment of the segment it audits", lambda: self._echo_to(conn, o)),
                   (lambda: drawn() and (o != led.target or self._decided()),
                    "the answers and echoes of our audit", lambda: self._want_from(conn, o)),
-                  (lambda: drawn() and (o != led.auditor or led.wanted is not None or o in self.mesh.mute),
+                  (lambda: drawn() and (o != led.auditor or led.wanted is not None or o in self._gone()),
                    f"rank {o}'s request for rows", lambda: self._supply(conn, o))]
         done = self.audit_sent.setdefault(o, 0)
         for ready, what, send in steps[done:]:
@@ -95,9 +95,8 @@ class AuditFrames:
         if not self._audit_out(conn, o, wait=True):
             return False
         others = [r for r in range(self.world) if r not in (self.rank, led.target)]
-        gone = self.mesh.mute  # type: ignore[attr-defined]
         if not self.wait_for(lambda: len(led.answers) == self.world - 1 and
-                             all(r in led.echoes or r in gone for r in others), "the pieces of our audit"):
+                             all(r in led.echoes or r in self._gone() for r in others), "the pieces of our audit"):
             return False
         self._judge()
         return True
@@ -139,7 +138,12 @@ class AuditFrames:
         hold from another member (:meth:`_echo_to`)."""
         led = self.ledger
         assert led is not None
-        return t == self.rank or t in led.direct or t in led.heads and (t in led.undirect or t in self.mesh.mute)
+        return t == self.rank or t in led.direct or t in led.heads and (t in led.undirect or t in self._gone())
+
+    def _gone(self) -> set[int]:
+        """(Under ``cond``.) The ranks whose links to us carry no more audit frames of this
+        bucket: ended (``relay.Relay.mute``) or out of step in it (``_ButterflyRun.resync``)."""
+        return self.mesh.mute | self.gone  # type: ignore[attr-defined]
 
     def _decided(self) -> bool:
         """(Under ``cond``.) Whether what we ask our target for is settled
@@ -148,7 +152,7 @@ class AuditFrames:
         assert led is not None
         if led.wants is not None:
             return True
-        if not led.decide(self.mesh.mute):  # type: ignore[attr-defined]
+        if not led.decide(self._gone()):
             return False
         self.cond.notify_all()
         return True
@@ -182,6 +186,8 @@ class AuditFrames:
         our segment: we encoded it like every other)."""
         led = self.ledger
         assert led is not None
+        if o not in led.asked:  # (its link to us ended before its challenge came: it is out of step already)
+            return True
         seg, j = audited_by(o, self.world, led.offset), led.asked[o]
         a, b = self.plan.piece(seg, j)
         wire = self._encode(seg, j)

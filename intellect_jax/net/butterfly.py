@@ -187,6 +187,10 @@ class _ButterflyRun(AuditFrames):
         self.kept: dict[tuple[int, int], np.ndarray] = {}
         self.passes: dict[int, bytes] = {}  # owner -> its signature that its audit passed (audit.passed)
         self.pushed: dict[int, Any] = {}  # owner -> the header of our first frame from it, read in the bucket before
+        # owners whose links to us went out of step in this bucket (read on from a later bucket's
+        # mark: resync), and those whose mark of this bucket that read already
+        self.gone: set[int] = set()
+        self.marked: set[int] = set()
         self.placing = [threading.Lock() for _ in range(world)]  # per owner (before cond, when both are taken)
 
     @property
@@ -526,7 +530,7 @@ class _ButterflyRun(AuditFrames):
         """Step 3 on link ``k``: the aggregates of its sender's segment, and when auditing its
         audit frames (:mod:`.audit_frames`) between them, every one before the last piece's tail."""
         conn, o, P, led = self.links.inn[k], peer_of(self.rank, self.world, k), self.plan.pieces, self.ledger
-        if led is not None:  # its mark of this bucket's gather (see _gather_to)
+        if led is not None and o not in self.marked:  # its mark of this bucket's gather (see _gather_to)
             hdr = self._next(conn, o, MsgType.AUDIT)
             mark = bytearray(BUCKET_MARK.size)
             if hdr.length != len(mark):
@@ -599,6 +603,36 @@ class _ButterflyRun(AuditFrames):
             with self.cond:
                 self.passes[o] = bytes(sig)
         return want
+
+    def resync(self, k: int) -> int | None:
+        """Link ``k`` went out of step in our gather (a frame out of place or of the wrong
+        size): read past what is left of it to the mark of a later bucket's gather (every one
+        starts with one), so that its owner's later buckets are read on; that bucket's index
+        (None: none came in sight: a frame that is no frame of ours, or the link failed). The
+        buckets before it lose this owner's later audit frames (:attr:`gone`) and have its
+        aggregates relayed. A POST frame on the way is :class:`~.relay.Posted`."""
+        conn, n, o = self.links.inn[k], len(self.mesh.buckets), peer_of(self.rank, self.world, k)
+        try:
+            conn.skip_unread(deadline=self.deadline)
+            while True:
+                hdr = conn.recv_header((MsgType.DATA, MsgType.AUDIT, MsgType.POST), deadline=self.deadline)
+                if hdr.mtype == MsgType.POST:
+                    raise Posted(hdr)
+                if hdr.mtype == MsgType.AUDIT and hdr.length == BUCKET_MARK.size:
+                    mark = bytearray(BUCKET_MARK.size)
+                    conn.recv_payload_into(hdr, mark, deadline=self.deadline)
+                    (j,) = BUCKET_MARK.unpack(mark)
+                    if self.index < j < n:
+                        break
+                conn.skip_unread(deadline=self.deadline)
+        except (FrameError, AttributeError):  # (AttributeError: a link that is no connection: DeadLink)
+            return None
+        with self.cond:
+            for b in self.mesh.buckets[self.index:j]:
+                b.gone.add(o)
+            self.mesh.buckets[j].marked.add(o)
+            self.cond.notify_all()
+        return j
 
     def _signature_in(self, conn, o: int, buf: bytearray) -> None:  # noqa: ANN001
         hdr = self._next(conn, o, MsgType.DATA)

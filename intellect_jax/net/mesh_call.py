@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from intellect_jax.net.errors import NetError, PeerTimeout
+from intellect_jax.net.errors import FrameError, NetError, PeerTimeout
 from intellect_jax.net.relay import Posted, Relay, Skipped
 from intellect_jax.net.ring import Links, Pipeline
 
@@ -84,14 +84,24 @@ class MeshCall(Relay, Pipeline):
             going = self._over(side, k)
         posted = None
         try:
-            for i, b in enumerate(self.buckets if going else ()):
+            i = 0
+            while going and i < len(self.buckets):
+                b = self.buckets[i]
                 try:
                     getattr(b, step3)(k)
                 except Skipped as s:  # its owner gave up the rest of this bucket's aggregates on this link
                     self.lost(side, k, None, skipped=True)
                     self.buckets[i + 1].pushed[self._peer(k)] = s.hdr  # (raised only before a next bucket)
+                except FrameError as e:  # out of step: read on from a later bucket's mark, if one comes
+                    j = None if side == 0 or i + 1 == len(self.buckets) or not self.local(e) else b.resync(k)
+                    if j is None:
+                        raise
+                    self.lost(side, k, None, skipped=True)  # (what it owed us before that mark: by relay)
+                    i = j
+                    continue
                 if self.error is not None:
                     return
+                i += 1
         except Posted as p:  # its owner gave its aggregates up on this link: ask a member that holds them
             posted = p.hdr
             self.lost(side, k, None)

@@ -29,7 +29,8 @@ After its gather each link carries :attr:`~.frames.MsgType.POST` frames, in this
 * ``END``: nothing more from the sender in this call (after the peer's ``DONE``, and what it
   asked for): the link is clean for a next call.
 
-A frame out of place on an owner's link in the gather ends that link only (:meth:`Relay.local`);
+A frame out of place on an owner's link in the gather ends that link only (:meth:`Relay.local`;
+in a bucket but the last it is read on from a later bucket's mark: ``_ButterflyRun.resync``);
 a connection closed or reset still fails the call at once, since that is how a failing rank
 tells its neighbours. A rank returns once it holds the whole result and every link has ended
 both ways, or once it has waited :data:`LINGER` of the call's time (at least

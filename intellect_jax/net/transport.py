@@ -151,6 +151,7 @@ class Connection:
         self._run = cfg.run
         self._send_seq = 0
         self._recv_seq = 0
+        self.unread: Header | None = None  # the last header received whose payload has not been read
         self._timeouts: dict[int, float] = {}
         # plain TCP: a blocking socket, timeouts enforced by the kernel; TLS: non-blocking, each
         # call waiting with its own poll, since Python's one socket timeout would be shared by the
@@ -305,6 +306,7 @@ class Connection:
         if hdr.seq != self._recv_seq:
             raise FrameError(f"{self.peer}: frame seq {hdr.seq}, expected {self._recv_seq} (replayed or lost frame)")
         self._recv_seq += 1
+        self.unread = hdr
         wanted = expect if isinstance(expect, tuple) else (expect,)
         if hdr.mtype not in wanted:
             if hdr.mtype == MsgType.REJECT and hdr.length <= 4096:
@@ -324,7 +326,22 @@ class Connection:
         if mv.nbytes != hdr.length:
             raise ValueError(f"buffer of {mv.nbytes} bytes for a {hdr.length}-byte payload")
         self._recv_into(mv, deadline, "a frame payload")
+        if self.unread is hdr:
+            self.unread = None
         check_payload(mv, hdr, self.cfg.integrity, self.peer)
+
+    def skip_unread(self, *, deadline: float | None = None) -> None:
+        """Read past the payload of the last header received, if it has not been read (a frame
+        its reader refused: the next header follows it)."""
+        hdr, chunk = self.unread, 1 << 20
+        if hdr is None:
+            return
+        buf, left = bytearray(min(hdr.length, chunk)), hdr.length
+        while left:
+            n = min(left, chunk)
+            self._recv_into(memoryview(buf)[:n], deadline, "a frame payload")
+            left -= n
+        self.unread = None
 
     def _read(self, hdr: Header, deadline: float | None) -> bytes:
         buf = bytearray(hdr.length)
