@@ -551,6 +551,35 @@ def withholding_aggregates(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, 
     monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather)
 
 
+def withholding_answers(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any], bool],
+                        what: str = "both") -> list[tuple[int, int, bool]]:
+    """Butterfly members send every auditor but their own no answer to its challenge
+    (``what``: ``answer``), no echo (``echo``) or neither (``both``) in the buckets where
+    ``bad(run)`` holds (``run``: the exchange's ``_ButterflyRun``); what the auditors made of
+    each row an owner supplied them goes into the list returned (auditor, member, taken)."""
+    from intellect_jax.net import audit, audit_frames
+
+    answer, echo, supply, supplied = audit_frames.AuditFrames._answer, audit_frames.AuditFrames._echo_to, \
+        audit.Ledger.supply, []
+
+    def withheld(honest: Any, kind: str) -> Any:
+        def send(self: Any, conn: Any, o: int) -> bool:
+            if what in (kind, "both") and o != self.ledger.auditor and bad(self):
+                return True
+            return honest(self, conn, o)
+        return send
+
+    def took(self: Any, r: int, payload: bytes) -> bool:
+        ok = supply(self, r, payload)
+        supplied.append((self.rank, r, ok))
+        return ok
+
+    monkeypatch.setattr(audit_frames.AuditFrames, "_answer", withheld(answer, "answer"))
+    monkeypatch.setattr(audit_frames.AuditFrames, "_echo_to", withheld(echo, "echo"))
+    monkeypatch.setattr(audit.Ledger, "supply", took)
+    return supplied
+
+
 def garbling_commitment(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, Any], bool],
                         what: tuple[str, ...] = ("commitment", "nonce")) -> list[int]:
     """Butterfly owners send, on a mesh connection ``conn`` where ``bad(run, conn)`` holds, their

@@ -15,7 +15,7 @@ import pytest
 from intellect_jax.diloco.parts import Outcome
 from intellect_jax.net import RingConfig
 from intellect_jax.net.comm import SocketCommunicator
-from tests.helpers import forging_owner, garbling_commitment, socket_run, withholding_aggregates
+from tests.helpers import forging_owner, garbling_commitment, socket_run, withholding_aggregates, withholding_answers
 
 RING = RingConfig(mode="int8", piece_numel=256, deadline=30.0, exchange="butterfly", robust="clip")
 STEPS = 8
@@ -112,6 +112,21 @@ def test_an_owner_withholding_its_aggregates_from_one_member_in_a_real_run_evict
     assert r["outcomes"] == [Outcome.FINISHED] * 4, r["outcomes"]
     assert len(set(r["node_hashes"])) == 1, r["node_hashes"]
     assert len(garbled) >= 2 * STEPS, garbled
+
+
+def test_a_member_withholding_its_answers_and_echoes_in_a_real_run_evicts_nobody(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """n1 sends no auditor but its own an answer to its challenge or an echo, in every bucket of
+    every all-reduce: each such auditor gets n1's row from the owner it audits (checked against
+    that owner's signed row list) and reads n1's link on from the next bucket's mark, so every
+    call completes everywhere; nobody is evicted (before, every call failed, naming nobody, and
+    after the retries the honest nodes left), and the four finish the run with one state."""
+    supplied = withholding_answers(monkeypatch, lambda run: run.ledger.ctx.ids[run.rank] == "n1")
+    r = socket_run(4, "byz-answers", dataclasses.replace(RING, deadline=10.0), outer_steps=STEPS, dim=4096)
+    assert r["evictions"] == [], r["evictions"]
+    assert r["outcomes"] == [Outcome.FINISHED] * 4, r["outcomes"]
+    assert len(set(r["node_hashes"])) == 1, r["node_hashes"]
+    assert len(supplied) >= STEPS and all(ok for *_, ok in supplied), supplied
 
 
 @pytest.mark.parametrize("attack", ["flip", "push", "ratchet", "x1000", "sitout"])

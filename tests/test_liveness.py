@@ -22,7 +22,7 @@ from intellect_jax.net.butterfly import MeshSeal
 from intellect_jax.net.errors import FrameError
 from intellect_jax.net.evidence import verdict
 from intellect_jax.net.frames import MsgType
-from tests.helpers import garbling_commitment, withholding_aggregates
+from tests.helpers import garbling_commitment, withholding_aggregates, withholding_answers
 from tests.test_net_ring import _inputs, _members, _nodes, _run, _same_bits
 
 CFG = RingConfig(deadline=3, exchange="butterfly", robust="clip", piece_numel=256)
@@ -331,35 +331,6 @@ def test_seeded_schedules_of_an_owner_withholding_from_one_member_complete_every
     assert bool(dropped) == (agg == "withheld-one"), (case, dropped)
 
 
-def _withholding_answers(monkeypatch: pytest.MonkeyPatch, bad: int, what: str,
-                         bucket: int = -1) -> list[tuple[int, int]]:
-    """Rank ``bad`` sends every auditor but its own (``what``) no answer, no echo, or neither, in
-    the call's bucket ``bucket`` (-1: the last); what the auditors made of each row an owner
-    supplied goes into the list (auditor, member, taken)."""
-    from intellect_jax.net import audit, audit_frames
-
-    answer, echo, supply, supplied = audit_frames.AuditFrames._answer, audit_frames.AuditFrames._echo_to, \
-        audit.Ledger.supply, []
-
-    def withheld(honest: Any, kind: str) -> Any:
-        def send(self: Any, conn: Any, o: int) -> bool:
-            if self.rank == bad and o != self.ledger.auditor and what in (kind, "both") and \
-                    self.index == bucket % len(self.mesh.buckets):
-                return True
-            return honest(self, conn, o)
-        return send
-
-    def took(self: Any, r: int, payload: bytes) -> bool:
-        ok = supply(self, r, payload)
-        supplied.append((self.rank, r, ok))
-        return ok
-
-    monkeypatch.setattr(audit_frames.AuditFrames, "_answer", withheld(answer, "answer"))
-    monkeypatch.setattr(audit_frames.AuditFrames, "_echo_to", withheld(echo, "echo"))
-    monkeypatch.setattr(audit.Ledger, "supply", took)
-    return supplied
-
-
 @pytest.mark.parametrize("what,buckets,bucket", [("answer", 1, 0), ("echo", 1, 0), ("both", 1, 0), ("both", 3, 2),
                                                  ("both", 3, 0), ("answer", 3, 1)])
 def test_a_member_withholding_its_answers_or_echoes_stalls_nobody(monkeypatch: pytest.MonkeyPatch, what: str,
@@ -372,7 +343,8 @@ def test_a_member_withholding_its_answers_or_echoes_stalls_nobody(monkeypatch: p
     the last it reads the link on from the next bucket's mark. Every rank completes with the
     same bits as ``butterfly.simulate``, within the deadline (before, the call failed on every
     rank, naming nobody, and was retried until the honest nodes left)."""
-    supplied = _withholding_answers(monkeypatch, bad=1, what=what, bucket=bucket)
+    supplied = withholding_answers(monkeypatch, lambda run: run.rank == 1 and
+                                   run.index == bucket % len(run.mesh.buckets), what)
     sizes = [5000, 3000, 4000][:buckets]
     leaves = [_inputs(4, n, seed=40 + i) for i, n in enumerate(sizes)]
     xs = [{f"b{i}": leaf[r] for i, leaf in enumerate(leaves)} for r in range(4)]
@@ -399,7 +371,7 @@ def test_an_owner_that_supplies_another_row_than_it_committed_to_completes_nobod
     rank fails at the deadline; nobody applies a row its sender did not sign."""
     from intellect_jax.net import audit_frames
 
-    supplied, honest = _withholding_answers(monkeypatch, bad=1, what="both"), audit_frames.AuditFrames._supply
+    supplied, honest = withholding_answers(monkeypatch, lambda run: run.rank == 1), audit_frames.AuditFrames._supply
 
     def supply(self: Any, conn: Any, o: int) -> bool:
         def send(t: MsgType, payload: Any, **kw: Any) -> Any:
