@@ -141,7 +141,7 @@ def test_a_failure_in_one_bucket_gets_nobody_named_for_the_next(monkeypatch: pyt
     monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather)
     a, b = _inputs(4, 5000), _inputs(4, 3000, seed=1)
     missing, errs, outs = _call(monkeypatch, 360 + 5 * ["dropped", "closed"].index(how),
-                                [{"a": a[r], "b": b[r]} for r in range(4)], bucket_numel=5000)
+                                [{"a": a[r], "b": b[r]} for r in range(4)], bucket_numel=5000, deadline=6)
     assert all(m == () for m in missing), (missing, errs)
     if how == "closed":
         assert errs[0] is not None, errs
@@ -361,6 +361,38 @@ def test_a_member_withholding_its_answers_or_echoes_stalls_nobody(monkeypatch: p
         assert supplied == [], supplied
     else:  # every auditor but rank 1 itself and its own auditor
         assert len(supplied) == 2 and all(r == 1 and ok for _, r, ok in supplied), supplied
+
+
+def test_a_link_out_of_step_before_its_challenge_is_read_on_and_its_answer_done_without(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two buckets, the pairing fixed (rank r audits r - 2, so ranks 0 and 1 do not audit each
+    other). In bucket 0 rank 1 sends rank 0 its commitment one byte short: rank 0's link from it
+    is out of step at once, and rank 0 reads it on from bucket 1's mark, so it never gets rank
+    1's challenge. From that frame on, rank 0 does without rank 1's bucket-0 frames (its
+    commitment and nonce come forwarded, its aggregates by relay) and sends rank 1 no answer;
+    rank 1, reading something else where that answer was due, asks the owner it audits for
+    rank 0's row. Every rank completes with the same bits (found by review: rank 0 first waited
+    for the challenge the skipped frames held, rank 1 for its answer, and the call failed)."""
+    from intellect_jax.net import audit_frames, pairing
+
+    monkeypatch.setattr(pairing, "rotation", lambda draw, world: 2)
+    commit, short = audit_frames.AuditFrames._commit_to, []
+
+    def commit_to(self: Any, conn: Any) -> bool:
+        if self.rank == 1 and self.index == 0 and conn is self.links.out[2]:  # (its link to rank 0)
+            head, sig, _ = self.ledger.commit
+            short.append(1)
+            return self._audit_frame(conn, head[:-1]) and self._audit_frame(conn, sig)
+        return commit(self, conn)
+
+    monkeypatch.setattr(audit_frames.AuditFrames, "_commit_to", commit_to)
+    a, b = _inputs(4, 5000, seed=51), _inputs(4, 3000, seed=52)
+    outs, errs = _outs(610, [{"a": a[r], "b": b[r]} for r in range(4)],
+                       dataclasses.replace(CFG, bucket_numel=5000, deadline=8))
+    assert short, "nothing was sent short"
+    assert errs == [None] * 4, errs
+    for leaf, xs in (("a", a), ("b", b)):
+        assert all(_same_bits(o[leaf], butterfly.simulate(xs, "int8", 64, 256, "clip")) for o in outs)
 
 
 def test_an_owner_that_supplies_another_row_than_it_committed_to_completes_nobody(

@@ -37,6 +37,13 @@ from intellect_jax.net.ring import Finding
 ANSWER = -1  # the length of an answer to our audit: known once we have drawn our challenge
 
 
+class Unsigned(FrameError):
+    """An answer to our audit whose signature does not verify: another frame read as one (the
+    link out of step: its sender withheld the answer) or a bad one, which proves nothing either
+    way. Like a frame out of place, it ends that sender's share of the bucket on the link, and
+    the answer comes from the owner we audit (:meth:`~.audit.Ledger.decide`)."""
+
+
 class AuditFrames:
     """The audit steps of one butterfly call (see the module docstring)."""
 
@@ -186,7 +193,7 @@ class AuditFrames:
         our segment: we encoded it like every other)."""
         led = self.ledger
         assert led is not None
-        if o not in led.asked:  # (its link to us ended before its challenge came: it is out of step already)
+        if o not in led.asked:  # (its link to us ended, or went out of step, before its challenge came)
             return True
         seg, j = audited_by(o, self.world, led.offset), led.asked[o]
         a, b = self.plan.piece(seg, j)
@@ -259,8 +266,8 @@ class AuditFrames:
         own = o == led.target
         said = signed_piece(led.ctx, o, self.rank, led.target, led.challenge, b - a,  # type: ignore[arg-type]
                             self.mode, self.block, digest(payload))
-        if not led.ctx.verify(o, said, sig):
-            raise FrameError(f"rank {o}: the signature of its answer to our audit does not verify")
+        if not led.ctx.verify(o, said, sig):  # (proves nothing to anyone: no worse than no answer)
+            raise Unsigned(f"rank {o}: the signature of its answer to our audit does not verify")
         if own:  # the owner's own row, which nobody else ever sees: checked like every other row
             try:
                 row = quant.decode(np.frombuffer(payload, np.uint8).copy(), b - a, self.mode, self.block)
@@ -327,6 +334,8 @@ class AuditFrames:
             return frames.send(bytes(buf))
         except StopIteration:
             return None
+        except Unsigned:  # (the link is out of step, or the answer no better than none: ends its share here)
+            raise
         except FrameError as e:  # (what it says is wrong, not how it came: the call fails at once)
             raise AuditFrameError(str(e)) from None
 

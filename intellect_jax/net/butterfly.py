@@ -58,7 +58,7 @@ from intellect_jax.net import quant, robust
 from intellect_jax.net.robust import aggregate_piece
 from intellect_jax.net.audit import Auditing, Case, Ledger, passed
 from intellect_jax.net.audit_frames import AuditFrames
-from intellect_jax.net.errors import FrameError
+from intellect_jax.net.errors import FrameError, PeerTimeout
 from intellect_jax.net.evidence import OUTSIZE, SAT_OUT, SIG_BYTES, digest, outsized, row_norm
 from intellect_jax.net.frames import MsgType
 from intellect_jax.net.mesh_call import MeshCall
@@ -71,7 +71,8 @@ Vector = np.ndarray | Flat  # a bucket: one flat float32 array, or several seen 
 
 RING_MODES = ("fp32", "bf16", "int8", "int4")  # codecs whose contributions can be cut into segments
 TAIL = 4  # bytes of an auditor's last aggregate piece held back until its audit passed (no rank completes without)
-BUCKET_MARK = struct.Struct("<I")  # with audits, each bucket's gather on a link starts with its index (AUDIT)
+BUCKET_MARK = struct.Struct("<4sI")  # with audits, each bucket's gather on a link starts with MARK and its index (AUDIT)
+MARK = b"MARK"  # (no other audit frame of 8 bytes starts so: a request for rows is bytes 0 and 1)
 _STOPPED = object()  # (the call failed while a link's thread waited)
 
 
@@ -457,7 +458,7 @@ class _ButterflyRun(AuditFrames):
             return
         if self.ledger is not None:  # (an audit frame, whatever comes next: a member whose previous bucket
             # we gave up on this link knows this one has begun: relay.Skipped)
-            conn.send(MsgType.AUDIT, BUCKET_MARK.pack(self.index), deadline=self.deadline)
+            conn.send(MsgType.AUDIT, BUCKET_MARK.pack(MARK, self.index), deadline=self.deadline)
         for j in range(P):
             if not self.wait_for(lambda: self.agg[j] is not None, f"the aggregate of piece {j}"):
                 return
@@ -536,9 +537,9 @@ class _ButterflyRun(AuditFrames):
             if hdr.length != len(mark):
                 raise FrameError(f"rank {o}: a frame of {hdr.length} bytes where bucket {self.index}'s gather starts")
             conn.recv_payload_into(hdr, mark, deadline=self.deadline)
-            (i,) = BUCKET_MARK.unpack(mark)
-            if i != self.index:
-                raise FrameError(f"rank {o}: the gather of bucket {i} where bucket {self.index}'s is due")
+            magic, i = BUCKET_MARK.unpack(mark)
+            if magic != MARK or i != self.index:
+                raise FrameError(f"rank {o}: no mark of bucket {self.index}'s gather where it is due")
         frames = None if led is None else self._audit_in(o)
         want = None if frames is None else next(frames)  # the length of its next audit frame (None: all in)
         for j in range(P):
@@ -608,31 +609,49 @@ class _ButterflyRun(AuditFrames):
         """Link ``k`` went out of step in our gather (a frame out of place or of the wrong
         size): read past what is left of it to the mark of a later bucket's gather (every one
         starts with one), so that its owner's later buckets are read on; that bucket's index
-        (None: none came in sight: a frame that is no frame of ours, or the link failed). The
-        buckets before it lose this owner's later audit frames (:attr:`gone`) and have its
-        aggregates relayed. A POST frame on the way is :class:`~.relay.Posted`."""
+        (None: none came in sight within what the buckets left can hold, or a frame that is no
+        frame of ours, or the link stood still: the link then ends). From the start this bucket
+        does without its owner's audit frames still due (:attr:`gone`), and so do the buckets
+        skipped; their aggregates come by relay. A POST frame on the way is :class:`~.relay.Posted`."""
         conn, n, o = self.links.inn[k], len(self.mesh.buckets), peer_of(self.rank, self.world, k)
+        with self.cond:
+            self.gone.add(o)
+            self.cond.notify_all()
+        left = sum(b.most_from() for b in self.mesh.buckets[self.index:])  # (bytes it may still send us)
         try:
+            if self.error is not None:
+                return None
             conn.skip_unread(deadline=self.deadline)
             while True:
                 hdr = conn.recv_header((MsgType.DATA, MsgType.AUDIT, MsgType.POST), deadline=self.deadline)
                 if hdr.mtype == MsgType.POST:
                     raise Posted(hdr)
+                left -= hdr.length
+                if left < 0:
+                    return None
                 if hdr.mtype == MsgType.AUDIT and hdr.length == BUCKET_MARK.size:
                     mark = bytearray(BUCKET_MARK.size)
                     conn.recv_payload_into(hdr, mark, deadline=self.deadline)
-                    (j,) = BUCKET_MARK.unpack(mark)
-                    if self.index < j < n:
+                    magic, j = BUCKET_MARK.unpack(mark)
+                    if magic == MARK and self.index < j < n:
                         break
                 conn.skip_unread(deadline=self.deadline)
-        except (FrameError, AttributeError):  # (AttributeError: a link that is no connection: DeadLink)
+        except (FrameError, PeerTimeout):
             return None
         with self.cond:
-            for b in self.mesh.buckets[self.index:j]:
+            for b in self.mesh.buckets[self.index + 1:j]:
                 b.gone.add(o)
             self.mesh.buckets[j].marked.add(o)
             self.cond.notify_all()
         return j
+
+    def most_from(self) -> int:
+        """Bytes an owner may send us in this bucket's gather, at most (generously: its
+        aggregates, and every audit frame with room to spare)."""
+        P, W = self.plan.pieces, self.world
+        head = P * 32 + 32 + SIG_BYTES
+        agg = quant.encoded_nbytes(self.plan.piece(0, 0)[1] - self.plan.piece(0, 0)[0], self.mode, self.block)
+        return 2 * (P * agg + W * 2 * head + P * W * 96 + 2 * W * (agg + SIG_BYTES) + 4 * W) + (1 << 16)
 
     def _signature_in(self, conn, o: int, buf: bytearray) -> None:  # noqa: ANN001
         hdr = self._next(conn, o, MsgType.DATA)

@@ -40,7 +40,7 @@ class DeadLink:
     def _fail(self, *_: Any, **__: Any) -> Any:
         raise type(self.error)(f"{self.peer}: no link ({self.error})")
 
-    send = recv_header = recv_payload_into = recv = _fail
+    send = recv_header = recv_payload_into = recv = skip_unread = _fail
 
     def abort(self) -> None:
         """Nothing to shut."""

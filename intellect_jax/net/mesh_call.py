@@ -96,7 +96,7 @@ class MeshCall(Relay, Pipeline):
                     j = None if side == 0 or i + 1 == len(self.buckets) or not self.local(e) else b.resync(k)
                     if j is None:
                         raise
-                    self.lost(side, k, None, skipped=True)  # (what it owed us before that mark: by relay)
+                    self.lost(side, k, e, skipped=True)  # (what it owed us before that mark: by relay, in time)
                     i = j
                     continue
                 if self.error is not None:

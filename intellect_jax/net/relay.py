@@ -215,7 +215,8 @@ class Relay:
     def lost(self, side: int, k: int, e: BaseException | None, skipped: bool = False) -> None:
         """Link ``k`` from the peer ended its gather: ``e`` its failure (we read it no more), None
         a POST frame in place of what it still owed us (its POST frames are read on); or, with
-        ``skipped``, it gave up some of one bucket's aggregates and is read on: the rest of them
+        ``skipped``, it gave up some of one bucket's aggregates (or more buckets': read past to a
+        later bucket's mark, ``_ButterflyRun.resync``) and is read on: the rest of them
         (``e`` None), or it sent others than it committed to (``e``: what dooms the call if no
         peer says DONE in time, as a failed link's error does)."""
         with self.cond:

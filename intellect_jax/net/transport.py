@@ -301,6 +301,7 @@ class Connection:
         raw = bytearray(HEADER_LEN)
         self._recv_into(memoryview(raw), deadline, "a frame header")
         limit = self.cfg.max_frame_bytes if max_len is None else min(max_len, self.cfg.max_frame_bytes)
+        self.unread = None  # (a header that does not parse: nothing after it is of any use)
         hdr = parse_header(raw, peer=self.peer, run=self._run, max_len=self.cfg.max_frame_bytes,
                            integrity=self.cfg.integrity)
         if hdr.seq != self._recv_seq:
@@ -325,9 +326,11 @@ class Connection:
         mv = _bytes_view(out)
         if mv.nbytes != hdr.length:
             raise ValueError(f"buffer of {mv.nbytes} bytes for a {hdr.length}-byte payload")
-        self._recv_into(mv, deadline, "a frame payload")
-        if self.unread is hdr:
-            self.unread = None
+        try:
+            self._recv_into(mv, deadline, "a frame payload")
+        finally:  # (read, or cut off part way: either way not to be read past again)
+            if self.unread is hdr:
+                self.unread = None
         check_payload(mv, hdr, self.cfg.integrity, self.peer)
 
     def skip_unread(self, *, deadline: float | None = None) -> None:
