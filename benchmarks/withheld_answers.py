@@ -1,0 +1,61 @@
+"""A real run's wall time with a member withholding its answers and echoes (a script, not a test).
+
+    python benchmarks/withheld_answers.py [--repeats 3 --steps 8 --dim 4096]
+
+Runs a socket coordinator and four numpy nodes in threads (``tests.helpers.socket_run``: every
+part real but the model; the butterfly exchange, audited, ``int8``, robust ``clip``), clean and
+with node n1 sending every auditor but its own no answer to its challenge and no echo, in every
+bucket of every all-reduce (each auditor then gets n1's row from the owner it audits), the two
+kinds alternating so that the machine's load falls on both alike. Checks that nobody was evicted
+and that the nodes end with one state; prints each run's wall time, then one JSON line with the
+medians and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from intellect_jax.net import RingConfig  # noqa: E402
+from tests.helpers import socket_run, withholding_answers  # noqa: E402
+
+RING = RingConfig(mode="int8", piece_numel=256, deadline=10.0, exchange="butterfly", robust="clip")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8, help="outer steps per run")
+    ap.add_argument("--dim", type=int, default=4096, help="model values (+8)")
+    args = ap.parse_args()
+    walls: dict[str, list[float]] = {"clean": [], "withheld": []}
+    for rep in range(args.repeats):
+        for kind in walls:
+            mp = pytest.MonkeyPatch()
+            try:
+                supplied = withholding_answers(mp, lambda run: run.ledger.ctx.ids[run.rank] == "n1") \
+                    if kind == "withheld" else []
+                r = socket_run(4, f"withheld-{kind}-{rep}", RING, outer_steps=args.steps, dim=args.dim)
+            finally:
+                mp.undo()
+            if r["evictions"] or len(set(r["node_hashes"])) != 1:
+                sys.exit(f"{kind} run {rep}: evictions {r['evictions']}, {len(set(r['node_hashes']))} states")
+            if kind == "withheld" and not supplied:
+                sys.exit(f"run {rep}: no auditor asked for a row: nothing was withheld")
+            walls[kind].append(r["wall_s"])
+            print(f"{kind} run {rep}: {r['wall_s']:.2f} s", flush=True)
+    clean, withheld = statistics.median(walls["clean"]), statistics.median(walls["withheld"])
+    print(json.dumps({"clean_s": round(clean, 3), "withheld_s": round(withheld, 3),
+                      "ratio": round(withheld / clean, 3), "repeats": args.repeats, "steps": args.steps}))
+
+
+if __name__ == "__main__":
+    main()
