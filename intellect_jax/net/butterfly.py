@@ -60,7 +60,7 @@ from intellect_jax.net.audit import Auditing, Case, Ledger, passed
 from intellect_jax.net.audit_frames import AuditFrames
 from intellect_jax.net.errors import FrameError, PeerTimeout
 from intellect_jax.net.evidence import OUTSIZE, SAT_OUT, SIG_BYTES, digest, outsized, row_norm
-from intellect_jax.net.frames import MsgType
+from intellect_jax.net.frames import HEADER_LEN, MsgType
 from intellect_jax.net.mesh_call import MeshCall
 from intellect_jax.net.plan import RingPlan, butterfly_plan
 from intellect_jax.net.relay import Posted, Skipped
@@ -626,7 +626,7 @@ class _ButterflyRun(AuditFrames):
                 hdr = conn.recv_header((MsgType.DATA, MsgType.AUDIT, MsgType.POST), deadline=self.deadline)
                 if hdr.mtype == MsgType.POST:
                     raise Posted(hdr)
-                left -= hdr.length
+                left -= HEADER_LEN + hdr.length  # (empty frames too count: their headers)
                 if left < 0:
                     return None
                 if hdr.mtype == MsgType.AUDIT and hdr.length == BUCKET_MARK.size:
