@@ -102,8 +102,12 @@ class AuditFrames:
         if not self._audit_out(conn, o, wait=True):
             return False
         others = [r for r in range(self.world) if r not in (self.rank, led.target)]
-        if not self.wait_for(lambda: len(led.answers) == self.world - 1 and
-                             all(r in led.echoes or r in self._gone() for r in others), "the pieces of our audit"):
+
+        def complete() -> bool:
+            gone = self._gone()
+            return len(led.answers) == self.world - 1 and all(r in led.echoes or r in gone for r in others)
+
+        if not self.wait_for(complete, "the pieces of our audit"):
             return False
         self._judge()
         return True

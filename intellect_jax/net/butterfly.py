@@ -56,7 +56,7 @@ import numpy as np
 
 from intellect_jax.net import quant, robust
 from intellect_jax.net.robust import aggregate_piece
-from intellect_jax.net.audit import Auditing, Case, Ledger, passed
+from intellect_jax.net.audit import DIGEST, ENTRY, Auditing, Case, Ledger, passed
 from intellect_jax.net.audit_frames import AuditFrames
 from intellect_jax.net.errors import FrameError, PeerTimeout
 from intellect_jax.net.evidence import OUTSIZE, SAT_OUT, SIG_BYTES, digest, outsized, row_norm
@@ -648,10 +648,10 @@ class _ButterflyRun(AuditFrames):
     def most_from(self) -> int:
         """Bytes an owner may send us in this bucket's gather, at most (generously: its
         aggregates, and every audit frame with room to spare)."""
-        P, W = self.plan.pieces, self.world
-        head = P * 32 + 32 + SIG_BYTES
-        agg = quant.encoded_nbytes(self.plan.piece(0, 0)[1] - self.plan.piece(0, 0)[0], self.mode, self.block)
-        return 2 * (P * agg + W * 2 * head + P * W * 96 + 2 * W * (agg + SIG_BYTES) + 4 * W) + (1 << 16)
+        P, W, (a, b) = self.plan.pieces, self.world, self.plan.piece(0, 0)
+        head = P * DIGEST + DIGEST + SIG_BYTES  # (a commitment)
+        agg = quant.encoded_nbytes(b - a, self.mode, self.block)  # (piece 0 is the largest)
+        return 2 * (P * agg + W * 2 * head + P * W * ENTRY + 2 * W * (agg + SIG_BYTES) + 4 * W) + (1 << 16)
 
     def _signature_in(self, conn, o: int, buf: bytearray) -> None:  # noqa: ANN001
         hdr = self._next(conn, o, MsgType.DATA)
