@@ -17,7 +17,7 @@ from intellect_jax.coordinator.policing import Police
 from intellect_jax.coordinator.protocol import CoordinatorConfig
 from intellect_jax.coordinator.roster import Arrival, Node, Role
 from intellect_jax.coordinator.schema import Missing, Report
-from intellect_jax.net import RingConfig, butterfly, mesh_call, relay
+from intellect_jax.net import RingConfig, butterfly, mesh_call, pairing, relay
 from intellect_jax.net.butterfly import MeshSeal
 from intellect_jax.net.errors import FrameError
 from intellect_jax.net.evidence import verdict
@@ -28,16 +28,17 @@ from tests.test_net_ring import _inputs, _members, _nodes, _run, _same_bits
 CFG = RingConfig(deadline=3, exchange="butterfly", robust="clip", piece_numel=256)
 
 
-def _withheld(monkeypatch: pytest.MonkeyPatch, how: str, bad: int = 2, first: int = 300) -> tuple[list, list, float]:
-    """A butterfly call of 4 ranks over sockets in which rank ``bad`` misbehaves as ``how`` says;
-    (each rank's ``missing``, each rank's error, seconds taken)."""
+def _withheld(monkeypatch: pytest.MonkeyPatch, how: str, bad: tuple[int, ...] = (2,),
+              first: int = 300) -> tuple[list, list, float]:
+    """A butterfly call of 4 ranks over sockets in which the ranks ``bad`` misbehave as ``how``
+    says; (each rank's ``missing``, each rank's error, seconds taken)."""
     honest = butterfly._ButterflyRun._scatter_to
 
     def scatter(self: Any, k: int) -> None:
-        if self.rank == bad and how == "silent":  # in the call, its header sent, none of its pieces
+        if self.rank in bad and how == "silent":  # in the call, its header sent, none of its pieces
             time.sleep(max(0.0, self.deadline - time.monotonic()))
             return
-        if self.rank == bad and how == "garbage" and not getattr(self.mseal, "bad", False):
+        if self.rank in bad and how == "garbage" and not getattr(self.mseal, "bad", False):
             sign = self.mseal.sign  # its pieces to rank 0 with a signature that does not verify
 
             class Bad(MeshSeal):
@@ -49,13 +50,13 @@ def _withheld(monkeypatch: pytest.MonkeyPatch, how: str, bad: int = 2, first: in
     world = 4
     nodes = _nodes(world, first=first)
     try:
-        cfgs = [RingConfig(deadline=CFG.deadline, exchange="butterfly", robust="cclip" if how == "mismatch" and r == bad
+        cfgs = [RingConfig(deadline=CFG.deadline, exchange="butterfly", robust="cclip" if how == "mismatch" and r in bad
                            else "clip", piece_numel=256) for r in range(world)]
         comms = [n.ring(_members(nodes), r, config=cfgs[r]) for r, n in enumerate(nodes)]
         for c in comms:
             c.inspect = lambda theirs: verdict(theirs, None)
         xs = _inputs(world, 5000)
-        ranks = [r for r in range(world) if not (how == "absent" and r == bad)]
+        ranks = [r for r in range(world) if not (how == "absent" and r in bad)]
         t0 = time.monotonic()
         _, errs = _run([comms[r] for r in ranks], [xs[r] for r in ranks])
         took = time.monotonic() - t0
@@ -85,13 +86,83 @@ def test_a_member_that_withholds_its_pieces_is_named_by_every_other_owner_and_no
 
 
 def test_a_bad_link_cuts_nobody_s_pieces_short_on_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 2 sends rank 0 pieces whose signatures do not verify: rank 0 fails at once, yet its
-    own pieces still reach ranks 1 and 3 whole, so only rank 0 names anybody (rank 2), and
+    """Ranks 2 and 3 send rank 0 pieces whose signatures do not verify: rank 0 leaves the first
+    out and fails at the second (a majority of the others may not be left out), yet its own
+    pieces still reach ranks 1, 2 and 3 whole, so only rank 0 names anybody (ranks 2 and 3), and
     nobody names rank 0, whose failure every other rank then meets."""
-    missing, errs, _ = _withheld(monkeypatch, "garbage", first=340)
+    missing, errs, _ = _withheld(monkeypatch, "garbage", bad=(2, 3), first=340)
     assert all(e is not None for e in errs), errs
-    assert missing == [(2,), (), (), ()], (missing, errs)
+    assert missing == [(2, 3), (), (), ()], (missing, errs)
     assert "does not verify" in str(errs[0]), errs[0]
+
+
+@pytest.mark.parametrize("how", ["unsigned", "late"])
+def test_an_owner_leaves_out_the_rows_of_one_member_unsigned_or_late_to_it(monkeypatch: pytest.MonkeyPatch,
+                                                                          how: str) -> None:
+    """Rank 2 sends rank 0 its pieces under signatures that do not verify, or 3 s late (past
+    the row deadline; then the rest of that link on time): rank 0 aggregates the others' rows
+    without them, declares rank 2 left out from the first piece in its commitment, which its
+    auditor checks, and reads the late rows past. Every rank completes with the bits of
+    ``simulate`` with rank 2's rows of segment 0 left out: a member can take away its own say
+    in one owner's segment, and nothing else. Before, the call failed on every rank."""
+    honest = butterfly._ButterflyRun._scatter_to
+
+    def scatter(self: Any, k: int) -> None:
+        if self.rank == 2 and how == "late" and butterfly.peer_of(2, 4, k) == 0:
+            time.sleep(3.0)
+        if self.rank == 2 and how == "unsigned" and not hasattr(self, "garbled"):
+            sign = self.garbled = self.mseal.sign
+            self.mseal = dataclasses.replace(self.mseal, sign=lambda owner, *a: bytes(64) if owner == 0 else
+                                             sign(owner, *a))
+        return honest(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
+    xs = _inputs(4, 5000, seed=11)
+    missing, errs, outs = _call(monkeypatch, 670 + 5 * ["unsigned", "late"].index(how), xs, deadline=10)
+    assert errs == [None] * 4, errs
+    ref = butterfly.simulate(xs, "int8", 64, 256, "clip", left={0: {2: 0}})
+    assert all(_same_bits(o, ref) for o in outs)
+    assert not _same_bits(ref, butterfly.simulate(xs, "int8", 64, 256, "clip"))
+    assert missing == [()] * 4
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_a_member_quiet_to_one_owner_is_left_out_there_and_stalls_nobody(monkeypatch: pytest.MonkeyPatch,
+                                                                         offset: int) -> None:
+    """Rank 2 keeps its link to rank 0 open and sends nothing on it. Rank 0 leaves rank 2's rows
+    out at the row deadline, waits for none of its audit frames (they would come after its
+    rows), takes its commitment and nonce as forwarded, its aggregates by relay, and once the
+    link stood still for ``io_timeout`` ends it. Every honest rank completes, long before the
+    deadline, with ``simulate``'s bits with rank 2's rows of segment 0 left out; only rank 2 itself
+    waits out the deadline on its link. Unless the draw makes rank 0 rank 2's auditor (offset
+    2): rank 2's row lists have no other source, so rank 2's segment cannot be audited and the
+    call fails, with rank 0 naming rank 2 (before, the call failed with every offset)."""
+    honest, run, ends = butterfly._ButterflyRun._scatter_to, mesh_call.MeshCall.run, {}
+
+    def scatter(self: Any, k: int) -> None:
+        if self.rank == 2 and butterfly.peer_of(2, 4, k) == 0:
+            time.sleep(max(0.0, self.deadline - time.monotonic()))
+            return
+        return honest(self, k)
+
+    def timed(self: Any) -> None:
+        try:
+            run(self)
+        finally:
+            ends[self.rank] = time.monotonic() - t0
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
+    monkeypatch.setattr(mesh_call.MeshCall, "run", timed)
+    monkeypatch.setattr(pairing, "rotation", lambda draw, world: offset)
+    xs, t0 = _inputs(4, 5000, seed=11 + offset), time.monotonic()
+    missing, errs, outs = _call(monkeypatch, 680 + 5 * offset, xs, deadline=8)
+    if offset == 2:
+        assert all(errs[r] is not None for r in (0, 1, 3)) and missing[0] == (2,), (errs, missing)
+        return
+    assert errs == [None] * 4, errs
+    ref = butterfly.simulate(xs, "int8", 64, 256, "clip", left={0: {2: 0}})
+    assert all(_same_bits(o, ref) for o in outs)
+    assert max(ends[r] for r in (0, 1, 3)) < 6, ends  # (the deadline is 8 s, the links' io_timeout 5 s)
 
 
 def _call(monkeypatch: pytest.MonkeyPatch, first: int, xs: list[Any], **cfg: Any) -> tuple[list, list, list]:
@@ -403,8 +474,10 @@ def test_seeded_schedules_of_a_member_out_of_step_complete_everywhere(monkeypatc
     member its commitment a byte short in one bucket (so that member's link from it is out of
     step from there: only where neither of the two audits the other, since their row lists and
     challenges have no second source), and drops its last tail to one member in one bucket
-    (something in all). Whatever the mix, every rank completes with the same bits as
-    ``butterfly.simulate``, well within the deadline, and the mix really happened."""
+    (something in all); and, drawn apart, signs its pieces to the victim with garbage in one
+    bucket (the victim leaves its rows out from there on, for the rest of the call). Whatever
+    the mix, every rank completes with the same bits as ``butterfly.simulate`` (with those
+    rows left out), well within the deadline, and the mix really happened."""
     from intellect_jax.net import audit_frames, pairing
 
     rng = np.random.default_rng(1212 + seed)  # (seeds 0-9 put each behaviour in a bucket but the last 4 times)
@@ -415,10 +488,20 @@ def test_seeded_schedules_of_a_member_out_of_step_complete_everywhere(monkeypatc
         ["answers"]
     at = {w: int(rng.integers(buckets)) for w in what}
     link = (victim - bad - 1) % 4  # (the mesh link of the bad member that joins the victim)
+    apart = np.random.default_rng(1313 + seed)  # (its own stream: the draws above stay as they were)
+    unsigned = int(apart.integers(buckets)) if apart.random() < 0.5 else None
     monkeypatch.setattr(pairing, "rotation", lambda draw, world: offset)
     supplied = withholding_answers(monkeypatch, lambda run: run.rank == bad and run.index == at["answers"]) \
         if "answers" in what else []
     commit, gather, done = audit_frames.AuditFrames._commit_to, butterfly._ButterflyRun._gather_to, []
+    scatter = butterfly._ButterflyRun._scatter_to
+
+    def scatter_to(self: Any, k: int) -> None:
+        if self.rank == bad and self.index == unsigned and not hasattr(self, "garbled"):
+            sign = self.garbled = self.mseal.sign
+            self.mseal = dataclasses.replace(self.mseal, sign=lambda o, *a: bytes(64) if o == victim else sign(o, *a))
+            done.append("unsigned")
+        return scatter(self, k)
 
     def commit_to(self: Any, conn: Any) -> bool:
         if "early" in what and self.rank == bad and self.index == at["early"] and conn is self.links.out[link]:
@@ -446,6 +529,7 @@ def test_seeded_schedules_of_a_member_out_of_step_complete_everywhere(monkeypatc
 
     monkeypatch.setattr(audit_frames.AuditFrames, "_commit_to", commit_to)
     monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather_to)
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter_to)
     sizes = [5000, 3000, 4000][:buckets]
     leaves = [_inputs(4, n, seed=200 + seed + i) for i, n in enumerate(sizes)]
     xs = [{f"b{i}": leaf[r] for i, leaf in enumerate(leaves)} for r in range(4)]
@@ -453,12 +537,15 @@ def test_seeded_schedules_of_a_member_out_of_step_complete_everywhere(monkeypatc
     t0 = time.monotonic()
     outs, errs = _outs(620 + 4 * seed, xs, cfg)
     took = time.monotonic() - t0
-    case = dict(bad=bad, victim=victim, offset=offset, buckets=buckets, what=what, at=at)
+    case = dict(bad=bad, victim=victim, offset=offset, buckets=buckets, what=what, at=at, unsigned=unsigned)
     assert errs == [None] * 4, (case, errs)
     for i, leaf in enumerate(leaves):
-        assert all(_same_bits(o[f"b{i}"], butterfly.simulate(leaf, "int8", 64, 256, "clip")) for o in outs), case
+        left = {victim: {bad: 0}} if unsigned is not None and i >= unsigned else None
+        assert all(_same_bits(o[f"b{i}"], butterfly.simulate(leaf, "int8", 64, 256, "clip", left=left))
+                   for o in outs), case
     assert took < cfg.deadline * 0.75, (case, took)
-    assert sorted(set(done)) == sorted(w for w in what if w != "answers"), (case, done)
+    assert sorted(set(done)) == sorted([w for w in what if w != "answers"] + ["unsigned"] * (unsigned is not None)), \
+        (case, done)
     assert ("answers" in what) == bool(supplied), (case, supplied)
 
 

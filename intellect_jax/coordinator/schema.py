@@ -148,6 +148,8 @@ class Audit(Msg):
     block: Annotated[int, Field(ge=1, le=1 << 16)]
     how: Annotated[str, Field(pattern=r"^(mean|clip|cclip|trim[0-9]{1,3})$")]
     absent: Ranks
+    # per member, the first piece whose row the owner left out (the pieces' count: none)
+    left: Annotated[list[Annotated[int, Field(ge=0, le=MAX_PIECES)]], Field(min_length=2, max_length=MAX_CASE_RANKS)]
     aggregates: Annotated[list[Hex32], Field(min_length=1, max_length=MAX_PIECES)]
     row_roots: Annotated[list[Hex32], Field(min_length=1, max_length=MAX_PIECES)]
     commit_sig: Raw64
@@ -156,7 +158,7 @@ class Audit(Msg):
                         Field(min_length=2, max_length=MAX_CASE_RANKS)]
     audit_sigs: Annotated[list[Raw64 | None], Field(min_length=2, max_length=MAX_CASE_RANKS)]
     # another commitment of the owner's for the same call, as a member got it: (head, signature)
-    other: Annotated[list[Annotated[str, Field(pattern=r"^(?:[0-9a-f]{2})+$", max_length=2 * 32 * (MAX_PIECES + 1))]],
+    other: Annotated[list[Annotated[str, Field(pattern=r"^(?:[0-9a-f]{2})+$", max_length=2 * (32 * (MAX_PIECES + 1) + 4 * MAX_CASE_RANKS))]],
                      Field(min_length=2, max_length=2)] | None = None
 
 

@@ -85,18 +85,33 @@ def root(parts: Sequence[bytes]) -> bytes:
     return h.digest()
 
 
-def _digests(head: bytes) -> list[bytes]:
-    """The aggregates' digests of a commitment's head (its last 32 bytes are the rows' root)."""
-    return [head[i:i + DIGEST] for i in range(0, len(head) - DIGEST, DIGEST)]
+def head_nbytes(pieces: int, world: int) -> int:
+    """Bytes of a commitment's head: the aggregates' digests, the left-out vector, the rows' root."""
+    return pieces * DIGEST + 4 * world + DIGEST
+
+
+def pack_left(left: Sequence[int]) -> bytes:
+    """The left-out vector as a head carries it (a little-endian u32 per member)."""
+    return np.asarray(left, "<u4").tobytes()
+
+
+def split(head: bytes, world: int) -> tuple[list[bytes], tuple[int, ...], bytes]:
+    """A commitment's head as (the aggregates' digests, the left-out vector: for each member
+    the first piece from which the owner left its rows out, ``P`` for none, the rows' root)."""
+    cut = len(head) - DIGEST - 4 * world
+    left = tuple(int(v) for v in np.frombuffer(head[cut:len(head) - DIGEST], "<u4"))
+    return [head[i:i + DIGEST] for i in range(0, cut, DIGEST)], left, head[-DIGEST:]
 
 
 def commitment(run_id: str, step: int, epoch: int, call: int, owner: str, segment: int, world: int, numel: int,
-               piece_numel: int, mode: str, block: int, how: str, absent: Sequence[int], aggregates: bytes,
-               rows: bytes) -> bytes:
-    """What an owner signs for its segment in one call (``aggregates``, ``rows``: the roots)."""
+               piece_numel: int, mode: str, block: int, how: str, absent: Sequence[int], left: Sequence[int],
+               aggregates: bytes, rows: bytes) -> bytes:
+    """What an owner signs for its segment in one call (``aggregates``, ``rows``: the roots;
+    ``left``: per member the first piece whose row the owner left out, the pieces' count for none)."""
     return (f"intellect_jax commitment\nrun {run_id}\nouter step {step}\nepoch {epoch}\ncall {call}\nowner {owner}\n"
             f"segment {segment}\nworld {world}\nnumel {numel}\npiece numel {piece_numel}\nmode {mode}\n"
             f"block {block}\nhow {how}\nabsent {','.join(map(str, sorted(absent)))}\n"
+            f"left out from {','.join(map(str, left))}\n"
             f"aggregates blake3 {aggregates.hex()}\nrows blake3 {rows.hex()}").encode()
 
 
@@ -114,8 +129,9 @@ class Case:
     ``aggregates``: the owner's digest of each piece's aggregate (``P``); ``row_roots``: the
     root of each piece's row list; ``rows``: piece ``piece``'s row list (``world`` entries);
     ``payloads``: each member's piece as the auditor got it (the auditor's own as it sent it to
-    the owner); ``audit_sigs``: each sender's signature of its
-    payload to the auditor (None for the auditor's own)."""
+    the owner; empty for a member whose row the owner left out of it); ``audit_sigs``: each
+    sender's signature of its payload to the auditor (None for the auditor's own and those left
+    out)."""
 
     run_id: str
     step: int
@@ -131,6 +147,7 @@ class Case:
     block: int
     how: str
     absent: tuple[int, ...]
+    left: tuple[int, ...]  # per member, the first piece the owner left its row out of (P: none)
     aggregates: tuple[bytes, ...]
     row_roots: tuple[bytes, ...]
     commit_sig: bytes
@@ -159,10 +176,21 @@ class Case:
         """The owner's commitment statement."""
         return commitment(self.run_id, self.step, self.epoch, self.call, self.ids[self.owner], self.owner,
                           len(self.ids), self.numel, self.piece_numel, self.mode, self.block, self.how, self.absent,
-                          root(self.aggregates), root(self.row_roots))
+                          self.left, root(self.aggregates), root(self.row_roots))
+
+    def left_out(self) -> frozenset[int]:
+        """The members whose rows of the audited piece the owner left out (declared, signed)."""
+        return frozenset(i for i, j in enumerate(self.left) if j <= self.piece)
 
 
 Verify = Callable[[int, bytes, bytes], bool]  # (signer rank, statement, 64-byte signature) -> valid
+
+
+def left_cap(world: int, absent: Collection[int]) -> int:
+    """How many contributors' rows an owner may leave out of its aggregates (at a row deadline,
+    ``_ButterflyRun.encoder``): fewer than half of the contributors other than itself, so that
+    the rows it keeps are a majority of the contributors' (sitters count for nothing)."""
+    return (world - len(absent) - 1) // 2
 
 
 class Judgement(NamedTuple):
@@ -188,28 +216,47 @@ def judge(case: Case, verify: Verify) -> Judgement:
     except ValueError as e:
         return Judgement(None, f"the case is not one ({e})")
     if len(case.rows) != world * ENTRY or len(case.payloads) != world or len(case.audit_sigs) != world \
-            or any(len(d) != DIGEST for d in (*case.aggregates, *case.row_roots)):
+            or any(len(d) != DIGEST for d in (*case.aggregates, *case.row_roots)) or len(case.left) != world \
+            or any(not 0 <= j <= len(case.aggregates) for j in case.left):
         return Judgement(None, "the case's lists do not fit its members")
     if not verify(o, case.committed(), case.commit_sig):
         return Judgement(None, "the commitment does not carry its owner's signature")
     if case.other is not None:  # two versions of one commitment: both the owner's, or nothing
         head, sig = case.other
-        ours = b"".join(case.aggregates) + root(case.row_roots)
-        if len(head) != len(ours) or head == ours or not verify(o, commitment(
-                case.run_id, case.step, case.epoch, case.call, case.ids[o], o, world, case.numel, case.piece_numel,
-                case.mode, case.block, case.how, case.absent, root(_digests(head)), head[-DIGEST:]), sig):
+        ours = b"".join(case.aggregates) + pack_left(case.left) + root(case.row_roots)
+        if len(head) != len(ours) or head == ours:
+            return Judgement(None, "the other commitment is not another one signed by the owner")
+        ds, left, rows_root = split(head, world)
+        if not verify(o, commitment(case.run_id, case.step, case.epoch, case.call, case.ids[o], o, world, case.numel,
+                                    case.piece_numel, case.mode, case.block, case.how, case.absent, left, root(ds),
+                                    rows_root), sig):
             return Judgement(None, "the other commitment is not another one signed by the owner")
         return Judgement(o, f"signed two different commitments to its aggregates of segment {o} in call {case.call}")
+    out, P = case.left_out(), len(case.aggregates)
+    if case.left[o] != P:
+        return Judgement(o, f"declared its own rows of segment {o} left out")
+    over = sorted(i for i, j in enumerate(case.left) if j < P and i not in case.absent)
+    if len(over) > left_cap(world, case.absent):
+        return Judgement(o, f"left out {len(over)} of the {world - len(case.absent)} contributors' rows of segment "
+                            f"{o}, more than {left_cap(world, case.absent)}")
     if digest(case.rows) != case.row_roots[case.piece]:
         return Judgement(None, f"the row list is not the one committed for piece {case.piece}")
     entries = [case.rows[i * ENTRY:(i + 1) * ENTRY] for i in range(world)]
     for i, e in enumerate(entries):  # the owner lists what each sender signed to it (it checked each)
-        if i != o and not verify(i, case.said(i, o, e[:DIGEST]), e[DIGEST:]):
+        if i in out and e != bytes(ENTRY):
+            return Judgement(o, f"lists a row of {case.ids[i]} for piece {case.piece} that it declared left out")
+        if i not in out and e == bytes(ENTRY):  # (nobody but the owner writes an empty entry: no signature is zeros)
+            return Judgement(o, f"lists no row of {case.ids[i]} for piece {case.piece}, yet did not declare it left "
+                                "out")
+        if i != o and i not in out and not verify(i, case.said(i, o, e[:DIGEST]), e[DIGEST:]):
             return Judgement(None, f"the row list for piece {case.piece} holds a piece of {case.ids[i]} whose "
                                    "signature does not verify")
     rows: list[np.ndarray] = []
     want = quant.encoded_nbytes(n, case.mode, case.block)
     for i, (e, payload, sig) in enumerate(zip(entries, case.payloads, case.audit_sigs)):
+        if i in out:  # (left out of the aggregate: its answer is not asked for, nor looked at)
+            rows.append(np.zeros(0, np.float32))
+            continue
         d = digest(payload)
         if d != e[:DIGEST]:  # not the committed row: its sender signed two pieces for one place
             if i == case.auditor or sig is None or not verify(i, case.said(i, case.auditor, d), sig):
@@ -223,7 +270,7 @@ def judge(case: Case, verify: Verify) -> Judgement:
             rows.append(quant.decode(np.frombuffer(payload, np.uint8).copy(), n, case.mode, case.block))
         except ValueError:  # signed by its sender, yet no payload of its codec: the aggregate drops it
             rows.append(np.full(n, np.nan, np.float32))
-    wire = robust.aggregate_piece(rows, n, case.mode, case.block, case.how, absent=frozenset(case.absent))
+    wire = robust.aggregate_piece(rows, n, case.mode, case.block, case.how, absent=frozenset(case.absent) | out)
     if digest(wire) != case.aggregates[case.piece]:
         return Judgement(o, f"its aggregate of piece {case.piece} of segment {o} is not the {case.how} of the rows it "
                             "was sent")
@@ -270,6 +317,9 @@ class Ledger:
         self.plan = butterfly_plan(numel, self.world, block, piece_numel)
         P, W = self.plan.pieces, self.world
         self.entries = [[b""] * W for _ in range(P)]  # ours as owner: per piece, per sender
+        self.left = [P] * W  # ours as owner: per sender, the first piece whose row we left out (P: none)
+        self.head_nbytes = head_nbytes(P, W)
+        self.lefts: dict[int, tuple[int, ...]] = {}  # owner -> the left-out vector of the commitment we hold
         self.agg_digests: list[bytes | None] = [None] * P
         self.commit: tuple[bytes, bytes, list[bytes]] | None = None  # (digests, signature, row lists)
         self.reveals: dict[int, bytes] = {rank: ctx.nonce}  # every rank's nonce, once revealed
@@ -315,19 +365,22 @@ class Ledger:
         self.agg_digests[j] = digest(wire)
 
     def seal(self) -> tuple[bytes, bytes, list[bytes]]:
-        """Our commitment once every piece is aggregated: (digests and the rows' root, signature,
-        row lists)."""
-        rows = [b"".join(e) for e in self.entries]
+        """Our commitment once every piece is aggregated: (head: digests, left-out vector and
+        the rows' root; signature; row lists). A row left out (:attr:`left`) is listed empty,
+        whatever came of it later: the list is the aggregate's, never the late row's."""
+        rows = [b"".join(bytes(ENTRY) if self.left[i] <= j else e for i, e in enumerate(es))
+                for j, es in enumerate(self.entries)]
         digests: list[bytes] = self.agg_digests  # type: ignore[assignment]
         rows_root = root([digest(r) for r in rows])
-        said = self._said(self.rank, digests, rows_root)
-        self.commit = (b"".join(digests) + rows_root, self.ctx.sign(said), rows)
+        said = self._said(self.rank, digests, self.left, rows_root)
+        self.commit = (b"".join(digests) + pack_left(self.left) + rows_root, self.ctx.sign(said), rows)
         return self.commit
 
-    def _said(self, owner: int, digests: Sequence[bytes], rows_root: bytes) -> bytes:
+    def _said(self, owner: int, digests: Sequence[bytes], left: Sequence[int], rows_root: bytes) -> bytes:
         c = self.ctx
         return commitment(c.run_id, c.step, c.epoch, c.call, c.ids[owner], owner, self.world, self.numel,
-                          self.piece_numel, self.mode, self.block, self.how, self.absent, root(digests), rows_root)
+                          self.piece_numel, self.mode, self.block, self.how, self.absent, left, root(digests),
+                          rows_root)
 
     # -- as member ---------------------------------------------------------------------
     def committed(self, owner: int, head: bytes, signature: bytes, via: int | None = None) -> str | None:
@@ -337,23 +390,24 @@ class Ledger:
         other the owner signed is kept (:attr:`versions`), as evidence that it signed two; our
         echo carries the held one and one other (the owner's own first, if the held one was
         forwarded)."""
-        held, ds = self.heads.get(owner), _digests(head)
-        if held != (head, signature) and not self._verifies(owner, ds, head, signature):
+        held, (ds, left, _) = self.heads.get(owner), split(head, self.world)
+        if held != (head, signature) and not self._verifies(owner, head, signature):
             if via is None:
                 self.undirect.add(owner)
             return "a commitment its signature does not cover"
         if via is None:
             self.direct[owner] = (head, signature)
         if held is None:  # (aggregates it sent us before that contradict it: see contradicted())
-            self.theirs[owner], self.heads[owner] = ds, (head, signature)
+            self.theirs[owner], self.heads[owner], self.lefts[owner] = ds, (head, signature), left
             return None
         if held != (head, signature) and (head, signature) not in self.versions.setdefault(owner, []):
             self.versions[owner].append((head, signature))
         return None
 
-    def _verifies(self, owner: int, ds: list[bytes], head: bytes, signature: bytes) -> bool:
-        """Whether ``signature`` is ``owner``'s on the commitment ``head`` (``ds``: its digests)."""
-        return self.ctx.verify(owner, self._said(owner, ds, head[-DIGEST:]), signature)
+    def _verifies(self, owner: int, head: bytes, signature: bytes) -> bool:
+        """Whether ``signature`` is ``owner``'s on the commitment ``head``."""
+        ds, left, rows_root = split(head, self.world)
+        return self.ctx.verify(owner, self._said(owner, ds, left, rows_root), signature)
 
     def may_reveal(self) -> bool:
         """Whether our nonce may go out: we hold every owner's commitment (ours included), so no
@@ -398,12 +452,25 @@ class Ledger:
         if self.challenge is None:
             return False
         others = [r for r in range(self.world) if r not in (self.rank, self.target)]
-        lacking = [r for r in others if r not in self.answers]
+        out = self.out_of_challenge()
+        lacking = [r for r in others if r not in self.answers and r not in out]
         if any(r not in gone for r in lacking) or any(r not in self.echoes and r not in gone for r in others) or \
                 self.target not in self.answers and self.target not in gone:
             return False
         self.wants = bytes(int(r in lacking) for r in range(self.world))
         return True
+
+    def out_of_challenge(self) -> frozenset[int]:
+        """The members whose rows of the piece we check our target declared left out (their
+        answers are not waited for, asked for, nor judged)."""
+        left = self.lefts[self.target]
+        return frozenset(i for i, j in enumerate(left) if j <= self.challenge)  # type: ignore[operator]
+
+    def answered(self) -> bool:
+        """Whether every member's piece for our audit is in (answered, or supplied by our
+        target), but those our target left out."""
+        out = self.out_of_challenge()
+        return all(r in self.answers or r in out for r in range(self.world) if r != self.rank)
 
     def want(self, rows: bytes) -> str | None:
         """As owner: what our auditor asks us for arrived (a byte per rank); why it is not a
@@ -443,7 +510,7 @@ class Ledger:
         theirs = [*(v for e in self.echoes.values() for v in e), *self.versions.get(self.target, ())]
         direct = self.direct.get(self.target)
         for other, sig in theirs + ([] if direct is None else [direct]):
-            if other != head and len(other) == len(head) and self._verifies(self.target, _digests(other), other, sig):
+            if other != head and len(other) == len(head) and self._verifies(self.target, other, sig):
                 return other, sig
         return None
 
@@ -451,13 +518,13 @@ class Ledger:
         """The audited piece as a :class:`Case` (``own_wire``: our own piece, as we sent it;
         ``other``: another commitment of the owner's, as a member got it)."""
         ds, sig, rows = self.audited  # type: ignore[misc]
-        j, o = self.challenge, self.target
-        payloads = tuple(own_wire if i == self.rank else self.answers[i][0] for i in range(self.world))
-        sigs = tuple(None if i == self.rank else self.answers[i][1] for i in range(self.world))
+        j, o, out = self.challenge, self.target, self.out_of_challenge()
+        payloads = tuple(b"" if i in out else own_wire if i == self.rank else self.answers[i][0]
+                         for i in range(self.world))
+        sigs = tuple(None if i == self.rank or i in out else self.answers[i][1] for i in range(self.world))
         return Case(self.ctx.run_id, self.ctx.step, self.ctx.epoch, self.ctx.call, self.ctx.ids, o, self.rank,
                     j, self.numel, self.piece_numel, self.mode, self.block, self.how, self.absent,  # type: ignore[arg-type]
-                    tuple(ds), tuple(digest(r) for r in rows), sig, rows[j], payloads, sigs,
-                    other)
+                    self.lefts[o], tuple(ds), tuple(digest(r) for r in rows), sig, rows[j], payloads, sigs, other)
 
 
 # ---- the case as a barrier report carries it ------------------------------------------------------
@@ -467,7 +534,7 @@ def to_wire(case: Case) -> dict:
     b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
     return {"step": case.step, "epoch": case.epoch, "call": case.call, "owner": case.owner, "auditor": case.auditor,
             "piece": case.piece, "numel": case.numel, "piece_numel": case.piece_numel, "mode": case.mode,
-            "block": case.block, "how": case.how, "absent": list(case.absent),
+            "block": case.block, "how": case.how, "absent": list(case.absent), "left": list(case.left),
             "aggregates": [d.hex() for d in case.aggregates], "row_roots": [d.hex() for d in case.row_roots],
             "commit_sig": case.commit_sig.hex(), "rows": b64(case.rows), "payloads": [b64(p) for p in case.payloads],
             "audit_sigs": [None if s is None else s.hex() for s in case.audit_sigs],
@@ -480,7 +547,7 @@ def from_wire(ev: Any, run_id: str, ids: Sequence[str]) -> Case:
     try:
         unb64 = lambda s: base64.b64decode(s, validate=True)  # noqa: E731
         return Case(run_id, ev.step, ev.epoch, ev.call, tuple(ids), ev.owner, ev.auditor, ev.piece, ev.numel,
-                    ev.piece_numel, ev.mode, ev.block, ev.how, tuple(ev.absent),
+                    ev.piece_numel, ev.mode, ev.block, ev.how, tuple(ev.absent), tuple(ev.left),
                     tuple(bytes.fromhex(d) for d in ev.aggregates), tuple(bytes.fromhex(d) for d in ev.row_roots),
                     bytes.fromhex(ev.commit_sig), unb64(ev.rows), tuple(unb64(p) for p in ev.payloads),
                     tuple(None if s is None else bytes.fromhex(s) for s in ev.audit_sigs),

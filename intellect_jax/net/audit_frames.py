@@ -72,12 +72,12 @@ class AuditFrames:
         steps += [(drawn, "every member's nonce", lambda: self._rows_to(conn, o)),
                   (lambda: led.challenge is not None, "the row lists of the segment we audit",
                    lambda: self._audit_frame(conn, np.uint32(led.challenge).tobytes() + led.drawn)),
-                  (lambda: o in led.asked or o in self._gone(), f"rank {o}'s challenge", lambda: self._answer(conn, o)),
+                  (lambda: o in led.asked or o in self._ended(), f"rank {o}'s challenge", lambda: self._answer(conn, o)),
                   (lambda: drawn() and self._echoable(audited_by(o, self.world, led.offset)),
                    "the commitment of the segment it audits", lambda: self._echo_to(conn, o)),
                   (lambda: drawn() and (o != led.target or self._decided()),
                    "the answers and echoes of our audit", lambda: self._want_from(conn, o)),
-                  (lambda: drawn() and (o != led.auditor or led.wanted is not None or o in self._gone()),
+                  (lambda: drawn() and (o != led.auditor or led.wanted is not None or o in self._ended()),
                    f"rank {o}'s request for rows", lambda: self._supply(conn, o))]
         done = self.audit_sent.setdefault(o, 0)
         for ready, what, send in steps[done:]:
@@ -95,7 +95,8 @@ class AuditFrames:
 
     def _audit_end(self, conn, o: int) -> bool:  # noqa: ANN001
         """Every audit frame still due to ``o``; then wait until our own audit has every piece
-        (answered, or supplied by our target) and every commitment echoed to us by a member whose
+        (answered, or supplied by our target; none of a member whose row our target declared
+        left out of it) and every commitment echoed to us by a member whose
         link to us has not ended, and judge (False: the call failed meanwhile)."""
         led = self.ledger
         assert led is not None
@@ -105,7 +106,7 @@ class AuditFrames:
 
         def complete() -> bool:
             gone = self._gone()
-            return len(led.answers) == self.world - 1 and all(r in led.echoes or r in gone for r in others)
+            return led.answered() and all(r in led.echoes or r in gone for r in others)
 
         if not self.wait_for(complete, "the pieces of our audit"):
             return False
@@ -151,10 +152,18 @@ class AuditFrames:
         assert led is not None
         return t == self.rank or t in led.direct or t in led.heads and (t in led.undirect or t in self._gone())
 
-    def _gone(self) -> set[int]:
+    def _ended(self) -> set[int]:
         """(Under ``cond``.) The ranks whose links to us carry no more audit frames of this
-        bucket: ended (``relay.Relay.mute``) or out of step in it (``_ButterflyRun.resync``)."""
+        bucket: ended (``relay.Relay.mute``) or out of step in it (``_ButterflyRun.resync``).
+        What we send them that answers theirs (an answer, rows supplied) waits for those
+        frames until then."""
         return self.mesh.mute | self.gone  # type: ignore[attr-defined]
+
+    def _gone(self) -> set[int]:
+        """(Under ``cond``.) The ranks whose audit frames our audit does without: those of
+        :meth:`_ended`, and those whose rows we left out (``_ButterflyRun._rows_in``: what they
+        send us comes after their rows, and may never come; their answers our target supplies)."""
+        return self._ended() | self.mesh.left_out.keys()  # type: ignore[attr-defined]
 
     def _decided(self) -> bool:
         """(Under ``cond``.) Whether what we ask our target for is settled
@@ -223,7 +232,7 @@ class AuditFrames:
         others = [t for t in range(self.world) if t not in (o, self.rank) and
                   o in forwarders(t, self.rank, self.world)]
         for t in [o, *others]:  # its commitment, then those it forwards us (as it holds them)
-            head = yield P * DIGEST + DIGEST
+            head = yield led.head_nbytes
             sig = yield SIG_BYTES
             with self.cond:
                 fresh = t not in led.heads
@@ -289,7 +298,7 @@ class AuditFrames:
             led.answers.setdefault(o, (payload, sig))  # (unless our target supplied it first)
             self.cond.notify_all()
         if not own:  # its echo: the commitment it holds of our target, then another if it got one
-            echo = ((yield P * DIGEST + DIGEST), (yield SIG_BYTES)), ((yield P * DIGEST + DIGEST), (yield SIG_BYTES))
+            echo = ((yield led.head_nbytes), (yield SIG_BYTES)), ((yield led.head_nbytes), (yield SIG_BYTES))
             with self.cond:
                 led.echoes[o] = echo
                 self.cond.notify_all()

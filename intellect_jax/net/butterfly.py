@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -56,7 +57,7 @@ import numpy as np
 
 from intellect_jax.net import quant, robust
 from intellect_jax.net.robust import aggregate_piece
-from intellect_jax.net.audit import DIGEST, ENTRY, Auditing, Case, Ledger, passed
+from intellect_jax.net.audit import DIGEST, ENTRY, Auditing, Case, Ledger, left_cap, passed
 from intellect_jax.net.audit_frames import AuditFrames
 from intellect_jax.net.errors import FrameError, PeerTimeout
 from intellect_jax.net.evidence import OUTSIZE, SAT_OUT, SIG_BYTES, digest, outsized, row_norm
@@ -127,8 +128,9 @@ def roundtrip(x: np.ndarray, mode: str, block: int) -> np.ndarray:
 
 
 def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: int, how: str = "mean",
-             absent: frozenset[int] = frozenset()) -> np.ndarray:
-    """What :func:`butterfly_all_reduce` returns on every rank, computed in one process."""
+             absent: frozenset[int] = frozenset(), left: Mapping[int, Mapping[int, int]] | None = None) -> np.ndarray:
+    """What :func:`butterfly_all_reduce` returns on every rank, computed in one process
+    (``left[c][i]``: the first piece of segment ``c`` from which its owner left out ``i``'s rows)."""
     world, numel = len(inputs), inputs[0].shape[0]
     if world == 1:
         return np.zeros(numel, np.float32) if absent else np.array(inputs[0], np.float32, copy=True)
@@ -138,7 +140,8 @@ def simulate(inputs: Sequence[np.ndarray], mode: str, block: int, piece_numel: i
         for j in range(p.pieces):
             a, b = p.piece(c, j)
             rows = [roundtrip(x[a:b], mode, block) for x in inputs]
-            wire = aggregate_piece(rows, b - a, mode, block, how, absent=absent)
+            out_j = frozenset(i for i, f in (left or {}).get(c, {}).items() if f <= j)
+            wire = aggregate_piece(rows, b - a, mode, block, how, absent=absent | out_j)
             quant.decode(wire, b - a, mode, block, out=out[a:b])
     return out
 
@@ -177,6 +180,8 @@ class _ButterflyRun(AuditFrames):
             raise ValueError("auditing owners needs signed pieces (a seal)")
         self.ledger = None if auditing is None else Ledger(auditing, rank, x.shape[0], piece_numel, mode, block, how,
                                                            absent)
+        # per sender, the first piece whose row we left out at the row deadline (P: none; see _rows_in)
+        self.left = [self.plan.pieces] * world if self.ledger is None else self.ledger.left
         self.verdict: tuple[int, str, Case] | None = None  # (guilty rank, why, the case) from our audit
         self.judging, self.judged = threading.Lock(), None  # (judged: our audit's Judgement)
         self.audit_sent = {}
@@ -403,6 +408,9 @@ class _ButterflyRun(AuditFrames):
         me, P, led = self.rank, self.plan.pieces, self.ledger
         with self.cond:  # (our receivers decode what comes from now on themselves: mesh.current is ours)
             early, self.early = self.early, []
+            for i, first in self.mesh.left_out.items():  # (left out once, out for the rest of the call: one
+                if first < self.index:  # grace, not one a bucket)
+                    self.left[i] = 0
         for j, o, wire, sig in early:
             self._take(o, j, wire, sig, -1)
         for j in range(P):
@@ -415,10 +423,11 @@ class _ButterflyRun(AuditFrames):
             self.ws.release(own)
             with self.cond:
                 self.rows[j][me] = row
-            if not self.wait_for(lambda: all(r is not None for r in self.rows[j]), f"the rows of piece {j}"):
+            if not self._rows_in(j):
                 return
             rows = self.rows[j]
-            wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a), self.absent,
+            out = frozenset(i for i in range(self.world) if self.left[i] <= j)
+            wire = aggregate_piece(rows, b - a, self.mode, self.block, self.how, self._wire(b - a), self.absent | out,
                                    self.ws.scratch)
             self._place(a, b, wire)
             self._weigh(j)
@@ -435,6 +444,53 @@ class _ButterflyRun(AuditFrames):
                 self.cond.notify_all()
         self.mesh.poke.set()
 
+
+    def _rows_in(self, j: int) -> bool:
+        """Wait for every row of piece ``j`` of our segment (False: the call failed meanwhile).
+        With the relay (every bucket audited) a row does not come for ever: once all but at most
+        :func:`~.audit.left_cap` contributors' are in, the missing ones get the row deadline
+        (:meth:`~.mesh_call.MeshCall.row_grace`), then their senders are left out from this piece
+        on, for the rest of the call (declared in our commitment, which the audit checks). So our
+        aggregates depend on no minority of the members: one that withholds its pieces from us,
+        or sends them late or under a signature that does not verify, loses its own say only."""
+        if not self.mesh.relaying:
+            return self.wait_for(lambda: all(r is not None for r in self.rows[j]), f"the rows of piece {j}")
+        since = None
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    return False
+                now = time.monotonic()
+                if now >= self.deadline:
+                    raise PeerTimeout(f"butterfly: the rows of piece {j} not in before the deadline")
+                missing = [i for i, r in enumerate(self.rows[j]) if r is None and self.left[i] > j]
+                if not missing:
+                    return True
+                until = self.deadline
+                if self._within_cap(missing):
+                    since = now if since is None else since
+                    until = since + self.mesh.row_grace(since)
+                    if now >= until:
+                        for i in missing:
+                            self._leave_out(i, j)
+                        return True
+                else:
+                    since = None
+                self.cond.wait(max(0.001, min(until - now, 1.0)))
+
+    def _within_cap(self, more: Sequence[int]) -> bool:
+        """(Under ``cond``.) Whether the senders ``more`` may be left out too: with those left
+        out already, at most :func:`~.audit.left_cap` contributors (sitters are free)."""
+        P = self.plan.pieces
+        out = [i for i in range(self.world) if i not in self.absent and
+               (self.left[i] < P or i in more or self.mesh.left_out.get(i, self.index + 1) <= self.index)]
+        return len(out) <= left_cap(self.world, self.absent)
+
+    def _leave_out(self, i: int, j: int) -> None:
+        """(Under ``cond``.) Sender ``i``'s rows of our segment left out from piece ``j`` on."""
+        self.left[i] = min(self.left[i], j)
+        self.mesh.left_out[i] = min(self.mesh.left_out.get(i, self.index), self.index)
+        self.cond.notify_all()
 
     def _scatter_to(self, k: int) -> None:
         """Step 1 on link ``k``: our own pieces of its owner's segment, each with its signature;
@@ -488,7 +544,14 @@ class _ButterflyRun(AuditFrames):
             sig = self.their_signature(conn)
             if led is not None and not led.received(j, o, wire, sig) or led is None and self.signed and \
                     not self.mseal.verify(o, me, j, b - a, wire, sig):  # type: ignore[union-attr,arg-type]
-                raise FrameError(f"rank {o}: the signature of its own piece {j} of segment {me} does not verify")
+                self.ws.release(wire)  # (with the relay: left out from here on, if no more than a minority is)
+                with self.cond:
+                    out = self.mesh.relaying and self._within_cap([o])
+                    if out:
+                        self._leave_out(o, j)
+                if not out:
+                    raise FrameError(f"rank {o}: the signature of its own piece {j} of segment {me} does not verify")
+                continue
             with self.cond:
                 self.got[o] += 1
                 late = self.error is not None  # nobody aggregates it: counted, not kept
@@ -506,6 +569,11 @@ class _ButterflyRun(AuditFrames):
         it is in cache; ``k`` -1: the owner's, for a piece that came early)."""
         me = self.rank
         a, b = self.plan.piece(me, j)
+        with self.cond:
+            late = self.left[o] <= j
+        if late:  # left out already: no part of anything
+            self.ws.release(wire)
+            return
         keep = self.signed and o not in self.absent  # (weighed against the other rows once all are in)
         row = self._row(b - a)
         try:
@@ -519,13 +587,18 @@ class _ButterflyRun(AuditFrames):
             self._found(o, why, me, j, b - a, wire, sig)
         if keep:
             self.norms[j][o] = row_norm(row, self.mesh.wide(k, b - a))
-        else:
-            self._keep_row(j, o, wire)
         with self.cond:
-            self.rows[j][o] = row
-            if keep:
-                self.wires[j][o] = (wire, sig)
-            self.cond.notify_all()
+            late = self.left[o] <= j  # (left out while we decoded it)
+            if not late:
+                self.rows[j][o] = row
+                if keep:
+                    self.wires[j][o] = (wire, sig)
+                self.cond.notify_all()
+        if late:
+            self.ws.release(row.base)
+            self.ws.release(wire)
+        elif not keep:
+            self._keep_row(j, o, wire)
 
     def _gather_from(self, k: int) -> None:
         """Step 3 on link ``k``: the aggregates of its sender's segment, and when auditing its
@@ -649,7 +722,7 @@ class _ButterflyRun(AuditFrames):
         """Bytes an owner may send us in this bucket's gather, at most (generously: its
         aggregates, and every audit frame with room to spare)."""
         P, W, (a, b) = self.plan.pieces, self.world, self.plan.piece(0, 0)
-        head = P * DIGEST + DIGEST + SIG_BYTES  # (a commitment)
+        head = P * DIGEST + 4 * W + DIGEST + SIG_BYTES  # (a commitment)
         agg = quant.encoded_nbytes(b - a, self.mode, self.block)  # (piece 0 is the largest)
         return 2 * (P * agg + W * 2 * head + P * W * ENTRY + 2 * W * (agg + SIG_BYTES) + 4 * W) + (1 << 16)
 

@@ -16,10 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from intellect_jax.net.errors import FrameError, NetError, PeerTimeout
+from intellect_jax.net.errors import AuditFrameError, FrameError, NetError, PeerTimeout
 from intellect_jax.net.relay import Posted, Relay, Skipped
 from intellect_jax.net.ring import Links, Pipeline
 
+ROW_WAIT = 1.0  # share of the call's time until all but a minority of a piece's rows were in, that the rest get
+ROW_WAIT_MIN = 1.0  # seconds (a row deadline too near would leave out honest rows that a busy link delays)
 WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
 PACE_HOLD = 0.5  # seconds a link waits before the slowest counts as stuck (a peer that does not read)
 
@@ -44,6 +46,7 @@ class MeshCall(Relay, Pipeline):
         self.over = [[False] * (world - 1), [False] * (world - 1)]  # step 1 over on each out and inn link
         self.current = 0  # the bucket the owner aggregates (receivers decode its pieces and the next bucket's)
         self._wide = [np.empty(0, np.float64) for _ in range(world)]  # row_norm scratch: each link's, the owner's
+        self.left_out: dict[int, int] = {}  # sender -> the first bucket we left its rows out of (butterfly._rows_in)
 
     def encoder(self) -> None:
         """Every bucket's owner in turn (:meth:`~.butterfly._ButterflyRun.encoder`)."""
@@ -53,6 +56,12 @@ class MeshCall(Relay, Pipeline):
             b.encoder()
             if self.error is not None:
                 return
+
+    def row_grace(self, since: float) -> float:
+        """Seconds the rows still missing of a piece get, counted from ``since`` (when all but
+        a minority of them were in): ``ROW_WAIT`` of the call's time until then, at least
+        ``ROW_WAIT_MIN``, at most half the time left."""
+        return min(max(ROW_WAIT_MIN, ROW_WAIT * (since - self.t0)), (self.deadline - since) / 2)
 
     def wide(self, k: int, n: int) -> np.ndarray:
         """Float64 scratch of at least ``n`` values for link ``k``'s thread (-1: the owner's)."""
@@ -77,11 +86,21 @@ class MeshCall(Relay, Pipeline):
         """Link ``k``'s step 1 in every bucket, to its end whatever fails elsewhere, then every
         bucket's step 3 unless the call failed meanwhile (``side`` 0: our link to its owner, 1:
         its sender's to us)."""
+        i = 0
         try:
-            for b in self.buckets:
+            for i, b in enumerate(self.buckets):
                 getattr(b, step1)(k)
+        except (NetError, OSError) as e:
+            if side == 0 or not self.left_behind(k, i, e):
+                raise
+            left = e  # (its sender is left out for the rest of the call: what it still owes us comes by relay)
+        else:
+            left = None
         finally:
             going = self._over(side, k)
+        if left is not None:
+            self.lost(side, k, left)
+            return
         posted = None
         try:
             i = 0
@@ -119,6 +138,31 @@ class MeshCall(Relay, Pipeline):
                 self.ended[side][k] = True
                 self.cond.notify_all()
             self.poke.set()
+
+    def left_behind(self, k: int, i: int, e: BaseException) -> bool:
+        """Link ``k`` from its sender failed in step 1, in bucket ``i``: whether its sender is
+        left out of our segment for the rest of the call instead of the call failing (with the
+        relay, for a link that stood still or went out of step before the deadline, if no more
+        than a minority of the contributors is left out: ``_ButterflyRun._rows_in``). It is
+        left out from its first row we have not begun to aggregate. A connection closed or
+        reset still fails the call at once (an honest rank that fails keeps its links open
+        through step 1: a node that went down)."""
+        if not self.relaying or not isinstance(e, (PeerTimeout, FrameError)) or isinstance(e, AuditFrameError) or \
+                time.monotonic() >= self.deadline:
+            return False
+        o = self._peer(k)
+        with self.cond:
+            for b in self.buckets[i:]:
+                j = next((j for j in range(b.plan.pieces) if b.agg[j] is None and b.rows[j][o] is None), None)
+                if j is None or b.left[o] <= j:
+                    continue
+                if not b._within_cap([o]):
+                    return False
+                b._leave_out(o, j)
+                break
+            self.left_out.setdefault(o, len(self.buckets))  # (none of its rows missing: nothing to leave out)
+            self.cond.notify_all()
+        return True
 
     def _after_step1(self) -> bool:
         """Hold step 3 until our step 1 is over on every link that still moves (one that has not

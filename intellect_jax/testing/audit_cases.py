@@ -10,13 +10,13 @@ the honest aggregate.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from intellect_jax.net import quant, tree as treelib
-from intellect_jax.net.audit import NO_SIG, Case, judge, to_wire
+from intellect_jax.net.audit import ENTRY, NO_SIG, Case, judge, to_wire
 from intellect_jax.net.pairing import audited_by, draw, rotation
 from intellect_jax.net.comm import RingConfig, bucket_call
 from intellect_jax.net.evidence import digest
@@ -36,11 +36,13 @@ def sign(name: str, data: bytes) -> bytes:
 
 def signed_case(xs: Sequence[np.ndarray], ids: Sequence[str], *, owner: int, auditor: int, piece: int,
                 run_id: str, step: int, epoch: int, call: int, mode: str, block: int, piece_numel: int, how: str,
-                absent: Sequence[int] = (), forge: Forge | None = None) -> Case:
+                absent: Sequence[int] = (), forge: Forge | None = None, left: Mapping[int, int] | None = None) -> Case:
     """The case auditor ``auditor`` holds on piece ``piece`` of segment ``owner`` when the members
-    (``ids``, rank order) contributed the flat vectors ``xs`` (``forge``: the owner's forgery)."""
+    (``ids``, rank order) contributed the flat vectors ``xs`` (``forge``: the owner's forgery;
+    ``left``: per member the owner left out, the first piece it left its row out of)."""
     world, n = len(xs), xs[0].shape[0]
     p = butterfly_plan(n, world, block, piece_numel)
+    lefts = tuple((left or {}).get(i, p.pieces) for i in range(world))
 
     def wires(j: int) -> tuple[int, int, list[bytes]]:
         a, b = p.piece(owner, j)
@@ -50,21 +52,23 @@ def signed_case(xs: Sequence[np.ndarray], ids: Sequence[str], *, owner: int, aud
     for j in range(p.pieces):
         a, b, ws = wires(j)
         entries = []
+        out = frozenset(i for i in range(world) if lefts[i] <= j)
         for i, w in enumerate(ws):
             d = digest(w)
             said = piece_statement(run_id, step, epoch, call, ids[i], ids[owner], owner, j, b - a, mode, block, d.hex())
-            entries.append(d + (NO_SIG if i == owner else sign(ids[i], said)))
+            entries.append(bytes(ENTRY) if i in out else d + (NO_SIG if i == owner else sign(ids[i], said)))
         rows.append(b"".join(entries))
         decoded = [quant.decode(np.frombuffer(w, np.uint8), b - a, mode, block) for w in ws]
-        wire = aggregate_piece(decoded, b - a, mode, block, how, absent=frozenset(absent))
+        wire = aggregate_piece(decoded, b - a, mode, block, how, absent=frozenset(absent) | out)
         if forge is not None:
             wire = quant.encode(forge(j, quant.decode(wire, b - a, mode, block)), mode, block)
         aggs.append(digest(wire))
     _, _, payloads = wires(piece)
+    payloads = [b"" if lefts[i] <= piece else w for i, w in enumerate(payloads)]
     case = Case(run_id, step, epoch, call, tuple(ids), owner, auditor, piece, n, piece_numel, mode, block, how,
-                tuple(sorted(absent)), tuple(aggs), tuple(digest(r) for r in rows), b"", rows[piece],
+                tuple(sorted(absent)), lefts, tuple(aggs), tuple(digest(r) for r in rows), b"", rows[piece],
                 tuple(payloads), (None,) * world)
-    sigs = tuple(None if i == auditor else sign(ids[i], case.said(i, auditor, digest(w)))
+    sigs = tuple(None if i == auditor or lefts[i] <= piece else sign(ids[i], case.said(i, auditor, digest(w)))
                  for i, w in enumerate(payloads))
     return dataclasses.replace(case, commit_sig=sign(ids[owner], case.committed()), audit_sigs=sigs)
 

@@ -65,15 +65,15 @@ def audit_bytes(p: plan.RingPlan, rank: int, cfg: RingConfig) -> int:
     challenge (the piece and the draw) to every other rank, two commitments of each auditor's
     target (the held one, and another it got or that one again), and its piece to each auditor (each answer counted at the size of its
     segment's first piece); then its signature that its own audit passed, DONE and END (net.relay);
-    and the 4-byte mark that starts its gather on every link (net.butterfly.BUCKET_MARK)."""
+    and the 8-byte mark that starts its gather on every link (net.butterfly.BUCKET_MARK)."""
     world, n = p.world, p.piece(rank, 0)[1] - p.piece(rank, 0)[0]
-    head = HEADER_LEN + p.pieces * audit.DIGEST + audit.DIGEST + HEADER_LEN + SIG_BYTES
+    head = HEADER_LEN + audit.head_nbytes(p.pieces, world) + HEADER_LEN + SIG_BYTES
     rows = p.pieces * (HEADER_LEN + world * audit.ENTRY)
     answers = (world - 1) * (HEADER_LEN + encoded_nbytes(n, cfg.mode, cfg.block_size))
     echoes = 2 * (world - 2) * head  # the target's commitments, to every auditor but the target's own
     # the last aggregate piece in two frames, then our signature that our audit passed; DONE and END
     tails = (world - 1) * (HEADER_LEN + HEADER_LEN + SIG_BYTES + 2 * (HEADER_LEN + 1))
-    nonce, challenge, mark = HEADER_LEN + audit.DIGEST, HEADER_LEN + 4 + audit.DIGEST, HEADER_LEN + 4
+    nonce, challenge, mark = HEADER_LEN + audit.DIGEST, HEADER_LEN + 4 + audit.DIGEST, HEADER_LEN + 8
     forwards = sum(rank in pairing.forwarders(t, m, world) for t in range(world) for m in range(world)
                    if rank not in (t, m) and t != m) * (head + nonce)
     return (world - 1) * (head + nonce + challenge + mark + HEADER_LEN + SIG_BYTES) + rows + answers + echoes + tails + \
