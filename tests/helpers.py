@@ -580,6 +580,31 @@ def withholding_answers(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any], bo
     return supplied
 
 
+def unsigned_rows(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, int], bool]) -> list[tuple[int, int]]:
+    """Butterfly members sign their own pieces with garbage to each owner ``o`` where
+    ``bad(run, o)`` holds (``run``: the exchange's ``_ButterflyRun``); every (owner, sender) an
+    owner left out of its segment (``_ButterflyRun._leave_out``) goes into the list returned."""
+    import dataclasses
+
+    from intellect_jax.net import butterfly
+
+    scatter, leave, left = butterfly._ButterflyRun._scatter_to, butterfly._ButterflyRun._leave_out, []
+
+    def scatter_to(self: Any, k: int) -> None:
+        if not hasattr(self, "garbled"):
+            sign = self.garbled = self.mseal.sign
+            self.mseal = dataclasses.replace(self.mseal, sign=lambda o, *a: bytes(64) if bad(self, o) else sign(o, *a))
+        return scatter(self, k)
+
+    def leave_out(self: Any, i: int, j: int) -> None:
+        left.append((self.rank, i))
+        return leave(self, i, j)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter_to)
+    monkeypatch.setattr(butterfly._ButterflyRun, "_leave_out", leave_out)
+    return left
+
+
 def garbling_commitment(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, Any], bool],
                         what: tuple[str, ...] = ("commitment", "nonce")) -> list[int]:
     """Butterfly owners send, on a mesh connection ``conn`` where ``bad(run, conn)`` holds, their

@@ -15,7 +15,8 @@ import pytest
 from intellect_jax.diloco.parts import Outcome
 from intellect_jax.net import RingConfig
 from intellect_jax.net.comm import SocketCommunicator
-from tests.helpers import forging_owner, garbling_commitment, socket_run, withholding_aggregates, withholding_answers
+from tests.helpers import (forging_owner, garbling_commitment, socket_run, unsigned_rows, withholding_aggregates,
+                           withholding_answers)
 
 RING = RingConfig(mode="int8", piece_numel=256, deadline=30.0, exchange="butterfly", robust="clip")
 STEPS = 8
@@ -127,6 +128,21 @@ def test_a_member_withholding_its_answers_and_echoes_in_a_real_run_evicts_nobody
     assert r["outcomes"] == [Outcome.FINISHED] * 4, r["outcomes"]
     assert len(set(r["node_hashes"])) == 1, r["node_hashes"]
     assert len(supplied) >= STEPS and all(ok for *_, ok in supplied), supplied
+
+
+def test_a_member_signing_its_pieces_to_one_owner_with_garbage_in_a_real_run_evicts_nobody(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """n1 signs its pieces of n0's segment with garbage in every all-reduce: n0 leaves n1's rows
+    out of its segment (declared in its commitment, which its auditor checks), so every call
+    completes everywhere; nobody is evicted (before, every call failed at n0, named by n0 alone,
+    and after the retries the honest nodes left), and the four finish the run with one state."""
+    left = unsigned_rows(monkeypatch, lambda run, o: run.ledger.ctx.ids[run.rank] == "n1" and
+                         run.ledger.ctx.ids[o] == "n0")
+    r = socket_run(4, "byz-unsigned", dataclasses.replace(RING, deadline=10.0), outer_steps=STEPS, dim=4096)
+    assert r["evictions"] == [], r["evictions"]
+    assert r["outcomes"] == [Outcome.FINISHED] * 4, r["outcomes"]
+    assert len(set(r["node_hashes"])) == 1, r["node_hashes"]
+    assert len(left) >= STEPS, left
 
 
 @pytest.mark.parametrize("attack", ["flip", "push", "ratchet", "x1000", "sitout"])

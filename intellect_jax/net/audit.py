@@ -188,8 +188,8 @@ Verify = Callable[[int, bytes, bytes], bool]  # (signer rank, statement, 64-byte
 
 def left_cap(world: int, absent: Collection[int]) -> int:
     """How many contributors' rows an owner may leave out of its aggregates (at a row deadline,
-    ``_ButterflyRun.encoder``): fewer than half of the contributors other than itself, so that
-    the rows it keeps are a majority of the contributors' (sitters count for nothing)."""
+    ``_ButterflyRun._rows_in``): fewer than half of the contributors, so that the rows it keeps
+    are a majority of the contributors' (sitters count for nothing)."""
     return (world - len(absent) - 1) // 2
 
 
@@ -443,8 +443,8 @@ class Ledger:
 
     def decide(self, gone: Collection[int]) -> bool:
         """Whether what we ask our target for is settled (under the caller's lock): once the
-        answer and echo of every member but the ``gone`` (whose links to us carry no more audit
-        frames) are in, and the target's own answer (unless it is gone), the rows of the members
+        answer (unless our target left its row out) and echo of every member but the ``gone``
+        (whose links to us carry no more audit frames) are in, and the target's own answer (unless it is gone), the rows of the members
         whose answers have not come (nothing once all came; never the target's own row: nobody
         else holds it)."""
         if self.wants is not None:

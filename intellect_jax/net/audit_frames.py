@@ -72,12 +72,12 @@ class AuditFrames:
         steps += [(drawn, "every member's nonce", lambda: self._rows_to(conn, o)),
                   (lambda: led.challenge is not None, "the row lists of the segment we audit",
                    lambda: self._audit_frame(conn, np.uint32(led.challenge).tobytes() + led.drawn)),
-                  (lambda: o in led.asked or o in self._ended(), f"rank {o}'s challenge", lambda: self._answer(conn, o)),
+                  (lambda: o in led.asked or o in self._gone(), f"rank {o}'s challenge", lambda: self._answer(conn, o)),
                   (lambda: drawn() and self._echoable(audited_by(o, self.world, led.offset)),
                    "the commitment of the segment it audits", lambda: self._echo_to(conn, o)),
                   (lambda: drawn() and (o != led.target or self._decided()),
                    "the answers and echoes of our audit", lambda: self._want_from(conn, o)),
-                  (lambda: drawn() and (o != led.auditor or led.wanted is not None or o in self._ended()),
+                  (lambda: drawn() and (o != led.auditor or led.wanted is not None or o in self._gone()),
                    f"rank {o}'s request for rows", lambda: self._supply(conn, o))]
         done = self.audit_sent.setdefault(o, 0)
         for ready, what, send in steps[done:]:
@@ -152,18 +152,14 @@ class AuditFrames:
         assert led is not None
         return t == self.rank or t in led.direct or t in led.heads and (t in led.undirect or t in self._gone())
 
-    def _ended(self) -> set[int]:
-        """(Under ``cond``.) The ranks whose links to us carry no more audit frames of this
-        bucket: ended (``relay.Relay.mute``) or out of step in it (``_ButterflyRun.resync``).
-        What we send them that answers theirs (an answer, rows supplied) waits for those
-        frames until then."""
-        return self.mesh.mute | self.gone  # type: ignore[attr-defined]
-
     def _gone(self) -> set[int]:
-        """(Under ``cond``.) The ranks whose audit frames our audit does without: those of
-        :meth:`_ended`, and those whose rows we left out (``_ButterflyRun._rows_in``: what they
-        send us comes after their rows, and may never come; their answers our target supplies)."""
-        return self._ended() | self.mesh.left_out.keys()  # type: ignore[attr-defined]
+        """(Under ``cond``.) The ranks whose links to us carry no more audit frames of this
+        bucket: ended (``relay.Relay.mute``; a link quiet in step 1 too, once its sender was
+        left out: ``MeshCall.left_behind``) or out of step in it (``_ButterflyRun.resync``).
+        Never one merely late, nor one whose rows we left out while its link still carries
+        frames: its echo may show its owner split it off (a review found that judging without
+        the echoes of the members left out let an owner split off a member it had made late)."""
+        return self.mesh.mute | self.gone  # type: ignore[attr-defined]
 
     def _decided(self) -> bool:
         """(Under ``cond``.) Whether what we ask our target for is settled

@@ -62,7 +62,7 @@ from intellect_jax.net.audit_frames import AuditFrames
 from intellect_jax.net.errors import FrameError, PeerTimeout
 from intellect_jax.net.evidence import OUTSIZE, SAT_OUT, SIG_BYTES, digest, outsized, row_norm
 from intellect_jax.net.frames import HEADER_LEN, MsgType
-from intellect_jax.net.mesh_call import MeshCall
+from intellect_jax.net.mesh_call import ROW_IDLE, MeshCall
 from intellect_jax.net.plan import RingPlan, butterfly_plan
 from intellect_jax.net.relay import Posted, Skipped
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
@@ -403,8 +403,8 @@ class _ButterflyRun(AuditFrames):
 
     # -- threads -----------------------------------------------------------------------
     def encoder(self) -> None:
-        """The owner: aggregate each piece of our segment once every member's row is in (then,
-        when auditing, commit to them all)."""
+        """The owner: aggregate each piece of our segment once every member's row is in, or
+        left out (:meth:`_rows_in`; then, when auditing, commit to them all)."""
         me, P, led = self.rank, self.plan.pieces, self.ledger
         with self.cond:  # (our receivers decode what comes from now on themselves: mesh.current is ours)
             early, self.early = self.early, []
@@ -450,9 +450,13 @@ class _ButterflyRun(AuditFrames):
         With the relay (every bucket audited) a row does not come for ever: once all but at most
         :func:`~.audit.left_cap` contributors' are in, the missing ones get the row deadline
         (:meth:`~.mesh_call.MeshCall.row_grace`), then their senders are left out from this piece
-        on, for the rest of the call (declared in our commitment, which the audit checks). So our
-        aggregates depend on no minority of the members: one that withholds its pieces from us,
-        or sends them late or under a signature that does not verify, loses its own say only."""
+        on, for the rest of the call (declared in our commitment, which the audit checks), each
+        once no piece of it has reached us for ``ROW_IDLE``: a sender whose pieces still come,
+        however slowly, is waited for (a peer that reads a sender's pieces slowly holds its other
+        links to its pace: a review found that such a minority could make every owner leave out
+        the honest senders it chose). So a member that withholds its pieces from us, or sends
+        them late or under a signature that does not verify, loses its own say only; one that
+        trickles them is still waited for."""
         if not self.mesh.relaying:
             return self.wait_for(lambda: all(r is not None for r in self.rows[j]), f"the rows of piece {j}")
         since = None
@@ -471,19 +475,28 @@ class _ButterflyRun(AuditFrames):
                     since = now if since is None else since
                     until = since + self.mesh.row_grace(since)
                     if now >= until:
-                        for i in missing:
+                        heard = self.mesh.heard
+                        idle = [i for i in missing if now - heard[i] >= ROW_IDLE]
+                        for i in idle:
                             self._leave_out(i, j)
-                        return True
+                        if len(idle) == len(missing):
+                            return True
+                        until = min(heard[i] + ROW_IDLE for i in missing if i not in idle)
                 else:
                     since = None
                 self.cond.wait(max(0.001, min(until - now, 1.0)))
 
     def _within_cap(self, more: Sequence[int]) -> bool:
         """(Under ``cond``.) Whether the senders ``more`` may be left out too: with those left
-        out already, at most :func:`~.audit.left_cap` contributors (sitters are free)."""
-        P = self.plan.pieces
+        out already, in any bucket of the call, at most :func:`~.audit.left_cap` contributors
+        (sitters are free). Counted over the call, not the bucket: a sender left out of one
+        bucket is out of every later one (:meth:`encoder`), and a later bucket may leave one out
+        first (a signature that does not verify comes as it comes), so the union is what
+        every bucket's declaration must stay within (a review found a bucket's own count let a
+        later bucket's go over, convicting its honest owner)."""
+        mesh, n = self.mesh, len(self.mesh.buckets)
         out = [i for i in range(self.world) if i not in self.absent and
-               (self.left[i] < P or i in more or self.mesh.left_out.get(i, self.index + 1) <= self.index)]
+               (i in more or mesh.left_out.get(i, n) < n or any(b.left[i] < b.plan.pieces for b in mesh.buckets))]
         return len(out) <= left_cap(self.world, self.absent)
 
     def _leave_out(self, i: int, j: int) -> None:
@@ -554,6 +567,7 @@ class _ButterflyRun(AuditFrames):
                 continue
             with self.cond:
                 self.got[o] += 1
+                self.mesh.heard[o] = time.monotonic()
                 late = self.error is not None  # nobody aggregates it: counted, not kept
                 early = not late and self.index > self.mesh.current + 1
                 if early:  # kept as it came (encoded), not as a float32 row, until the owner is nearer

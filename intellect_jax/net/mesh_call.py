@@ -17,11 +17,13 @@ from typing import Any
 import numpy as np
 
 from intellect_jax.net.errors import AuditFrameError, FrameError, NetError, PeerTimeout
+from intellect_jax.net.mesh import DeadLink
 from intellect_jax.net.relay import Posted, Relay, Skipped
 from intellect_jax.net.ring import Links, Pipeline
 
 ROW_WAIT = 1.0  # share of the call's time until all but a minority of a piece's rows were in, that the rest get
 ROW_WAIT_MIN = 1.0  # seconds (a row deadline too near would leave out honest rows that a busy link delays)
+ROW_IDLE = 1.0  # seconds without a piece from a sender before its missing rows may be left out (see _rows_in)
 WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
 PACE_HOLD = 0.5  # seconds a link waits before the slowest counts as stuck (a peer that does not read)
 
@@ -46,7 +48,10 @@ class MeshCall(Relay, Pipeline):
         self.over = [[False] * (world - 1), [False] * (world - 1)]  # step 1 over on each out and inn link
         self.current = 0  # the bucket the owner aggregates (receivers decode its pieces and the next bucket's)
         self._wide = [np.empty(0, np.float64) for _ in range(world)]  # row_norm scratch: each link's, the owner's
-        self.left_out: dict[int, int] = {}  # sender -> the first bucket we left its rows out of (butterfly._rows_in)
+        # sender -> the first bucket we left its rows out of (butterfly._rows_in; the buckets' count: none,
+        # its link ended in step 1 with every row of it in: left_behind)
+        self.left_out: dict[int, int] = {}
+        self.heard = [time.monotonic()] * world  # when a piece of each sender last reached us (step 1)
 
     def encoder(self) -> None:
         """Every bucket's owner in turn (:meth:`~.butterfly._ButterflyRun.encoder`)."""
@@ -84,8 +89,9 @@ class MeshCall(Relay, Pipeline):
 
     def _link(self, side: int, k: int, step1: str, step3: str) -> None:
         """Link ``k``'s step 1 in every bucket, to its end whatever fails elsewhere, then every
-        bucket's step 3 unless the call failed meanwhile (``side`` 0: our link to its owner, 1:
-        its sender's to us)."""
+        bucket's step 3 unless the call failed meanwhile, or its sender was left behind in step 1
+        (:meth:`left_behind`: the link then ends; ``side`` 0: our link to its owner, 1: its
+        sender's to us)."""
         i = 0
         try:
             for i, b in enumerate(self.buckets):
@@ -144,11 +150,14 @@ class MeshCall(Relay, Pipeline):
         left out of our segment for the rest of the call instead of the call failing (with the
         relay, for a link that stood still or went out of step before the deadline, if no more
         than a minority of the contributors is left out: ``_ButterflyRun._rows_in``). It is
-        left out from its first row we have not begun to aggregate. A connection closed or
+        left out from its first row not yet decoded for the aggregation (rows of a later bucket
+        that wait encoded for its turn are dropped too). A connection closed or
         reset still fails the call at once (an honest rank that fails keeps its links open
-        through step 1: a node that went down)."""
+        through step 1: a node that went down), and so does a link that never opened
+        (:class:`~.mesh.DeadLink`: most often a node down before the call, which nothing could
+        relay; leaving it out would only make the call fail later)."""
         if not self.relaying or not isinstance(e, (PeerTimeout, FrameError)) or isinstance(e, AuditFrameError) or \
-                time.monotonic() >= self.deadline:
+                isinstance(self.links.inn[k], DeadLink) or time.monotonic() >= self.deadline:
             return False
         o = self._peer(k)
         with self.cond:
