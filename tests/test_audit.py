@@ -327,6 +327,9 @@ def test_judge_rows_left_out_at_the_row_deadline() -> None:
     assert judge(undeclared, _verify)[:2] == (0, "lists no row of a2 for piece 1, yet did not declare it left out")
     listed = _resign(honest, left=(P, P, 1))
     assert judge(listed, _verify)[:2] == (0, "lists a row of a2 for piece 1 that it declared left out")
+    past = _resign(honest, left=(P, P, (1 << 32) - 1))  # (a u32 in its head: members take it as it comes)
+    assert judge(past, _verify)[:2] == (0, f"declared rows left out from a piece past its {P} pieces of segment 0")
+    assert audit.from_wire(Audit.model_validate(audit.to_wire(past)), "run", IDS) == past
     ctx = audit.Auditing("run", 0, 0, 0, IDS, sign=lambda data: bytes(64), verify=lambda r, data, sig: True,
                          choose=lambda pieces: 0, nonce=bytes(32), accepts=lambda r, nonce: True,
                          revealed=lambda nonces: None)

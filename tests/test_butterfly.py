@@ -219,6 +219,36 @@ def test_every_other_owner_shows_a_flipped_sender_s_rows_outsized(monkeypatch: p
         assert weigh_steering(shown, accuser=ids[r % 3 + 1], **kw)[0::2] == (None, True)  # not its segment
 
 
+def test_an_owner_that_left_a_row_out_shows_no_steering_on_that_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 sends -3x its contribution among 6, and rank 5 signs its pieces to owner 1 with
+    garbage, so owner 1 leaves rank 5's rows out of its whole segment (the row deadline; the
+    other four rows still make a median at N = 6). The
+    coordinator takes steering evidence only with every contributor's row, so owner 1 shows
+    nothing (a review found it showed rank 0 on pieces without rank 4's row, which the
+    coordinator counted as a false accusation against it); owners 2 to 5 show rank 0 as before."""
+    from intellect_jax.coordinator.policing import weigh_steering
+    from intellect_jax.coordinator.schema import Steering
+    from tests.helpers import unsigned_rows
+
+    world, n = 6, 24_000
+    rng = np.random.default_rng(5)
+    common = rng.standard_normal(n).astype(np.float32)
+    xs = [common + 0.5 * rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+    xs[0] = -3 * xs[0]
+    left = unsigned_rows(monkeypatch, lambda run, o: run.rank == 5 and o == 1)
+    cfg = RingConfig(mode="int8", piece_numel=1000, deadline=30, exchange="butterfly", robust="cclip")
+    comms, outs, errs = _butterfly(world, xs, cfg, first=76, epoch=2, step=5)
+    assert errs == [None] * world and all(_same_bits(o, outs[0]) for o in outs), errs
+    assert set(left) == {(1, 5)} and comms[1].steered == [], (left, comms[1].steered)
+    ids = tuple(f"r{76 + i}" for i in range(world))
+    kw: dict[str, Any] = dict(run_id="ring-test", step=5, epoch_id=2, ring=ids, sat_out=(),
+                              ca=credentials("r76").ca_der, certs={i: credentials(i).cert_der.hex() for i in ids})
+    for r in range(2, world):
+        (accused, ev), = comms[r].steered
+        ratio, why, _ = weigh_steering(Steering.model_validate({"accused": ids[accused], **ev}), accuser=ids[r], **kw)
+        assert accused == 0 and ratio is not None, why
+
+
 def test_an_owner_with_another_aggregator_fails_every_rank_with_a_config_mismatch() -> None:
     world = 3
     nodes = _nodes(world, first=60)

@@ -149,7 +149,7 @@ class Audit(Msg):
     how: Annotated[str, Field(pattern=r"^(mean|clip|cclip|trim[0-9]{1,3})$")]
     absent: Ranks
     # per member, the first piece whose row the owner left out (the pieces' count: none)
-    left: Annotated[list[Annotated[int, Field(ge=0, le=MAX_PIECES)]], Field(min_length=2, max_length=MAX_CASE_RANKS)]
+    left: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 32)]], Field(min_length=2, max_length=MAX_CASE_RANKS)]
     aggregates: Annotated[list[Hex32], Field(min_length=1, max_length=MAX_PIECES)]
     row_roots: Annotated[list[Hex32], Field(min_length=1, max_length=MAX_PIECES)]
     commit_sig: Raw64

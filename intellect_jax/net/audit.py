@@ -217,7 +217,7 @@ def judge(case: Case, verify: Verify) -> Judgement:
         return Judgement(None, f"the case is not one ({e})")
     if len(case.rows) != world * ENTRY or len(case.payloads) != world or len(case.audit_sigs) != world \
             or any(len(d) != DIGEST for d in (*case.aggregates, *case.row_roots)) or len(case.left) != world \
-            or any(not 0 <= j <= len(case.aggregates) for j in case.left):
+            or any(not 0 <= j < 1 << 32 for j in case.left):
         return Judgement(None, "the case's lists do not fit its members")
     if not verify(o, case.committed(), case.commit_sig):
         return Judgement(None, "the commitment does not carry its owner's signature")
@@ -233,6 +233,8 @@ def judge(case: Case, verify: Verify) -> Judgement:
             return Judgement(None, "the other commitment is not another one signed by the owner")
         return Judgement(o, f"signed two different commitments to its aggregates of segment {o} in call {case.call}")
     out, P = case.left_out(), len(case.aggregates)
+    if any(j > P for j in case.left):  # (signed: a u32 each in its head, which members take as it comes)
+        return Judgement(o, f"declared rows left out from a piece past its {P} pieces of segment {o}")
     if case.left[o] != P:
         return Judgement(o, f"declared its own rows of segment {o} left out")
     over = sorted(i for i, j in enumerate(case.left) if j < P and i not in case.absent)

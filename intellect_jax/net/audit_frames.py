@@ -21,6 +21,7 @@ challenge came (the auditor is then out of step already).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator
 
 import numpy as np
@@ -154,12 +155,15 @@ class AuditFrames:
 
     def _gone(self) -> set[int]:
         """(Under ``cond``.) The ranks whose links to us carry no more audit frames of this
-        bucket: ended (``relay.Relay.mute``; a link quiet in step 1 too, once its sender was
-        left out: ``MeshCall.left_behind``) or out of step in it (``_ButterflyRun.resync``).
-        Never one merely late, nor one whose rows we left out while its link still carries
-        frames: its echo may show its owner split it off (a review found that judging without
-        the echoes of the members left out let an owner split off a member it had made late)."""
-        return self.mesh.mute | self.gone  # type: ignore[attr-defined]
+        bucket, or none we wait for: ended (``relay.Relay.mute``), out of step in it
+        (``_ButterflyRun.resync``), or quiet: senders whose rows we left out (they brought us
+        no byte for ``ROW_IDLE`` then) whose links still bring us nothing for as long. Never one
+        whose link still moves: its echo may show its owner split it off (a review found that
+        judging without the echoes of every member left out let an owner split off a member it
+        had made late; nobody can hold an honest member's link still for a second: the pacing
+        lets a link that does not move hold its others back for ``PACE_HOLD`` only)."""
+        mesh, now = self.mesh, time.monotonic()  # type: ignore[attr-defined]
+        return mesh.mute | self.gone | {q for q in mesh.left_out if mesh.idle(q, now)}  # type: ignore[attr-defined]
 
     def _decided(self) -> bool:
         """(Under ``cond``.) Whether what we ask our target for is settled

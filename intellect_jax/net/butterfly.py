@@ -62,7 +62,7 @@ from intellect_jax.net.audit_frames import AuditFrames
 from intellect_jax.net.errors import FrameError, PeerTimeout
 from intellect_jax.net.evidence import OUTSIZE, SAT_OUT, SIG_BYTES, digest, outsized, row_norm
 from intellect_jax.net.frames import HEADER_LEN, MsgType
-from intellect_jax.net.mesh_call import ROW_IDLE, MeshCall
+from intellect_jax.net.mesh_call import ROW_LOOK, MeshCall
 from intellect_jax.net.plan import RingPlan, butterfly_plan
 from intellect_jax.net.relay import Posted, Skipped
 from intellect_jax.net.ring import Finding, Inspect, Links, Pipeline, Workspace
@@ -364,12 +364,16 @@ class _ButterflyRun(AuditFrames):
     def _weigh(self, j: int) -> None:
         """Count the senders whose row of piece ``j`` is outsized against the others we may show
         (:func:`~.evidence.outsized`: not ours, none of a sitter's), keeping each one's first such
-        piece as signed evidence (:class:`Outsize`); then the pieces go back to the pool."""
+        piece as signed evidence (:class:`Outsize`); then the pieces go back to the pool. A piece
+        whose row of a contributor we left out is not weighed: the coordinator takes such
+        evidence only with every contributor's row (a review found that it counted it as a false
+        accusation against us)."""
         with self.cond:
             wires, self.wires[j] = self.wires[j], [None] * self.world
+            short = any(self.left[i] <= j for i in range(self.world) if i != self.rank and i not in self.absent)
         try:
             a, b = self.plan.piece(self.rank, j)
-            if b <= a:
+            if b <= a or short:
                 return
             self.weighed += 1
             shown = [i for i, w in enumerate(wires) if w is not None]
@@ -451,7 +455,7 @@ class _ButterflyRun(AuditFrames):
         :func:`~.audit.left_cap` contributors' are in, the missing ones get the row deadline
         (:meth:`~.mesh_call.MeshCall.row_grace`), then their senders are left out from this piece
         on, for the rest of the call (declared in our commitment, which the audit checks), each
-        once no piece of it has reached us for ``ROW_IDLE``: a sender whose pieces still come,
+        once its link has brought us no byte for ``ROW_IDLE``: a sender whose pieces still come,
         however slowly, is waited for (a peer that reads a sender's pieces slowly holds its other
         links to its pace: a review found that such a minority could make every owner leave out
         the honest senders it chose). So a member that withholds its pieces from us, or sends
@@ -470,21 +474,22 @@ class _ButterflyRun(AuditFrames):
                 missing = [i for i, r in enumerate(self.rows[j]) if r is None and self.left[i] > j]
                 if not missing:
                     return True
+                for i in missing:  # (each look at its link's bytes: it has been idle since the first that saw none)
+                    self.mesh.heard_from(i, now)
                 until = self.deadline
                 if self._within_cap(missing):
                     since = now if since is None else since
                     until = since + self.mesh.row_grace(since)
                     if now >= until:
-                        heard = self.mesh.heard
-                        idle = [i for i in missing if now - heard[i] >= ROW_IDLE]
+                        idle = [i for i in missing if self.mesh.idle(i, now)]
                         for i in idle:
                             self._leave_out(i, j)
                         if len(idle) == len(missing):
                             return True
-                        until = min(heard[i] + ROW_IDLE for i in missing if i not in idle)
+                        until = now + ROW_LOOK
                 else:
                     since = None
-                self.cond.wait(max(0.001, min(until - now, 1.0)))
+                self.cond.wait(max(0.001, min(until - now, self.deadline - now, ROW_LOOK)))
 
     def _within_cap(self, more: Sequence[int]) -> bool:
         """(Under ``cond``.) Whether the senders ``more`` may be left out too: with those left
@@ -567,7 +572,6 @@ class _ButterflyRun(AuditFrames):
                 continue
             with self.cond:
                 self.got[o] += 1
-                self.mesh.heard[o] = time.monotonic()
                 late = self.error is not None  # nobody aggregates it: counted, not kept
                 early = not late and self.index > self.mesh.current + 1
                 if early:  # kept as it came (encoded), not as a float32 row, until the owner is nearer

@@ -17,13 +17,14 @@ from typing import Any
 import numpy as np
 
 from intellect_jax.net.errors import AuditFrameError, FrameError, NetError, PeerTimeout
-from intellect_jax.net.mesh import DeadLink
+from intellect_jax.net.mesh import DeadLink, Pending
 from intellect_jax.net.relay import Posted, Relay, Skipped
 from intellect_jax.net.ring import Links, Pipeline
 
 ROW_WAIT = 1.0  # share of the call's time until all but a minority of a piece's rows were in, that the rest get
 ROW_WAIT_MIN = 1.0  # seconds (a row deadline too near would leave out honest rows that a busy link delays)
-ROW_IDLE = 1.0  # seconds without a piece from a sender before its missing rows may be left out (see _rows_in)
+ROW_IDLE = 1.0  # seconds without a byte from a sender before its missing rows may be left out (see _rows_in)
+ROW_LOOK = 0.25  # seconds between looks at the links' bytes while rows are waited for
 WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
 PACE_HOLD = 0.5  # seconds a link waits before the slowest counts as stuck (a peer that does not read)
 
@@ -51,7 +52,7 @@ class MeshCall(Relay, Pipeline):
         # sender -> the first bucket we left its rows out of (butterfly._rows_in; the buckets' count: none,
         # its link ended in step 1 with every row of it in: left_behind)
         self.left_out: dict[int, int] = {}
-        self.heard = [time.monotonic()] * world  # when a piece of each sender last reached us (step 1)
+        self._heard: dict[int, tuple[int, float]] = {}  # link -> (bytes it had brought us, when we saw it move)
 
     def encoder(self) -> None:
         """Every bucket's owner in turn (:meth:`~.butterfly._ButterflyRun.encoder`)."""
@@ -61,6 +62,20 @@ class MeshCall(Relay, Pipeline):
             b.encoder()
             if self.error is not None:
                 return
+
+    def heard_from(self, q: int, now: float) -> float:
+        """(Under ``cond``.) When the link from rank ``q`` last brought us bytes, as far as we
+        looked (a look that finds it moved counts as then; the first look too)."""
+        k = (q - self.rank - 1) % self.world
+        n = self.links.inn[k].bytes_received
+        seen = self._heard.get(k)
+        if seen is None or seen[0] != n:
+            seen = self._heard[k] = (n, now)
+        return seen[1]
+
+    def idle(self, q: int, now: float) -> bool:
+        """(Under ``cond``.) Whether nothing has come from rank ``q`` for ``ROW_IDLE``."""
+        return now - self.heard_from(q, now) >= ROW_IDLE
 
     def row_grace(self, since: float) -> float:
         """Seconds the rows still missing of a piece get, counted from ``since`` (when all but
@@ -104,8 +119,8 @@ class MeshCall(Relay, Pipeline):
             left = None
         finally:
             going = self._over(side, k)
-        if left is not None:
-            self.lost(side, k, left)
+        if left is not None:  # (no doom: an honest rank needs nothing of it that cannot come otherwise)
+            self.lost(side, k, left, doom=False)
             return
         posted = None
         try:
@@ -156,8 +171,10 @@ class MeshCall(Relay, Pipeline):
         through step 1: a node that went down), and so does a link that never opened
         (:class:`~.mesh.DeadLink`: most often a node down before the call, which nothing could
         relay; leaving it out would only make the call fail later)."""
+        link = self.links.inn[k]
         if not self.relaying or not isinstance(e, (PeerTimeout, FrameError)) or isinstance(e, AuditFrameError) or \
-                isinstance(self.links.inn[k], DeadLink) or time.monotonic() >= self.deadline:
+                isinstance(link.get() if isinstance(link, Pending) else link, DeadLink) or \
+                time.monotonic() >= self.deadline:
             return False
         o = self._peer(k)
         with self.cond:

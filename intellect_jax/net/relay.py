@@ -212,18 +212,19 @@ class Relay:
         return self.relaying and isinstance(e, FrameError) and not isinstance(e, AuditFrameError) and \
             time.monotonic() < self.deadline
 
-    def lost(self, side: int, k: int, e: BaseException | None, skipped: bool = False) -> None:
+    def lost(self, side: int, k: int, e: BaseException | None, skipped: bool = False, doom: bool = True) -> None:
         """Link ``k`` from the peer ended its gather: ``e`` its failure (we read it no more), None
         a POST frame in place of what it still owed us (its POST frames are read on); or, with
         ``skipped``, it gave up some of one bucket's aggregates (or more buckets': read past to a
         later bucket's mark, ``_ButterflyRun.resync``) and is read on: the rest of them
         (``e`` None), or it sent others than it committed to (``e``: what dooms the call if no
-        peer says DONE in time, as a failed link's error does)."""
+        peer says DONE in time, as a failed link's error does; not with ``doom`` False: a sender
+        left out of our segment, ``MeshCall.left_behind``)."""
         with self.cond:
             p = self._peer(k)
             had = self.gave_up.get(p)
-            if had is None or had[1] is None and e is not None:  # (a failure after a skip: from then on)
-                self.gave_up[p] = (time.monotonic(), e)
+            if had is None or had[1] is None and e is not None and doom:  # (a failure after a skip: from then on)
+                self.gave_up[p] = (time.monotonic(), e if doom else None)
             if not skipped:
                 self.mute.add(p)
             if e is not None and not skipped:  # (what it sent after is not read: the link is shut at the end)
