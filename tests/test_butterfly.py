@@ -224,7 +224,7 @@ def test_an_owner_that_left_a_row_out_shows_no_steering_on_that_piece(monkeypatc
     garbage, so owner 1 leaves rank 5's rows out of its whole segment (the row deadline; the
     other four rows still make a median at N = 6). The
     coordinator takes steering evidence only with every contributor's row, so owner 1 shows
-    nothing (a review found it showed rank 0 on pieces without rank 4's row, which the
+    nothing (a review found it showed rank 0 on pieces without rank 5's row, which the
     coordinator counted as a false accusation against it); owners 2 to 5 show rank 0 as before."""
     from intellect_jax.coordinator.policing import weigh_steering
     from intellect_jax.coordinator.schema import Steering

@@ -156,14 +156,19 @@ class AuditFrames:
     def _gone(self) -> set[int]:
         """(Under ``cond``.) The ranks whose links to us carry no more audit frames of this
         bucket, or none we wait for: ended (``relay.Relay.mute``), out of step in it
-        (``_ButterflyRun.resync``), or quiet: senders whose rows we left out (they brought us
-        no byte for ``ROW_IDLE`` then) whose links still bring us nothing for as long. Never one
-        whose link still moves: its echo may show its owner split it off (a review found that
-        judging without the echoes of every member left out let an owner split off a member it
-        had made late; nobody can hold an honest member's link still for a second: the pacing
-        lets a link that does not move hold its others back for ``PACE_HOLD`` only)."""
+        (``_ButterflyRun.resync``), or silent: senders we left out whose links to us never
+        brought a piece in this call and bring nothing now (``ROW_IDLE``). Our audit does
+        without their frames, and we skip our answer to their challenge, or the rows they ask
+        for, if those have not come. Never one that sent us a piece: an honest member's first
+        pieces go out on every link at once, before any pacing, while a minority can hold its
+        later ones back (a review found colluders taking turns to stall a member's links, so
+        that its auditor left it out and did without the echo that would show its owner
+        splitting it off; and that a frame of ours skipped for a link merely quiet a while put
+        it out of step when the frame it answers came after all)."""
         mesh, now = self.mesh, time.monotonic()  # type: ignore[attr-defined]
-        return mesh.mute | self.gone | {q for q in mesh.left_out if mesh.idle(q, now)}  # type: ignore[attr-defined]
+        silent = {q for q in mesh.left_out if all(b.got[q] == 0 for b in mesh.buckets) and  # type: ignore[attr-defined]
+                  mesh.idle(q, now)}  # type: ignore[attr-defined]
+        return mesh.mute | self.gone | silent  # type: ignore[attr-defined]
 
     def _decided(self) -> bool:
         """(Under ``cond``.) Whether what we ask our target for is settled

@@ -455,7 +455,8 @@ class _ButterflyRun(AuditFrames):
         :func:`~.audit.left_cap` contributors' are in, the missing ones get the row deadline
         (:meth:`~.mesh_call.MeshCall.row_grace`), then their senders are left out from this piece
         on, for the rest of the call (declared in our commitment, which the audit checks), each
-        once its link has brought us no byte for ``ROW_IDLE``: a sender whose pieces still come,
+        once its link has brought us no frame for the whole grace (``ROW_IDLE`` at least: the
+        transport counts a frame's bytes once it is whole): a sender whose pieces still come,
         however slowly, is waited for (a peer that reads a sender's pieces slowly holds its other
         links to its pace: a review found that such a minority could make every owner leave out
         the honest senders it chose). So a member that withholds its pieces from us, or sends
@@ -480,8 +481,8 @@ class _ButterflyRun(AuditFrames):
                 if self._within_cap(missing):
                     since = now if since is None else since
                     until = since + self.mesh.row_grace(since)
-                    if now >= until:
-                        idle = [i for i in missing if self.mesh.idle(i, now)]
+                    if now >= until:  # (no frame from it for the whole grace: a slow link's big piece is no silence)
+                        idle = [i for i in missing if self.mesh.idle(i, now, until - since)]
                         for i in idle:
                             self._leave_out(i, j)
                         if len(idle) == len(missing):

@@ -64,8 +64,8 @@ class MeshCall(Relay, Pipeline):
                 return
 
     def heard_from(self, q: int, now: float) -> float:
-        """(Under ``cond``.) When the link from rank ``q`` last brought us bytes, as far as we
-        looked (a look that finds it moved counts as then; the first look too)."""
+        """(Under ``cond``.) When the link from rank ``q`` last brought us a frame, as far as
+        we looked (a look that finds it moved counts as then; the first look too)."""
         k = (q - self.rank - 1) % self.world
         n = self.links.inn[k].bytes_received
         seen = self._heard.get(k)
@@ -73,9 +73,10 @@ class MeshCall(Relay, Pipeline):
             seen = self._heard[k] = (n, now)
         return seen[1]
 
-    def idle(self, q: int, now: float) -> bool:
-        """(Under ``cond``.) Whether nothing has come from rank ``q`` for ``ROW_IDLE``."""
-        return now - self.heard_from(q, now) >= ROW_IDLE
+    def idle(self, q: int, now: float, least: float = 0.0) -> bool:
+        """(Under ``cond``.) Whether nothing has come from rank ``q`` for ``ROW_IDLE`` (and
+        ``least`` seconds)."""
+        return now - self.heard_from(q, now) >= max(ROW_IDLE, least)
 
     def row_grace(self, since: float) -> float:
         """Seconds the rows still missing of a piece get, counted from ``since`` (when all but

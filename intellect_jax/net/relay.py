@@ -219,7 +219,8 @@ class Relay:
         later bucket's mark, ``_ButterflyRun.resync``) and is read on: the rest of them
         (``e`` None), or it sent others than it committed to (``e``: what dooms the call if no
         peer says DONE in time, as a failed link's error does; not with ``doom`` False: a sender
-        left out of our segment, ``MeshCall.left_behind``)."""
+        left out of our segment, ``MeshCall.left_behind``; a call that lacks what it owed then
+        fails at the deadline)."""
         with self.cond:
             p = self._peer(k)
             had = self.gave_up.get(p)
