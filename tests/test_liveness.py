@@ -252,6 +252,13 @@ def _skip_one_bucket(monkeypatch: pytest.MonkeyPatch, owner: int, victim: int, b
     return dropped
 
 
+def _bucketed(buckets: int, seed: int) -> tuple[list, list]:
+    """Inputs of 4 ranks in 1 to 3 buckets (with ``bucket_numel`` 5000): (each bucket's inputs,
+    each rank's tree)."""
+    leaves = [_inputs(4, n, seed=seed + i) for i, n in enumerate([5000, 3000, 4000][:buckets])]
+    return leaves, [{f"b{i}": leaf[r] for i, leaf in enumerate(leaves)} for r in range(4)]
+
+
 def _outs(first: int, xs: list[Any], cfg: RingConfig = CFG) -> tuple[list, list]:
     """One butterfly call of 4 ranks over sockets with the patches already in place; (each
     rank's result, each rank's error)."""
@@ -388,9 +395,7 @@ def test_seeded_schedules_of_an_owner_withholding_from_one_member_complete_every
         monkeypatch, lambda run, conn: run.rank == owner and conn is run.links.out[link], tuple(what))
     if alter:  # (the victim's first peer but the owner: the one it asks first if both others said DONE)
         _altering_relayer(monkeypatch, next(p for p in ((victim + 1 + k) % 4 for k in range(3)) if p != owner), "piece")
-    sizes = [5000, 3000, 4000][:buckets]
-    leaves = [_inputs(4, n, seed=seed + i) for i, n in enumerate(sizes)]
-    xs = [{f"b{i}": leaf[r] for i, leaf in enumerate(leaves)} for r in range(4)]
+    leaves, xs = _bucketed(buckets, seed)
     cfg = dataclasses.replace(CFG, bucket_numel=5000, deadline=6)
     t0 = time.monotonic()
     outs, errs = _outs(460 + 4 * seed, xs, cfg)
@@ -533,9 +538,7 @@ def test_seeded_schedules_of_a_member_out_of_step_complete_everywhere(monkeypatc
     monkeypatch.setattr(audit_frames.AuditFrames, "_commit_to", commit_to)
     monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather_to)
     monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter_to)
-    sizes = [5000, 3000, 4000][:buckets]
-    leaves = [_inputs(4, n, seed=200 + seed + i) for i, n in enumerate(sizes)]
-    xs = [{f"b{i}": leaf[r] for i, leaf in enumerate(leaves)} for r in range(4)]
+    leaves, xs = _bucketed(buckets, 200 + seed)
     cfg = dataclasses.replace(CFG, bucket_numel=5000, deadline=8)
     t0 = time.monotonic()
     outs, errs = _outs(620 + 4 * seed, xs, cfg)
