@@ -23,7 +23,7 @@ from intellect_jax.net.ring import Links, Pipeline
 
 ROW_WAIT = 1.0  # share of the call's time until all but a minority of a piece's rows were in, that the rest get
 ROW_WAIT_MIN = 1.0  # seconds (a row deadline too near would leave out honest rows that a busy link delays)
-ROW_IDLE = 1.0  # seconds without a byte from a sender before its missing rows may be left out (see _rows_in)
+ROW_IDLE = 1.0  # seconds, at least, without a frame from a sender before its missing rows may be left out (_rows_in)
 ROW_LOOK = 0.25  # seconds between looks at the links' bytes while rows are waited for
 WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
 PACE_HOLD = 0.5  # seconds a link waits before the slowest counts as stuck (a peer that does not read)
