@@ -605,6 +605,34 @@ def unsigned_rows(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, int], boo
     return left
 
 
+def quiet_after_first_piece(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, int], bool]) -> list[tuple[int, int]]:
+    """Butterfly members send each owner ``o`` where ``bad(run, o)`` holds (``run``: the
+    exchange's ``_ButterflyRun``) their first piece of its segment, signed, then keep the link
+    open and quiet until the call's deadline; each (sender, owner) that did so goes into the
+    list returned, once a call."""
+    import time
+
+    from intellect_jax.net import butterfly
+    from intellect_jax.net.frames import MsgType
+
+    scatter, quiet = butterfly._ButterflyRun._scatter_to, []
+
+    def scatter_to(self: Any, k: int) -> None:
+        o = butterfly.peer_of(self.rank, self.world, k)
+        if not bad(self, o):
+            return scatter(self, k)
+        conn, (a, b) = self.links.out[k], self.plan.piece(o, 0)
+        wire = self._encode(o, 0)
+        conn.send(MsgType.DATA, wire, deadline=self.deadline)
+        conn.send(MsgType.DATA, self.mseal.sign(o, o, 0, b - a, wire), deadline=self.deadline)
+        self._sent(0, k)
+        quiet.append((self.rank, o))
+        time.sleep(max(0.0, self.deadline - time.monotonic()))
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter_to)
+    return quiet
+
+
 def garbling_commitment(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, Any], bool],
                         what: tuple[str, ...] = ("commitment", "nonce")) -> list[int]:
     """Butterfly owners send, on a mesh connection ``conn`` where ``bad(run, conn)`` holds, their

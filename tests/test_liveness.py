@@ -19,10 +19,11 @@ from intellect_jax.coordinator.roster import Arrival, Node, Role
 from intellect_jax.coordinator.schema import Missing, Report
 from intellect_jax.net import RingConfig, butterfly, mesh_call, pairing, relay
 from intellect_jax.net.butterfly import MeshSeal
-from intellect_jax.net.errors import FrameError
+from intellect_jax.net.errors import FrameError, PeerClosed
 from intellect_jax.net.evidence import verdict
 from intellect_jax.net.frames import MsgType
-from tests.helpers import garbling_commitment, unsigned_rows, withholding_aggregates, withholding_answers
+from tests.helpers import (garbling_commitment, quiet_after_first_piece, unsigned_rows, withholding_aggregates,
+                           withholding_answers)
 from tests.test_net_ring import _inputs, _members, _nodes, _run, _same_bits
 
 CFG = RingConfig(deadline=3, exchange="butterfly", robust="clip", piece_numel=256)
@@ -167,19 +168,103 @@ def test_a_member_quiet_to_one_owner_is_left_out_there_and_stalls_nobody(monkeyp
     assert max(ends[r] for r in (0, 1, 3)) < 6, ends  # (the deadline is 10 s)
 
 
+@pytest.mark.parametrize("offset", [1, 3])
+def test_a_member_quiet_to_one_owner_after_its_first_piece_fails_one_call_not_the_next(
+        monkeypatch: pytest.MonkeyPatch, offset: int) -> None:
+    """Rank 2 sends rank 0 its first piece, then keeps the link open and quiet, in every call
+    (``io_timeout`` 30 s, past the 10 s deadline, as a node sets it). The first call fails at
+    the deadline: rank 0 leaves rank 2's rows out, but waits for its echo, since a member
+    that sent us a piece may be one that colluders held back for a while, whose echo shows its
+    owner splitting it off; rank 0 alone names rank 2. That puts rank 2 on probation with rank 0
+    (its node's ``probation``): in the next call rank 0 gives its missing rows the shortest
+    grace, does without its audit frames once it is left out and quiet, and answers its
+    challenge, which never reaches it, empty (rank 2 takes that answer from the owner it
+    audits), and every rank completes, the honest ones well before the deadline, with
+    ``simulate``'s bits with rank 2's rows of segment 0 left out from the second piece on
+    (before, every call failed at the deadline and the honest nodes left after their retries)."""
+    go, ends, t0 = mesh_call.MeshCall.run, {}, [0.0]
+    quiet = quiet_after_first_piece(monkeypatch, lambda run, o: run.rank == 2 and o == 0)
+
+    def timed(self: Any) -> None:
+        try:
+            go(self)
+        finally:
+            ends[self.rank] = time.monotonic() - t0[0]
+
+    def before(c: int, nodes: list[Any]) -> None:
+        ends.clear()
+        t0[0] = time.monotonic()
+        if c == 1:  # (the first call put rank 2 on probation with rank 0 alone)
+            assert [n.probation for n in nodes] == [{nodes[2].name}, set(), set(), set()]
+
+    monkeypatch.setattr(mesh_call.MeshCall, "run", timed)
+    monkeypatch.setattr(pairing, "rotation", lambda draw, world: offset)
+    xs = _inputs(4, 5000, seed=21 + offset)
+    (missing, errs, _), (_, errs2, outs) = _calls(710 + 5 * offset, xs, 2, io_timeout=30, deadline=10, before=before)
+    assert all(errs[r] is not None for r in (0, 1, 3)), errs
+    assert missing[0] == (2,) and missing[1] == missing[3] == (), missing
+    assert errs2 == [None] * 4, errs2
+    ref = butterfly.simulate(xs, "int8", 64, 256, "clip", left={0: {2: 1}})
+    assert all(_same_bits(o, ref) for o in outs)
+    assert max(ends[r] for r in (0, 1, 3)) < 6, ends  # (the deadline is 10 s)
+    assert quiet == [(2, 0)] * 2, quiet
+
+
+def test_a_member_whose_link_closes_in_step_1_is_named_but_not_put_on_probation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2 sends rank 0 its first piece, then shuts the link, as a rank aborted from outside
+    (the coordinator said the epoch broke) shuts its links before the others hear of it. The call
+    fails, rank 0 naming rank 2 as before, but nobody puts rank 2 on probation: a link closed
+    is no evidence of a quiet one (a review found that other ranks' aborts could otherwise put
+    an honest member on probation, and colluders then do without its echo)."""
+    honest = butterfly._ButterflyRun._scatter_to
+
+    def scatter(self: Any, k: int) -> None:
+        if self.rank != 2 or butterfly.peer_of(2, 4, k) != 0:
+            return honest(self, k)
+        conn, (a, b) = self.links.out[k], self.plan.piece(0, 0)
+        wire = self._encode(0, 0)
+        conn.send(MsgType.DATA, wire, deadline=self.deadline)
+        conn.send(MsgType.DATA, self.mseal.sign(0, 0, 0, b - a, wire), deadline=self.deadline)
+        conn.abort()
+        raise PeerClosed("rank 2: aborted from outside")
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
+    seen: list[Any] = []
+    [(missing, errs, _)] = _calls(730, _inputs(4, 5000, seed=31), 1, io_timeout=30, deadline=10,
+                                  before=lambda c, nodes: seen.extend(nodes))
+    assert all(e is not None for e in errs), errs
+    assert missing[0] == (2,), missing
+    assert [n.probation for n in seen] == [set()] * 4
+
+
 def _call(monkeypatch: pytest.MonkeyPatch, first: int, xs: list[Any], io_timeout: float = 5.0,
           **cfg: Any) -> tuple[list, list, list]:
     """One butterfly call of 4 ranks over sockets with the patches already in place; (each
     rank's ``missing``, each rank's error, each rank's result)."""
-    nodes = _nodes(4, first=first, io_timeout=io_timeout)
+    return _calls(first, xs, 1, io_timeout, **cfg)[0]
+
+
+def _calls(first: int, xs: list[Any], calls: int, io_timeout: float = 5.0, before: Any = None,
+           **cfg: Any) -> list[tuple[list, list, list]]:
+    """``calls`` butterfly calls of 4 ranks over sockets, one after the other on the same
+    nodes (a communicator per call and epoch, as a node makes for each retry), with the patches
+    already in place; ``before(c, nodes)`` runs before call ``c``. For each call (each rank's
+    ``missing``, each rank's error, each rank's result)."""
+    nodes, got = _nodes(4, first=first, io_timeout=io_timeout), []  # (before(c, nodes))
     try:
-        comms = [n.ring(_members(nodes), r, config=RingConfig(**{**dict(deadline=CFG.deadline, exchange="butterfly",
-                                                                            robust="clip", piece_numel=256), **cfg}))
-                 for r, n in enumerate(nodes)]
-        for c in comms:
-            c.inspect = lambda theirs: verdict(theirs, None)
-        outs, errs = _run(comms, xs)
-        return [c.missing for c in comms], errs, outs
+        for c in range(calls):
+            comms = [n.ring(_members(nodes), r, epoch=c, config=RingConfig(**{
+                **dict(deadline=CFG.deadline, exchange="butterfly", robust="clip", piece_numel=256), **cfg}))
+                for r, n in enumerate(nodes)]
+            for comm in comms:
+                comm.inspect = lambda theirs: verdict(theirs, None)
+            if before is not None:
+                before(c, nodes)
+            outs, errs = _run(comms, xs)
+            got.append(([comm.missing for comm in comms], errs, outs))
+            for comm in comms:
+                comm.close()
+        return got
     finally:
         for n in nodes:
             n.close()

@@ -336,6 +336,7 @@ class Ledger:
         self.asked: dict[int, int] = {}  # auditor -> the piece of its target it asked us for
         # sender -> (its piece, its signature to us; None: supplied by our target, see supply)
         self.answers: dict[int, tuple[bytes, bytes | None]] = {}
+        self.declined: set[int] = set()  # members that sent DECLINED as their answer: our challenge never reached them
         # owner -> the commitment we hold (head, signature): the first that verified, its own or forwarded
         self.heads: dict[int, tuple[bytes, bytes]] = {}
         self.direct: dict[int, tuple[bytes, bytes]] = {}  # owner -> the commitment it sent us itself, verified
@@ -445,8 +446,9 @@ class Ledger:
 
     def decide(self, gone: Collection[int]) -> bool:
         """Whether what we ask our target for is settled (under the caller's lock): once the
-        answer (unless our target left its row out) and echo of every member but the ``gone``
-        (whose links to us carry no more audit frames) are in, and the target's own answer (unless it is gone), the rows of the members
+        answer (unless our target left its row out, or the member declined: :attr:`declined`)
+        and echo of every member but the ``gone`` (whose links to us carry no more audit frames)
+        are in, and the target's own answer (unless it is gone), the rows of the members
         whose answers have not come (nothing once all came; never the target's own row: nobody
         else holds it)."""
         if self.wants is not None:
@@ -456,7 +458,8 @@ class Ledger:
         others = [r for r in range(self.world) if r not in (self.rank, self.target)]
         out = self.out_of_challenge()
         lacking = [r for r in others if r not in self.answers and r not in out]
-        if any(r not in gone for r in lacking) or any(r not in self.echoes and r not in gone for r in others) or \
+        if any(r not in gone and r not in self.declined for r in lacking) or \
+                any(r not in self.echoes and r not in gone for r in others) or \
                 self.target not in self.answers and self.target not in gone:
             return False
         self.wants = bytes(int(r in lacking) for r in range(self.world))

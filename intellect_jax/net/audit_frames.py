@@ -14,9 +14,11 @@ its target for the rows of the members whose answers have not come (an empty req
 came), takes each supplied row that is the committed one as that member's answer, and judges
 without the echoes of the members whose links ended (or went out of step in this bucket:
 ``_ButterflyRun.resync``). So a member that withholds its answer or echo, its next frame then
-out of step, stalls nobody. The target reads the request back before the rows, and a member
-answers an auditor's challenge, unless that auditor's link to it ended before the request or
-challenge came (the auditor is then out of step already).
+out of step, stalls nobody. The target reads the request back before the rows, unless the
+auditor's link to it ended before the request came (the auditor is then out of step already);
+a member answers an auditor's challenge, or, if that auditor's link to it ended, went out of
+step or (on probation) stands quiet before the challenge came, sends :data:`DECLINED` in its
+place, and the auditor takes its row from the target.
 """
 
 from __future__ import annotations
@@ -36,13 +38,18 @@ from intellect_jax.net.ring import Finding
 
 
 ANSWER = -1  # the length of an answer to our audit: known once we have drawn our challenge
+# in place of an answer whose challenge never reached us (the auditor's link to us ended, went out of step, or it
+# is on probation and quiet): our link to it stays in step, and it takes our row from its target (a constant no
+# answer is but by a 2^-128 chance)
+DECLINED = digest(b"intellect_jax: no answer, the challenge never came")[:16]
 
 
 class Unsigned(FrameError):
-    """An answer to our audit whose signature does not verify: another frame read as one (the
-    link out of step: its sender withheld the answer) or a bad one, which proves nothing either
-    way. Like a frame out of place, it ends that sender's share of the bucket on the link, and
-    the answer comes from the owner we audit (:meth:`~.audit.Ledger.decide`)."""
+    """An answer to our audit whose signature does not verify, or of another size than the
+    piece's (one of :data:`DECLINED`'s size): another frame read as one (the link out of step:
+    its sender withheld the answer) or a bad one, which proves nothing either way. Like a
+    frame out of place, it ends that sender's share of the bucket on the link, and the answer
+    comes from the owner we audit (:meth:`~.audit.Ledger.decide`)."""
 
 
 class AuditFrames:
@@ -78,7 +85,7 @@ class AuditFrames:
                    "the commitment of the segment it audits", lambda: self._echo_to(conn, o)),
                   (lambda: drawn() and (o != led.target or self._decided()),
                    "the answers and echoes of our audit", lambda: self._want_from(conn, o)),
-                  (lambda: drawn() and (o != led.auditor or led.wanted is not None or o in self._gone()),
+                  (lambda: drawn() and (o != led.auditor or led.wanted is not None or o in self._gone(False)),
                    f"rank {o}'s request for rows", lambda: self._supply(conn, o))]
         done = self.audit_sent.setdefault(o, 0)
         for ready, what, send in steps[done:]:
@@ -153,20 +160,27 @@ class AuditFrames:
         assert led is not None
         return t == self.rank or t in led.direct or t in led.heads and (t in led.undirect or t in self._gone())
 
-    def _gone(self) -> set[int]:
+    def _gone(self, probation: bool = True) -> set[int]:
         """(Under ``cond``.) The ranks whose links to us carry no more audit frames of this
         bucket, or none we wait for: ended (``relay.Relay.mute``), out of step in it
         (``_ButterflyRun.resync``), or silent: senders we left out whose links to us never
-        brought a piece in this call and bring nothing now (``ROW_IDLE``). Our audit does
-        without their frames, and we skip our answer to their challenge, or the rows they ask
-        for, if those have not come. Never one that sent us a piece: an honest member's first
-        pieces go out on every link at once, before any pacing, while a minority can hold its
-        later ones back (a review found colluders taking turns to stall a member's links, so
-        that its auditor left it out and did without the echo that would show its owner
-        splitting it off; and that a frame of ours skipped for a link merely quiet a while put
-        it out of step when the frame it answers came after all)."""
+        brought a piece in this call, or that are on probation with us (``mesh.probation``: a
+        call failed without all their pieces while their links stood open and still), and bring
+        nothing now (``ROW_IDLE``). Our audit does without their frames, and we skip our answer
+        to their challenge (sending :data:`DECLINED`), or the rows they ask for, if those have
+        not come. Never one that sent us a
+        piece and is not on probation: an honest member's first pieces go out on every link at
+        once, before any pacing, while a minority can hold its later ones back (a review found
+        colluders taking turns to stall a member's links, so that its auditor left it out and
+        did without the echo that would show its owner splitting it off; and that a frame of
+        ours skipped for a link merely quiet a while put it out of step when the frame it
+        answers came after all); no minority can hold them back for a whole call. Without
+        ``probation``, those on probation that sent us a piece are not counted: what we owe them
+        that has no marker in its place (the rows an auditor asks for) waits for them, since an
+        honest auditor's request may come late and its link would go out of step without it."""
         mesh, now = self.mesh, time.monotonic()  # type: ignore[attr-defined]
-        silent = {q for q in mesh.left_out if all(b.got[q] == 0 for b in mesh.buckets) and  # type: ignore[attr-defined]
+        silent = {q for q in mesh.left_out if (probation and q in mesh.probation or  # type: ignore[attr-defined]
+                                               all(b.got[q] == 0 for b in mesh.buckets)) and  # type: ignore[attr-defined]
                   mesh.idle(q, now)}  # type: ignore[attr-defined]
         return mesh.mute | self.gone | silent  # type: ignore[attr-defined]
 
@@ -211,8 +225,8 @@ class AuditFrames:
         our segment: we encoded it like every other)."""
         led = self.ledger
         assert led is not None
-        if o not in led.asked:  # (its link to us ended, or went out of step, before its challenge came)
-            return True
+        if o not in led.asked:  # (its link to us ended, went out of step, or is on probation and quiet, before
+            return self._audit_frame(conn, DECLINED)  # its challenge came: keeps our link to it in step)
         seg, j = audited_by(o, self.world, led.offset), led.asked[o]
         a, b = self.plan.piece(seg, j)
         wire = self._encode(seg, j)
@@ -279,8 +293,43 @@ class AuditFrames:
         if o == led.auditor:  # (of the rows we kept to supply, only the challenged piece's are still of use)
             self.drop_rows(but=j)
         payload = yield ANSWER
-        sig = yield SIG_BYTES
+        if payload == DECLINED:  # our challenge never reached it (our link to it is quiet): our target supplies its row
+            with self.cond:
+                led.declined.add(o)
+                self.cond.notify_all()
+        else:
+            yield from self._answer_in(o, payload)
+        if o != led.target:  # its echo: the commitment it holds of our target, then another if it got one
+            echo = ((yield led.head_nbytes), (yield SIG_BYTES)), ((yield led.head_nbytes), (yield SIG_BYTES))
+            with self.cond:
+                led.echoes[o] = echo
+                self.cond.notify_all()
+        if o == led.auditor:  # what it asks us for, for its audit of our segment
+            wanted = yield self.world
+            with self.cond:
+                bad = led.want(wanted)
+                self.cond.notify_all()
+            if bad:
+                raise FrameError(f"rank {o} sent {bad}")
+        if o == led.target:  # the rows it supplies of those we asked it for: first what we asked, as it read it
+            if (yield self.world) != led.wants:
+                raise FrameError(f"rank {o} supplies other rows than we asked it for")
+            for r in [r for r, v in enumerate(led.wants) if v]:  # type: ignore[arg-type]
+                row = yield ANSWER
+                with self.cond:
+                    led.supply(r, row)  # (one that is not the committed row is left out: we go on waiting)
+                    self.cond.notify_all()
+
+    def _answer_in(self, o: int, payload: bytes) -> Generator[int, bytes, None]:
+        """Rank ``o``'s answer to our audit, ``payload``, then its signature: checked, and kept
+        (unless our target supplied it first)."""
+        led = self.ledger
+        assert led is not None
         a, b = self.plan.piece(led.target, led.challenge)  # type: ignore[arg-type]
+        if len(payload) != quant.encoded_nbytes(b - a, self.mode, self.block):
+            raise Unsigned(f"rank {o}: an answer to our audit of {len(payload)} bytes, expected "
+                           f"{quant.encoded_nbytes(b - a, self.mode, self.block)}")
+        sig = yield SIG_BYTES
         own = o == led.target
         said = signed_piece(led.ctx, o, self.rank, led.target, led.challenge, b - a,  # type: ignore[arg-type]
                             self.mode, self.block, digest(payload))
@@ -302,26 +351,6 @@ class AuditFrames:
         with self.cond:
             led.answers.setdefault(o, (payload, sig))  # (unless our target supplied it first)
             self.cond.notify_all()
-        if not own:  # its echo: the commitment it holds of our target, then another if it got one
-            echo = ((yield led.head_nbytes), (yield SIG_BYTES)), ((yield led.head_nbytes), (yield SIG_BYTES))
-            with self.cond:
-                led.echoes[o] = echo
-                self.cond.notify_all()
-        if o == led.auditor:  # what it asks us for, for its audit of our segment
-            wanted = yield self.world
-            with self.cond:
-                bad = led.want(wanted)
-                self.cond.notify_all()
-            if bad:
-                raise FrameError(f"rank {o} sent {bad}")
-        if own:  # the rows it supplies of those we asked it for: first what we asked, as it read it
-            if (yield self.world) != led.wants:
-                raise FrameError(f"rank {o} supplies other rows than we asked it for")
-            for r in [r for r, v in enumerate(led.wants) if v]:  # type: ignore[arg-type]
-                row = yield ANSWER
-                with self.cond:
-                    led.supply(r, row)  # (one that is not the committed row is left out: we go on waiting)
-                    self.cond.notify_all()
 
     def _bad_frame(self, o: int, t: int, what: str, bad: str | None, got: Callable[[], bool]) -> None:
         """What to do about rank ``t``'s ``what`` that did not hold (``bad``: why; None: it did),
@@ -344,6 +373,8 @@ class AuditFrames:
                 raise FrameError(f"rank {o} answered our audit before we asked")
             a, b = self.plan.piece(led.target, led.challenge)
             want = quant.encoded_nbytes(b - a, self.mode, self.block)
+            if hdr.length == len(DECLINED):  # (maybe no answer: DECLINED; the reader looks, a row to supply is checked)
+                want = hdr.length
         if hdr.length != want:
             raise FrameError(f"rank {o}: an audit frame of {hdr.length} bytes, expected {want}")
         buf = bytearray(want)

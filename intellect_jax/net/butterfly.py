@@ -480,7 +480,7 @@ class _ButterflyRun(AuditFrames):
                 until = self.deadline
                 if self._within_cap(missing):
                     since = now if since is None else since
-                    until = since + self.mesh.row_grace(since)
+                    until = since + self.mesh.row_grace(since, missing)
                     if now >= until:  # (no frame from it for the whole grace: a slow link's big piece is no silence)
                         idle = [i for i in missing if self.mesh.idle(i, now, until - since)]
                         for i in idle:
@@ -814,7 +814,8 @@ def butterfly_all_reduce(links: Links, xs: Sequence[Vector], rank: int, world: i
                          absent: frozenset[int] = frozenset(), auditings: Sequence[Auditing | None] | None = None,
                          verdicts: list[tuple[int, str, Case]] | None = None,
                          gaps: list[int] | None = None, weighing: Weighing | None = None,
-                         shut: list[int] | None = None) -> list[Vector]:
+                         shut: list[int] | None = None, probation: frozenset[int] = frozenset(),
+                         left: list[int] | None = None, quiet: list[int] | None = None) -> list[Vector]:
     """Robust mean (``how``: a :mod:`.robust` aggregator) of each bucket ``xs[i]`` (flat
     float32, not empty; an array or a :class:`~.tree.Flat` of several) over the mesh ``links``, bit-identical on every rank, in one call: every
     bucket's step 1 before any bucket's step 3. Results go to ``outs[i]`` where given.
@@ -830,7 +831,12 @@ def butterfly_all_reduce(links: Links, xs: Sequence[Vector], rank: int, world: i
     against each other found (:func:`~.evidence.outsized`) is added to ``weighing``. With audits
     an owner's aggregates that do not reach us on its link are relayed by a member that holds them
     (:mod:`.relay`); ``shut`` gets the ranks whose links a call that succeeded had to shut (the
-    links are then no use for another call)."""
+    links are then no use for another call), and ``left`` the ranks whose rows of our segment it
+    left out. When it fails, ``quiet`` gets those of ``gaps`` whose links stood open and still at
+    the end (:meth:`~.mesh_call.MeshCall.quiet`). ``probation``: senders that were so in an
+    earlier failed call (``SocketCommunicator._on_probation``): with audits their missing rows
+    get the shortest grace, and their audit frames are done without once they are left out and
+    quiet."""
     if mode not in RING_MODES:
         raise ValueError(f"the butterfly exchange takes {', '.join(RING_MODES)}, not {mode}")
     robust.check_mode(how)
@@ -855,7 +861,8 @@ def butterfly_all_reduce(links: Links, xs: Sequence[Vector], rank: int, world: i
         return outs  # type: ignore[return-value]
     if len(links.out) != world - 1 or len(links.inn) != world - 1:
         raise ValueError(f"a butterfly of {world} needs {world - 1} links each way, not {len(links.out)}")
-    mesh = MeshCall(links, rank, world, deadline, relaying=all(a is not None for a in auditings))
+    mesh = MeshCall(links, rank, world, deadline, relaying=all(a is not None for a in auditings),
+                    probation=probation)
     ws = workspace or Workspace()
     for x, o, seal, auditing in zip(xs, outs, seals, auditings):
         mesh.buckets.append(_ButterflyRun(mesh, x, o, mode, block, piece_numel, how, inspect,  # type: ignore[arg-type]
@@ -864,6 +871,8 @@ def butterfly_all_reduce(links: Links, xs: Sequence[Vector], rank: int, world: i
         mesh.run()
         if shut is not None:
             shut.extend(peer_of(rank, world, k) for k in mesh.shut)
+        if left is not None:
+            left.extend(sorted(i for i, first in mesh.left_out.items() if first < len(mesh.buckets)))
         return outs  # type: ignore[return-value]
     finally:
         for i, b in enumerate(mesh.buckets):
@@ -875,3 +884,5 @@ def butterfly_all_reduce(links: Links, xs: Sequence[Vector], rank: int, world: i
                 b.weigh_into(weighing, i)
         if gaps is not None and mesh.error is not None:
             gaps.extend(mesh.gaps())
+        if quiet is not None and mesh.error is not None:
+            quiet.extend(mesh.quiet())

@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass
-from typing import Annotated, Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Annotated, Any, Callable, Iterable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import numpy as np
 from pydantic import Field
@@ -272,6 +272,11 @@ class NetNode:
     def __init__(self, cfg: TransportConfig, host: str = "127.0.0.1", port: int = 0) -> None:
         self.cfg = cfg
         self.listener = Listener(cfg, host, port)
+        # identities on probation with us as a butterfly owner: their own pieces of our segment did
+        # not all reach us in a failed call while their link stood open and still, and no call has
+        # succeeded with them all since (SocketCommunicator._on_probation). Our own observation,
+        # kept across epochs.
+        self.probation: set[str] = set()
 
     @property
     def address(self) -> Address:
@@ -569,9 +574,13 @@ class SocketCommunicator:
         # reach us (every bucket's step 1 comes before any bucket's step 3: net.butterfly)
         gaps: list[int] = []
         shut: list[int] = []  # after a butterfly call that succeeded: the ranks whose links it shut (net.relay)
+        left: list[int] = []  # after a butterfly call that succeeded: the ranks whose rows of our segment it left out
+        quiet: list[int] = []  # after one that failed: the gaps whose links stood open and still (MeshCall.quiet)
         held: list[tuple[int, Holding]] = []  # (call, our holding of an origin) from an all-gather that failed
         vouched: list[tuple[int, Vouch]] = []  # (call, our signed digest list or a rank's we got) from it
         meshed = cfg.exchange == "butterfly"  # (its links open with the call's header, link by link: _mesh)
+        probation = frozenset(r for r, i in enumerate(self.ids) if i in self.node.probation and r != self.rank) \
+            if meshed and cfg.audit else frozenset()
         opening = t0 + mesh.OPENING * cfg.deadline if meshed else deadline
         self.missing = ()
         try:
@@ -580,7 +589,7 @@ class SocketCommunicator:
 
             def before(info: dict[str, Any]) -> None:
                 nonlocal links
-                meta = {"v": 7, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
+                meta = {"v": 8, "call": call, "step": self.step, "epoch": self.epoch, "world": self.world_size,
                         "peers": self._peers_hash, **asdict(cfg), "absent": sorted(self.absent), **info, "nonce": ""}
                 meta.pop("deadline")
                 if meshed and cfg.audit:  # a nonce per bucket for the audits' pairing, bound here (pairing.draw)
@@ -630,7 +639,8 @@ class SocketCommunicator:
                                                 workspace=self._workspace, absent=self.absent,
                                                 auditings=[self._auditing(c, links, chain[bi], bi, last)
                                                            for c, bi in zip(calls, bis)] if cfg.audit else None,
-                                                verdicts=verdicts, gaps=gaps, weighing=weighing, shut=shut)
+                                                verdicts=verdicts, gaps=gaps, weighing=weighing, shut=shut,
+                                                probation=probation, left=left, quiet=quiet)
                 finally:
                     findings.extend((calls[i], r, f) for i, r, f in by)
                     bucket_calls[:] = calls
@@ -671,17 +681,37 @@ class SocketCommunicator:
                     block=cfg.block_size, cert=h.cert, numels=h.numels, digests=h.digests, signatures=h.signatures))
             if not self._aborted:  # (aborted from outside: the call was cut short, its gaps say nothing)
                 self.missing = tuple(sorted(set(gaps)))
+                if meshed and cfg.audit:
+                    self._on_probation(probation | set(quiet))
             self._teardown()  # neighbours see the connections close and fail fast too
             if self._dead and isinstance(e, NetError) and not isinstance(e, AuditFailed):
                 first = self._dead[min(self._dead)]  # the root cause, not its echo in the exchange
                 raise type(first)(str(first)) from e
             raise
+        if meshed and cfg.audit:
+            self._on_probation(probation & set(left))
         sent, recv = links.traffic()
         self._stats = CommStats(sent - sent0, recv - recv0, time.monotonic() - t0, numel, self.world_size, cfg.mode)
         self._calls += 1
         if shut:  # (those links may hold half a frame: another call on them would read it as its own)
             self._teardown()
         return result
+
+    def _on_probation(self, ranks: Iterable[int]) -> None:
+        """After an audited butterfly call: the members of this ring on probation with us are
+        ``ranks`` (the others' standing is kept). A member goes on it when its own pieces of our
+        segment did not all reach us in a call that failed while its link to us stood open and
+        still at the end (``MeshCall.quiet``): every link carries its step 1 to its end whatever
+        fails elsewhere, and goes unpaced after half the call's time (:mod:`.mesh_call`), so no
+        third rank can cause that to an honest member on a sound link (a rank aborted from outside
+        shuts its links: those closed do not count, nor those still moving). It stays on through
+        failed calls and calls that succeed leaving its rows out, and is off after one that
+        succeeds with them all. In a later call we give its missing rows the shortest grace and,
+        once we have left it out and its link brings nothing, do without its audit frames
+        (:mod:`.audit_frames`): a member that goes quiet to us after its first pieces then fails
+        one call, not all."""
+        mine = set(self.ids) - {self.ids[self.rank]}
+        self.node.probation = (self.node.probation - mine) | {self.ids[r] for r in ranks}
 
     def _seal(self, call: int, links: Links) -> Seal:
         """Signatures of call ``call``: ours over our own pieces, the predecessor's checked with

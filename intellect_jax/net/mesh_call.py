@@ -12,6 +12,7 @@ is a bucket's (``butterfly._ButterflyRun``, whose step methods the threads call 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -37,9 +38,12 @@ class MeshCall(Relay, Pipeline):
 
     name = "butterfly"
 
-    def __init__(self, links: Links, rank: int, world: int, deadline: float, relaying: bool = False) -> None:
+    def __init__(self, links: Links, rank: int, world: int, deadline: float, relaying: bool = False,
+                 probation: frozenset[int] = frozenset()) -> None:
         super().__init__(links, deadline)
         self.rank, self.world = rank, world
+        self.probation = probation  # senders whose pieces did not all reach us in an earlier failed call
+        self.closed: set[int] = set()  # senders whose links to us closed (or were reset) in step 1 before the deadline
         self._init_relay(relaying)
         self.buckets: list[Any] = []  # (each a butterfly._ButterflyRun)
         self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
@@ -78,11 +82,13 @@ class MeshCall(Relay, Pipeline):
         ``least`` seconds)."""
         return now - self.heard_from(q, now) >= max(ROW_IDLE, least)
 
-    def row_grace(self, since: float) -> float:
-        """Seconds the rows still missing of a piece get, counted from ``since`` (when all but
-        a minority of them were in): ``ROW_WAIT`` of the call's time until then, at least
-        ``ROW_WAIT_MIN``, at most half the time left."""
-        return min(max(ROW_WAIT_MIN, ROW_WAIT * (since - self.t0)), (self.deadline - since) / 2)
+    def row_grace(self, since: float, senders: Sequence[int] = ()) -> float:
+        """Seconds the rows still missing of a piece, from ``senders``, get, counted from
+        ``since`` (when all but a minority of them were in): ``ROW_WAIT`` of the call's time
+        until then, at least ``ROW_WAIT_MIN``, at most half the time left; only
+        ``ROW_WAIT_MIN`` when every one of them is on probation (:attr:`probation`)."""
+        wait = ROW_WAIT_MIN if senders and set(senders) <= self.probation else ROW_WAIT * (since - self.t0)
+        return min(max(ROW_WAIT_MIN, wait), (self.deadline - since) / 2)
 
     def wide(self, k: int, n: int) -> np.ndarray:
         """Float64 scratch of at least ``n`` values for link ``k``'s thread (-1: the owner's)."""
@@ -113,6 +119,9 @@ class MeshCall(Relay, Pipeline):
             for i, b in enumerate(self.buckets):
                 getattr(b, step1)(k)
         except (NetError, OSError) as e:
+            if side == 1 and isinstance(e, ConnectionError) and time.monotonic() < self.deadline:
+                with self.cond:  # (we shut a link still in step 1 only at the deadline: its sender closed it)
+                    self.closed.add(self._peer(k))
             if side == 0 or not self.left_behind(k, i, e):
                 raise
             left = e  # (its sender is left out for the rest of the call: what it still owes us comes by relay)
@@ -281,6 +290,15 @@ class MeshCall(Relay, Pipeline):
         """The ranks whose own pieces of our segment, in any bucket, did not all reach us."""
         return [o for o in range(self.world) if o != self.rank
                 and any(b.got[o] < b.plan.pieces for b in self.buckets)]
+
+    def quiet(self) -> list[int]:
+        """(After the call.) Those of :meth:`gaps` whose links to us stood open and still: not
+        closed or reset by them in step 1 (as a rank that fails or is aborted from outside shuts
+        its links: no fault of theirs), and bringing nothing for ``ROW_IDLE`` when we last
+        looked (a link still moving at the end was slow, or held back by others)."""
+        now = time.monotonic()
+        with self.cond:
+            return [q for q in self.gaps() if q not in self.closed and self.idle(q, now)]
 
     def run(self) -> None:
         """Every thread of the call, until we hold the whole result and every link has ended
