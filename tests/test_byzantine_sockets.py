@@ -15,8 +15,8 @@ import pytest
 from intellect_jax.diloco.parts import Outcome
 from intellect_jax.net import RingConfig
 from intellect_jax.net.comm import SocketCommunicator
-from tests.helpers import (forging_owner, garbling_commitment, socket_run, unsigned_rows, withholding_aggregates,
-                           withholding_answers)
+from tests.helpers import (forging_owner, garbling_commitment, quiet_after_first_piece, socket_run, unsigned_rows,
+                           withholding_aggregates, withholding_answers)
 
 RING = RingConfig(mode="int8", piece_numel=256, deadline=30.0, exchange="butterfly", robust="clip")
 STEPS = 8
@@ -143,6 +143,40 @@ def test_a_member_signing_its_pieces_to_one_owner_with_garbage_in_a_real_run_evi
     assert r["outcomes"] == [Outcome.FINISHED] * 4, r["outcomes"]
     assert len(set(r["node_hashes"])) == 1, r["node_hashes"]
     assert len(left) >= STEPS, left
+
+
+def test_a_member_quiet_to_one_owner_after_its_first_piece_in_a_real_run_evicts_nobody(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """n1 sends n3 its first piece of n3's segment, then keeps the link quiet until the
+    deadline, in every all-reduce. The first call fails, named by n3 alone, which puts n1 on
+    probation with n3; from then on n3 leaves n1's rows out, does without its audit frames and
+    answers its challenge, which never reaches it, empty (its answer comes from the owner n1
+    audits). Only the calls whose draw makes n3 and n1 audit each other (one in three: neither
+    holds the other's row lists, challenge or own answer from anyone else) fail, each retried
+    with a new draw. Nobody is evicted, and the four finish the run with one state (before,
+    every call failed at the deadline, and after their retries the honest nodes left)."""
+    calls: list[tuple[str, bool]] = []
+    honest = SocketCommunicator.all_reduce_mean
+
+    def counted(self: SocketCommunicator, tree: Any, **kw: Any) -> Any:
+        try:
+            out = honest(self, tree, **kw)
+        except BaseException:
+            calls.append((self.ids[self.rank], False))
+            raise
+        calls.append((self.ids[self.rank], True))
+        return out
+
+    monkeypatch.setattr(SocketCommunicator, "all_reduce_mean", counted)
+    quiet = quiet_after_first_piece(monkeypatch, lambda run, o: run.ledger.ctx.ids[run.rank] == "n1" and
+                                    run.ledger.ctx.ids[o] == "n3")
+    r = socket_run(4, "byz-quiet", dataclasses.replace(RING, deadline=5.0), outer_steps=4, dim=4096)
+    failed = [ok for who, ok in calls if who == "n3"].count(False)
+    print(f"n3: {failed} of {sum(who == 'n3' for who, _ in calls)} calls failed; {r['wall_s']:.1f} s")
+    assert r["evictions"] == [], r["evictions"]
+    assert r["outcomes"] == [Outcome.FINISHED] * 4, r["outcomes"]
+    assert len(set(r["node_hashes"])) == 1, r["node_hashes"]
+    assert len(quiet) >= 4, quiet
 
 
 @pytest.mark.parametrize("attack", ["flip", "push", "ratchet", "x1000", "sitout"])
