@@ -608,8 +608,8 @@ def unsigned_rows(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, int], boo
 def quiet_after_first_piece(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, int], bool]) -> list[tuple[int, int]]:
     """Butterfly members send each owner ``o`` where ``bad(run, o)`` holds (``run``: the
     exchange's ``_ButterflyRun``) their first piece of its segment, signed, then keep the link
-    open and quiet until the call's deadline; each (sender, owner) that did so goes into the
-    list returned, once a call."""
+    open and quiet until a second past the call's deadline (past the owner's too, whichever
+    started first); each (sender, owner) that did so goes into the list returned, once a call."""
     import time
 
     from intellect_jax.net import butterfly
@@ -627,7 +627,7 @@ def quiet_after_first_piece(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any,
         conn.send(MsgType.DATA, self.mseal.sign(o, o, 0, b - a, wire), deadline=self.deadline)
         self._sent(0, k)
         quiet.append((self.rank, o))
-        time.sleep(max(0.0, self.deadline - time.monotonic()))
+        time.sleep(max(0.0, self.deadline + 1.0 - time.monotonic()))
 
     monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter_to)
     return quiet

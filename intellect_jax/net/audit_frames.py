@@ -80,7 +80,8 @@ class AuditFrames:
         steps += [(drawn, "every member's nonce", lambda: self._rows_to(conn, o)),
                   (lambda: led.challenge is not None, "the row lists of the segment we audit",
                    lambda: self._audit_frame(conn, np.uint32(led.challenge).tobytes() + led.drawn)),
-                  (lambda: o in led.asked or o in self._gone(), f"rank {o}'s challenge", lambda: self._answer(conn, o)),
+                  (lambda: o in led.asked or o in self._gone(o != led.auditor), f"rank {o}'s challenge",
+                   lambda: self._answer(conn, o)),
                   (lambda: drawn() and self._echoable(audited_by(o, self.world, led.offset)),
                    "the commitment of the segment it audits", lambda: self._echo_to(conn, o)),
                   (lambda: drawn() and (o != led.target or self._decided()),
@@ -175,9 +176,10 @@ class AuditFrames:
         did without the echo that would show its owner splitting it off; and that a frame of
         ours skipped for a link merely quiet a while put it out of step when the frame it
         answers came after all); no minority can hold them back for a whole call. Without
-        ``probation``, those on probation that sent us a piece are not counted: what we owe them
-        that has no marker in its place (the rows an auditor asks for) waits for them, since an
-        honest auditor's request may come late and its link would go out of step without it."""
+        ``probation``, those on probation that sent us a piece are not counted: what we owe our
+        own auditor (our own answer, which nobody else holds, and the rows it asks for, which
+        have no marker in its place) waits for it, since an honest auditor's challenge or
+        request may come late, and without them its audit of us could not pass."""
         mesh, now = self.mesh, time.monotonic()  # type: ignore[attr-defined]
         silent = {q for q in mesh.left_out if (probation and q in mesh.probation or  # type: ignore[attr-defined]
                                                all(b.got[q] == 0 for b in mesh.buckets)) and  # type: ignore[attr-defined]
@@ -297,6 +299,8 @@ class AuditFrames:
             with self.cond:
                 led.declined.add(o)
                 self.cond.notify_all()
+        elif led.challenge is None:
+            raise FrameError(f"rank {o} answered our audit before we asked")
         else:
             yield from self._answer_in(o, payload)
         if o != led.target:  # its echo: the commitment it holds of our target, then another if it got one
@@ -369,12 +373,13 @@ class AuditFrames:
         led = self.ledger
         assert led is not None
         if want == ANSWER:
-            if led.challenge is None:
+            if hdr.length == len(DECLINED):  # (maybe no answer, which may come before we drew our challenge:
+                want = hdr.length  # DECLINED; the reader looks, and a row supplied is checked)
+            elif led.challenge is None:
                 raise FrameError(f"rank {o} answered our audit before we asked")
-            a, b = self.plan.piece(led.target, led.challenge)
-            want = quant.encoded_nbytes(b - a, self.mode, self.block)
-            if hdr.length == len(DECLINED):  # (maybe no answer: DECLINED; the reader looks, a row to supply is checked)
-                want = hdr.length
+            else:
+                a, b = self.plan.piece(led.target, led.challenge)
+                want = quant.encoded_nbytes(b - a, self.mode, self.block)
         if hdr.length != want:
             raise FrameError(f"rank {o}: an audit frame of {hdr.length} bytes, expected {want}")
         buf = bytearray(want)

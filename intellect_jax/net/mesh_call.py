@@ -292,13 +292,16 @@ class MeshCall(Relay, Pipeline):
                 and any(b.got[o] < b.plan.pieces for b in self.buckets)]
 
     def quiet(self) -> list[int]:
-        """(After the call.) Those of :meth:`gaps` whose links to us stood open and still: not
-        closed or reset by them in step 1 (as a rank that fails or is aborted from outside shuts
-        its links: no fault of theirs), and bringing nothing for ``ROW_IDLE`` when we last
-        looked (a link still moving at the end was slow, or held back by others)."""
+        """(After the call.) Those of :meth:`gaps` that sent us a piece and whose links to us
+        then stood open and still: not closed or reset by them in step 1 (as a rank that fails
+        or is aborted from outside shuts its links: no fault of theirs), and bringing nothing,
+        as far as we looked, for half the call's time (``ROW_IDLE`` at least: the transport
+        counts a frame once it is whole, and a link still moving at the end was slow, or held
+        back by others). A link that never opened is no quiet one: its member came late."""
         now = time.monotonic()
         with self.cond:
-            return [q for q in self.gaps() if q not in self.closed and self.idle(q, now)]
+            return [q for q in self.gaps() if q not in self.closed and any(b.got[q] for b in self.buckets)
+                    and self.idle(q, now, (now - self.t0) / 2)]
 
     def run(self) -> None:
         """Every thread of the call, until we hold the whole result and every link has ended
