@@ -43,7 +43,8 @@ class MeshCall(Relay, Pipeline):
         super().__init__(links, deadline)
         self.rank, self.world = rank, world
         self.probation = probation  # senders whose pieces did not all reach us in an earlier failed call
-        self.closed: set[int] = set()  # senders whose links to us closed (or were reset) in step 1 before the deadline
+        # sender -> when its link to us closed (or was reset) in step 1 before the deadline
+        self.closed: dict[int, float] = {}
         self._init_relay(relaying)
         self.buckets: list[Any] = []  # (each a butterfly._ButterflyRun)
         self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
@@ -121,7 +122,7 @@ class MeshCall(Relay, Pipeline):
         except (NetError, OSError) as e:
             if side == 1 and isinstance(e, ConnectionError) and time.monotonic() < self.deadline:
                 with self.cond:  # (we shut a link still in step 1 only at the deadline: its sender closed it)
-                    self.closed.add(self._peer(k))
+                    self.closed.setdefault(self._peer(k), time.monotonic())
             if side == 0 or not self.left_behind(k, i, e):
                 raise
             left = e  # (its sender is left out for the rest of the call: what it still owes us comes by relay)
@@ -293,15 +294,17 @@ class MeshCall(Relay, Pipeline):
 
     def quiet(self) -> list[int]:
         """(After the call.) Those of :meth:`gaps` that sent us a piece and whose links to us
-        then stood open and still: not closed or reset by them in step 1 (as a rank that fails
-        or is aborted from outside shuts its links: no fault of theirs), and bringing nothing,
-        as far as we looked, for half the call's time (``ROW_IDLE`` at least: the transport
-        counts a frame once it is whole, and a link still moving at the end was slow, or held
-        back by others). A link that never opened is no quiet one: its member came late."""
+        then stood still: bringing nothing, as far as we looked, for half the call's time
+        (``ROW_IDLE`` at least: the transport counts a frame once it is whole, and a link still
+        moving at the end was slow, or held back by others), until the call's end or until their
+        sender closed or reset them in step 1, whichever came first. A rank that fails or is
+        aborted from outside shuts its links while its own pieces still go out on them, so
+        that close finds them moving: no fault of theirs (``closed``). A link that never opened
+        is no quiet one: its member came late."""
         now = time.monotonic()
         with self.cond:
-            return [q for q in self.gaps() if q not in self.closed and any(b.got[q] for b in self.buckets)
-                    and self.idle(q, now, (now - self.t0) / 2)]
+            return [q for q in self.gaps() if any(b.got[q] for b in self.buckets) and
+                    self.idle(q, at := self.closed.get(q, now), (at - self.t0) / 2)]
 
     def run(self) -> None:
         """Every thread of the call, until we hold the whole result and every link has ended
