@@ -832,8 +832,8 @@ def butterfly_all_reduce(links: Links, xs: Sequence[Vector], rank: int, world: i
     an owner's aggregates that do not reach us on its link are relayed by a member that holds them
     (:mod:`.relay`); ``shut`` gets the ranks whose links a call that succeeded had to shut (the
     links are then no use for another call), and ``left`` the ranks whose rows of our segment it
-    left out. When it fails, ``quiet`` gets those of ``gaps`` whose links stood open and still at
-    the end (:meth:`~.mesh_call.MeshCall.quiet`). ``probation``: senders that were so in an
+    left out. When it fails, ``quiet`` gets those of ``gaps`` whose links stood still to the end,
+    or to a late close (:meth:`~.mesh_call.MeshCall.quiet`). ``probation``: senders that were so in an
     earlier failed call (``SocketCommunicator._on_probation``): with audits their missing rows
     get the shortest grace, and their audit frames are done without once they are left out and
     quiet."""

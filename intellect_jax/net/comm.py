@@ -575,7 +575,7 @@ class SocketCommunicator:
         gaps: list[int] = []
         shut: list[int] = []  # after a butterfly call that succeeded: the ranks whose links it shut (net.relay)
         left: list[int] = []  # after a butterfly call that succeeded: the ranks whose rows of our segment it left out
-        quiet: list[int] = []  # after one that failed: the gaps whose links stood open and still (MeshCall.quiet)
+        quiet: list[int] = []  # after one that failed: the gaps whose links stood still (MeshCall.quiet)
         held: list[tuple[int, Holding]] = []  # (call, our holding of an origin) from an all-gather that failed
         vouched: list[tuple[int, Vouch]] = []  # (call, our signed digest list or a rank's we got) from it
         meshed = cfg.exchange == "butterfly"  # (its links open with the call's header, link by link: _mesh)
@@ -700,11 +700,12 @@ class SocketCommunicator:
     def _on_probation(self, ranks: Iterable[int]) -> None:
         """After an audited butterfly call: the members of this ring on probation with us are
         ``ranks`` (the others' standing is kept). A member goes on it when its own pieces of our
-        segment did not all reach us in a call that failed while its link to us stood open and
-        still at the end (``MeshCall.quiet``): every link carries its step 1 to its end whatever
-        fails elsewhere, and goes unpaced after half the call's time (:mod:`.mesh_call`), so no
-        third rank can cause that to an honest member on a sound link (a rank aborted from outside
-        shuts its links: those closed do not count, nor those still moving). It stays on through
+        segment did not all reach us in a call that failed while its link to us stood still for
+        half the call, up to the end or to a close in the call's last quarter (``MeshCall.quiet``):
+        every link carries its step 1 to its end whatever fails elsewhere, and goes unpaced after
+        half the call's time (:mod:`.mesh_call`), so no third rank can cause that to an honest
+        member on a sound link (a rank aborted from outside shuts its links: those closed earlier
+        do not count, nor those still moving). It stays on through
         failed calls and calls that succeed leaving its rows out, and is off after one that
         succeeds with them all. In a later call we give its missing rows the shortest grace and,
         once we have left it out and its link brings nothing, do without its audit frames

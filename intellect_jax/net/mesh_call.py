@@ -28,6 +28,7 @@ ROW_IDLE = 1.0  # seconds, at least, without a frame from a sender before its mi
 ROW_LOOK = 0.25  # seconds between looks at the links' bytes while rows are waited for
 WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
 PACE_HOLD = 0.5  # seconds a link waits before the slowest counts as stuck (a peer that does not read)
+CLOSE_LATE = 0.75  # share of the call's time after which a link closed still (in step 1) counts as quiet
 
 
 class MeshCall(Relay, Pipeline):
@@ -296,14 +297,18 @@ class MeshCall(Relay, Pipeline):
         """(After the call.) Those of :meth:`gaps` that sent us a piece and whose links to us
         then stood still: bringing nothing, as far as we looked, for half the call's time
         (``ROW_IDLE`` at least: the transport counts a frame once it is whole, and a link still
-        moving at the end was slow, or held back by others), until the call's end or until their
-        sender closed or reset them in step 1, whichever came first. A rank that fails or is
-        aborted from outside shuts its links while its own pieces still go out on them, so
-        that close finds them moving: no fault of theirs (``closed``). A link that never opened
-        is no quiet one: its member came late."""
-        now = time.monotonic()
+        moving at the end was slow, or held back by others), until the call's end, or until
+        their sender closed or reset them in step 1 in the last quarter of the call (``CLOSE_LATE``:
+        as a quiet member's own call ends at its deadline, a moment before ours). A close before
+        that counts for nothing: a rank aborted from outside shuts its links at once, and before
+        step 1 goes unpaced (:meth:`_pace`, half the call) colluders that take turns reading its
+        pieces can hold them all still a while (found by review); after it, an honest rank's
+        links move until its pieces are out, and a quarter of the call unpaced and still is no
+        pacing. A link that never opened is no quiet one: its member came late."""
+        now, late = time.monotonic(), self.t0 + CLOSE_LATE * (self.deadline - self.t0)
         with self.cond:
             return [q for q in self.gaps() if any(b.got[q] for b in self.buckets) and
+                    self.closed.get(q, late) >= late and
                     self.idle(q, at := self.closed.get(q, now), (at - self.t0) / 2)]
 
     def run(self) -> None:
