@@ -608,8 +608,8 @@ def unsigned_rows(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, int], boo
 def quiet_after_first_piece(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, int], bool]) -> list[tuple[int, int]]:
     """Butterfly members send each owner ``o`` where ``bad(run, o)`` holds (``run``: the
     exchange's ``_ButterflyRun``) their first piece of its segment, signed, then keep the link
-    open and quiet until a second past the call's deadline (past the owner's too, whichever
-    started first); each (sender, owner) that did so goes into the list returned, once a call."""
+    quiet until their own call's deadline shuts it (this thread then sleeps on until a second
+    past it); each (sender, owner) that did so goes into the list returned, once a call."""
     import time
 
     from intellect_jax.net import butterfly

@@ -19,6 +19,7 @@ from intellect_jax.coordinator.roster import Arrival, Node, Role
 from intellect_jax.coordinator.schema import Missing, Report
 from intellect_jax.net import RingConfig, audit, butterfly, mesh_call, pairing, relay
 from intellect_jax.net.butterfly import MeshSeal
+from intellect_jax.net.comm import SocketCommunicator
 from intellect_jax.net.errors import FrameError, PeerClosed
 from intellect_jax.net.evidence import verdict
 from intellect_jax.net.frames import MsgType
@@ -231,10 +232,10 @@ def test_a_member_whose_link_closes_in_step_1_is_on_probation_only_if_it_stood_s
     aborts could otherwise put an honest member on probation, and colluders then do without
     its echo. Nor after 3 s of a still link: before step 1 goes unpaced, colluders taking turns
     to read an honest member's pieces can hold its links still that long, then have it aborted
-    (found by the review of the change below). After 8 s, in the call's last quarter, rank 0
-    does: a seeded schedule found that a quiet member whose own deadline came first, so that
-    its link closed a moment before rank 0's deadline, was never put on probation and failed
-    every call."""
+    (found by a review). After 8 s, 3 s after its step 1 went unpaced at the latest (half the
+    call after its first piece), rank 0 does: a seeded schedule found that a quiet member whose
+    own deadline came first, so that its link closed a moment before rank 0's deadline, was
+    never put on probation and failed every call."""
     honest = butterfly._ButterflyRun._scatter_to
 
     def scatter(self: Any, k: int) -> None:
@@ -255,6 +256,85 @@ def test_a_member_whose_link_closes_in_step_1_is_on_probation_only_if_it_stood_s
     assert all(e is not None for e in errs), errs
     assert missing[0] == (2,), missing
     assert [n.probation for n in seen] == [{seen[2].name} if still > 5 else set(), set(), set(), set()]
+
+
+def test_a_member_that_started_late_and_stood_still_while_paced_is_not_put_on_probation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks 1 and 3 start their calls 1.5 s after rank 0, rank 2 2.5 s after it (links open
+    within the first half of the 10-s deadline). Rank 2 sends rank 0 its first piece while
+    rank 0 still waits for its rows, then its link stands still, as an honest member's does
+    while colluders taking turns to read its pieces hold its pacing (which runs to half the
+    call from its own start), and it is aborted from outside 8.5 s into rank 0's call, in its
+    last quarter. Rank 0 names it, but does not put it on probation: its step 1 may have been
+    paced until 7.5 s or later (a review found that a rule counting a close in the call's last
+    quarter put it on probation)."""
+    honest, call = butterfly._ButterflyRun._scatter_to, SocketCommunicator.all_reduce_mean
+
+    def late(self: Any, tree: Any, **kw: Any) -> Any:
+        time.sleep({0: 0.0, 1: 1.5, 2: 2.5, 3: 1.5}[self.rank])
+        return call(self, tree, **kw)
+
+    def scatter(self: Any, k: int) -> None:
+        if self.rank != 2 or butterfly.peer_of(2, 4, k) != 0:
+            return honest(self, k)
+        conn, (a, b) = self.links.out[k], self.plan.piece(0, 0)
+        wire = self._encode(0, 0)
+        conn.send(MsgType.DATA, wire, deadline=self.deadline)
+        conn.send(MsgType.DATA, self.mseal.sign(0, 0, 0, b - a, wire), deadline=self.deadline)
+        time.sleep(max(0.0, t0[0] + 8.5 - time.monotonic()))
+        conn.abort()
+        raise PeerClosed("rank 2: aborted from outside")
+
+    t0: list[float] = [0.0]
+    monkeypatch.setattr(SocketCommunicator, "all_reduce_mean", late)
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
+    seen: list[Any] = []
+
+    def before(c: int, nodes: list[Any]) -> None:
+        seen.extend(nodes)
+        t0[0] = time.monotonic()
+
+    [(missing, errs, _)] = _calls(775, _inputs(4, 5000, seed=33), 1, io_timeout=30, deadline=10, before=before)
+    assert all(e is not None for e in errs), errs
+    assert missing[0] == (2,), missing
+    assert [n.probation for n in seen] == [set()] * 4
+
+
+def test_a_member_that_sends_a_frame_header_alone_after_its_first_piece_is_still_put_on_probation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2 sends rank 0 its first piece, then keeps the link quiet, but 7 s into the 10-s
+    call sends the header of its next piece without the piece. Rank 0's transport counts the
+    header's bytes when it comes, so a look at the link's bytes saw it move (a review found that
+    this kept a quiet member off probation); only a whole piece counts now, and rank 0 puts it on
+    probation."""
+    from intellect_jax.net.frames import pack_header, payload_tag
+
+    honest, headers = butterfly._ButterflyRun._scatter_to, []
+
+    def scatter(self: Any, k: int) -> None:
+        if self.rank != 2 or butterfly.peer_of(2, 4, k) != 0:
+            return honest(self, k)
+        conn, (a, b) = self.links.out[k], self.plan.piece(0, 0)
+        wire = self._encode(0, 0)
+        conn.send(MsgType.DATA, wire, deadline=self.deadline)
+        conn.send(MsgType.DATA, self.mseal.sign(0, 0, 0, b - a, wire), deadline=self.deadline)
+        time.sleep(max(0.0, self.deadline - 3.0 - time.monotonic()))
+        nxt = self._encode(0, 1)
+        hdr = pack_header(MsgType.DATA, conn._run, conn._send_seq, nxt.nbytes, payload_tag(memoryview(nxt), conn.cfg.integrity),
+                          conn.cfg.integrity)
+        conn._send_seq += 1
+        conn._send_views([memoryview(hdr)], self.deadline, "a header alone")
+        headers.append(time.monotonic())
+        time.sleep(max(0.0, self.deadline + 1.0 - time.monotonic()))
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
+    seen: list[Any] = []
+    [(missing, errs, _)] = _calls(780, _inputs(4, 5000, seed=35), 1, io_timeout=30, deadline=10,
+                                  before=lambda c, nodes: seen.extend(nodes))
+    assert headers, "no header was sent"
+    assert all(errs[r] is not None for r in (0, 1, 3)), errs
+    assert missing[0] == (2,), missing
+    assert [n.probation for n in seen] == [{seen[2].name}, set(), set(), set()]
 
 
 def _call(monkeypatch: pytest.MonkeyPatch, first: int, xs: list[Any], io_timeout: float = 5.0,

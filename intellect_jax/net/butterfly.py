@@ -561,6 +561,7 @@ class _ButterflyRun(AuditFrames):
             a, b = self.plan.piece(me, j)
             wire = self._recv(conn, b - a)
             sig = self.their_signature(conn)
+            self.mesh.piece_came(o)
             if led is not None and not led.received(j, o, wire, sig) or led is None and self.signed and \
                     not self.mseal.verify(o, me, j, b - a, wire, sig):  # type: ignore[union-attr,arg-type]
                 self.ws.release(wire)  # (with the relay: left out from here on, if no more than a minority is)
@@ -832,8 +833,8 @@ def butterfly_all_reduce(links: Links, xs: Sequence[Vector], rank: int, world: i
     an owner's aggregates that do not reach us on its link are relayed by a member that holds them
     (:mod:`.relay`); ``shut`` gets the ranks whose links a call that succeeded had to shut (the
     links are then no use for another call), and ``left`` the ranks whose rows of our segment it
-    left out. When it fails, ``quiet`` gets those of ``gaps`` whose links stood still to the end,
-    or to a late close (:meth:`~.mesh_call.MeshCall.quiet`). ``probation``: senders that were so in an
+    left out. When it fails, ``quiet`` gets those of ``gaps`` whose links brought no whole piece
+    long enough, unpaced (:meth:`~.mesh_call.MeshCall.quiet`). ``probation``: senders that were so in an
     earlier failed call (``SocketCommunicator._on_probation``): with audits their missing rows
     get the shortest grace, and their audit frames are done without once they are left out and
     quiet."""

@@ -700,12 +700,13 @@ class SocketCommunicator:
     def _on_probation(self, ranks: Iterable[int]) -> None:
         """After an audited butterfly call: the members of this ring on probation with us are
         ``ranks`` (the others' standing is kept). A member goes on it when its own pieces of our
-        segment did not all reach us in a call that failed while its link to us stood still for
-        half the call, up to the end or to a close in the call's last quarter (``MeshCall.quiet``):
-        every link carries its step 1 to its end whatever fails elsewhere, and goes unpaced after
-        half the call's time (:mod:`.mesh_call`), so no third rank can cause that to an honest
-        member on a sound link (a rank aborted from outside shuts its links: those closed earlier
-        do not count, nor those still moving). It stays on through
+        segment did not all reach us in a call that failed, its link to us bringing no whole piece
+        for half the call and for a quarter of it after the latest time its sender's step 1 can
+        have been paced, up to the end or to a close (``MeshCall.quiet``): every link carries its
+        step 1 to its end whatever fails elsewhere, unpaced after half the call from its sender's
+        start (:mod:`.mesh_call`), so no third rank can cause that to an honest member on a sound
+        link (a rank aborted from outside shuts its links at once: an early close makes nobody
+        quiet). It stays on through
         failed calls and calls that succeed leaving its rows out, and is off after one that
         succeeds with them all. In a later call we give its missing rows the shortest grace and,
         once we have left it out and its link brings nothing, do without its audit frames

@@ -28,7 +28,6 @@ ROW_IDLE = 1.0  # seconds, at least, without a frame from a sender before its mi
 ROW_LOOK = 0.25  # seconds between looks at the links' bytes while rows are waited for
 WINDOW = 2  # pieces a link may run ahead of the slowest link (docs/results.md)
 PACE_HOLD = 0.5  # seconds a link waits before the slowest counts as stuck (a peer that does not read)
-CLOSE_LATE = 0.75  # share of the call's time after which a link closed still (in step 1) counts as quiet
 
 
 class MeshCall(Relay, Pipeline):
@@ -46,6 +45,7 @@ class MeshCall(Relay, Pipeline):
         self.probation = probation  # senders whose pieces did not all reach us in an earlier failed call
         # sender -> when its link to us closed (or was reset) in step 1 before the deadline
         self.closed: dict[int, float] = {}
+        self.pieces_at: dict[int, tuple[float, float]] = {}  # sender -> when its first, last piece came whole
         self._init_relay(relaying)
         self.buckets: list[Any] = []  # (each a butterfly._ButterflyRun)
         self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
@@ -293,23 +293,31 @@ class MeshCall(Relay, Pipeline):
         return [o for o in range(self.world) if o != self.rank
                 and any(b.got[o] < b.plan.pieces for b in self.buckets)]
 
-    def quiet(self) -> list[int]:
-        """(After the call.) Those of :meth:`gaps` that sent us a piece and whose links to us
-        then stood still: bringing nothing, as far as we looked, for half the call's time
-        (``ROW_IDLE`` at least: the transport counts a frame once it is whole, and a link still
-        moving at the end was slow, or held back by others), until the call's end, or until
-        their sender closed or reset them in step 1 in the last quarter of the call (``CLOSE_LATE``:
-        as a quiet member's own call ends at its deadline, a moment before ours). A close before
-        that counts for nothing: a rank aborted from outside shuts its links at once, and before
-        step 1 goes unpaced (:meth:`_pace`, half the call) colluders that take turns reading its
-        pieces can hold them all still a while (found by review); after it, an honest rank's
-        links move until its pieces are out, and a quarter of the call unpaced and still is no
-        pacing. A link that never opened is no quiet one: its member came late."""
-        now, late = time.monotonic(), self.t0 + CLOSE_LATE * (self.deadline - self.t0)
+    def piece_came(self, q: int) -> None:
+        """A piece of sender ``q``'s (any bucket's) came whole, with its signature frame."""
         with self.cond:
-            return [q for q in self.gaps() if any(b.got[q] for b in self.buckets) and
-                    self.closed.get(q, late) >= late and
-                    self.idle(q, at := self.closed.get(q, now), (at - self.t0) / 2)]
+            now = time.monotonic()
+            self.pieces_at[q] = (self.pieces_at.get(q, (now, now))[0], now)
+
+    def quiet(self) -> list[int]:
+        """(After the call.) Those of :meth:`gaps` that sent us a piece and then no other whole
+        piece (a frame header alone is no progress: found by review) until the call's end or
+        until their sender closed or reset the link in step 1, for half the call's time and
+        (``ROW_IDLE`` at least), and for a quarter of it after the latest time their step 1
+        can have been paced (:meth:`_pace`: half the call from their own start, which was
+        before their first piece came). Before that, colluders that take turns reading a
+        member's pieces can hold all its links still a while, then have it aborted from outside
+        (it shuts its links at once), and a member that started late is paced late (both found
+        by review); after it, an honest member's links move until its pieces are out. So a quiet
+        member whose own deadline shuts its link a moment before ours is quiet, one aborted
+        early is not. A link that never opened is no quiet one: its member came late."""
+        now, span = time.monotonic(), self.deadline - self.t0
+        with self.cond:
+            return [q for q in self.gaps() if any(b.got[q] for b in self.buckets) and q in self.pieces_at and
+                    self._still(self.closed.get(q, now), *self.pieces_at[q], span)]
+
+    def _still(self, end: float, first: float, last: float, span: float) -> bool:
+        return end - last >= max(ROW_IDLE, (end - self.t0) / 2) and end - max(last, first + span / 2) >= span / 4
 
     def run(self) -> None:
         """Every thread of the call, until we hold the whole result and every link has ended
