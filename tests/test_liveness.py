@@ -337,6 +337,71 @@ def test_a_member_that_sends_a_frame_header_alone_after_its_first_piece_is_still
     assert [n.probation for n in seen] == [{seen[2].name}, set(), set(), set()]
 
 
+def test_a_member_that_holds_its_first_piece_back_but_not_its_link_is_still_put_on_probation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks 1 and 3 start 1.5 s after rank 0 (so rank 0's row deadline comes after 3 s). Rank
+    2's link to rank 0 opens with its own start, on time, but it sends its first piece only 2.8
+    s into rank 0's 10-s call, before rank 0 left it out, then keeps the link quiet. Its link
+    opened after its call had started, so its step 1 went unpaced by about 5 s, and rank 0 puts
+    it on probation (a review found that a rule counting from its first piece let it escape: a
+    first piece that late looks like a late start)."""
+    honest, call, t0 = butterfly._ButterflyRun._scatter_to, SocketCommunicator.all_reduce_mean, [0.0]
+
+    def late(self: Any, tree: Any, **kw: Any) -> Any:
+        time.sleep({0: 0.0, 1: 1.5, 2: 0.0, 3: 1.5}[self.rank])
+        return call(self, tree, **kw)
+
+    def scatter(self: Any, k: int) -> None:
+        if self.rank != 2 or butterfly.peer_of(2, 4, k) != 0:
+            return honest(self, k)
+        conn, (a, b) = self.links.out[k], self.plan.piece(0, 0)
+        wire = self._encode(0, 0)
+        time.sleep(max(0.0, t0[0] + 2.8 - time.monotonic()))
+        conn.send(MsgType.DATA, wire, deadline=self.deadline)
+        conn.send(MsgType.DATA, self.mseal.sign(0, 0, 0, b - a, wire), deadline=self.deadline)
+        time.sleep(max(0.0, self.deadline + 1.0 - time.monotonic()))
+
+    def before(c: int, nodes: list[Any]) -> None:
+        seen.extend(nodes)
+        t0[0] = time.monotonic()
+
+    monkeypatch.setattr(SocketCommunicator, "all_reduce_mean", late)
+    monkeypatch.setattr(butterfly._ButterflyRun, "_scatter_to", scatter)
+    seen: list[Any] = []
+    [(missing, errs, _)] = _calls(785, _inputs(4, 5000, seed=37), 1, io_timeout=30, deadline=10, before=before)
+    assert all(errs[r] is not None for r in (0, 1, 3)), errs
+    assert missing[0] == (2,), missing
+    assert [n.probation for n in seen] == [{seen[2].name}, set(), set(), set()]
+
+
+def test_a_member_whose_first_piece_comes_after_it_was_left_out_then_quiet_stalls_nobody(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2 starts its call 2.5 s after the others, so every owner leaves its rows out before
+    any piece of it came; it then sends rank 0 one piece and keeps that link quiet (the pairing
+    fixed so that ranks 0 and 2 do not audit each other). Rank 0 does without its audit frames
+    as it does for a member that never sent a piece (``MeshCall.unheard``), and every rank
+    completes with ``simulate``'s bits with rank 2's rows left out of every other segment
+    (before, a piece that came after it was left out made rank 0 wait for its echo, and the call
+    failed; found by review: such a member also escapes probation, since it cannot be told from
+    a late starter)."""
+    call = SocketCommunicator.all_reduce_mean
+
+    def late(self: Any, tree: Any, **kw: Any) -> Any:
+        if self.rank == 2:
+            time.sleep(2.5)
+        return call(self, tree, **kw)
+
+    monkeypatch.setattr(SocketCommunicator, "all_reduce_mean", late)
+    quiet = quiet_after_first_piece(monkeypatch, lambda run, o: run.rank == 2 and o == 0)
+    monkeypatch.setattr(pairing, "rotation", lambda draw, world: 1)
+    xs = _inputs(4, 5000, seed=39)
+    missing, errs, outs = _call(monkeypatch, 790, xs, io_timeout=30, deadline=10)
+    assert quiet == [(2, 0)], quiet
+    assert errs == [None] * 4, errs
+    ref = butterfly.simulate(xs, "int8", 64, 256, "clip", left={c: {2: 0} for c in (0, 1, 3)})
+    assert all(_same_bits(o, ref) for o in outs)
+
+
 def _call(monkeypatch: pytest.MonkeyPatch, first: int, xs: list[Any], io_timeout: float = 5.0,
           **cfg: Any) -> tuple[list, list, list]:
     """One butterfly call of 4 ranks over sockets with the patches already in place; (each

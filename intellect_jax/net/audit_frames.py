@@ -164,24 +164,25 @@ class AuditFrames:
     def _gone(self, probation: bool = True) -> set[int]:
         """(Under ``cond``.) The ranks whose links to us carry no more audit frames of this
         bucket, or none we wait for: ended (``relay.Relay.mute``), out of step in it
-        (``_ButterflyRun.resync``), or silent: senders we left out whose links to us never
-        brought a piece in this call, or that are on probation with us (``mesh.probation``: a
-        call failed without all their pieces while their links stood open and still), and bring
-        nothing now (``ROW_IDLE``). Our audit does without their frames, and we skip our answer
-        to their challenge (sending :data:`DECLINED`), or the rows they ask for, if those have
-        not come. Never one that sent us a
-        piece and is not on probation: an honest member's first pieces go out on every link at
+        (``_ButterflyRun.resync``), or silent: senders we left out before any piece of theirs
+        had come in this call (``mesh.unheard``; before, only those that never brought one: a
+        member that opened its link late, sent one piece, then went quiet, stalled us, found by
+        review), or that are on probation with us (``mesh.probation``: a call failed without all
+        their pieces while their links stood still), and bring nothing now (``ROW_IDLE``). Our
+        audit does without their frames, and we skip our answer to their challenge (sending
+        :data:`DECLINED`), or the rows they ask for, if those have not come. Never one whose
+        piece came before we left it out and that is not on probation: an honest member's first pieces go out on every link at
         once, before any pacing, while a minority can hold its later ones back (a review found
         colluders taking turns to stall a member's links, so that its auditor left it out and
         did without the echo that would show its owner splitting it off; and that a frame of
         ours skipped for a link merely quiet a while put it out of step when the frame it
         answers came after all); no minority can hold them back for a whole call. Without
-        ``probation``, those on probation that sent us a piece are not counted: what we owe our
+        ``probation``, those on probation or unheard that sent us a piece are not counted: what we owe our
         own auditor (our own answer, which nobody else holds, and the rows it asks for, which
         have no marker in its place) waits for it, since an honest auditor's challenge or
         request may come late, and without them its audit of us could not pass."""
         mesh, now = self.mesh, time.monotonic()  # type: ignore[attr-defined]
-        silent = {q for q in mesh.left_out if (probation and q in mesh.probation or  # type: ignore[attr-defined]
+        silent = {q for q in mesh.left_out if (probation and (q in mesh.probation or q in mesh.unheard) or  # type: ignore[attr-defined]
                                                all(b.got[q] == 0 for b in mesh.buckets)) and  # type: ignore[attr-defined]
                   mesh.idle(q, now)}  # type: ignore[attr-defined]
         return mesh.mute | self.gone | silent  # type: ignore[attr-defined]

@@ -509,6 +509,8 @@ class _ButterflyRun(AuditFrames):
         """(Under ``cond``.) Sender ``i``'s rows of our segment left out from piece ``j`` on."""
         self.left[i] = min(self.left[i], j)
         self.mesh.left_out[i] = min(self.mesh.left_out.get(i, self.index), self.index)
+        if i not in self.mesh.pieces_at:  # (no piece of it had come: see MeshCall.unheard)
+            self.mesh.unheard.add(i)
         self.cond.notify_all()
 
     def _scatter_to(self, k: int) -> None:
@@ -561,7 +563,6 @@ class _ButterflyRun(AuditFrames):
             a, b = self.plan.piece(me, j)
             wire = self._recv(conn, b - a)
             sig = self.their_signature(conn)
-            self.mesh.piece_came(o)
             if led is not None and not led.received(j, o, wire, sig) or led is None and self.signed and \
                     not self.mseal.verify(o, me, j, b - a, wire, sig):  # type: ignore[union-attr,arg-type]
                 self.ws.release(wire)  # (with the relay: left out from here on, if no more than a minority is)
@@ -574,6 +575,7 @@ class _ButterflyRun(AuditFrames):
                 continue
             with self.cond:
                 self.got[o] += 1
+                self.mesh.piece_came(o)
                 late = self.error is not None  # nobody aggregates it: counted, not kept
                 early = not late and self.index > self.mesh.current + 1
                 if early:  # kept as it came (encoded), not as a float32 row, until the owner is nearer

@@ -59,6 +59,7 @@ class Pending:
                  failed: Callable[[NetError], None]) -> None:
         self.peer, self._deadline, self._failed = peer, deadline, failed
         self._link: Any = None
+        self.opened_at: float | None = None  # when the opener's link was there (its peer's header read and checked)
         self._shut: str | None = None  # "abort" or "close", if asked before the link was there
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -78,6 +79,7 @@ class Pending:
             late = self._link is not None  # (given up on: a timeout stands in for it)
             if not late:
                 self._link = link
+                self.opened_at = time.monotonic()
             shut = self._shut
         if late:
             link.close()

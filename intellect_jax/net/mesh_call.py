@@ -45,7 +45,8 @@ class MeshCall(Relay, Pipeline):
         self.probation = probation  # senders whose pieces did not all reach us in an earlier failed call
         # sender -> when its link to us closed (or was reset) in step 1 before the deadline
         self.closed: dict[int, float] = {}
-        self.pieces_at: dict[int, tuple[float, float]] = {}  # sender -> when its first, last piece came whole
+        self.pieces_at: dict[int, tuple[float, float]] = {}  # sender -> when its first, last piece came, verified
+        self.unheard: set[int] = set()  # senders we left out before any piece of theirs had come
         self._init_relay(relaying)
         self.buckets: list[Any] = []  # (each a butterfly._ButterflyRun)
         self.sent = [[0] * (world - 1), [0] * (world - 1)]  # pieces sent on each link in step 1 and 3
@@ -294,30 +295,35 @@ class MeshCall(Relay, Pipeline):
                 and any(b.got[o] < b.plan.pieces for b in self.buckets)]
 
     def piece_came(self, q: int) -> None:
-        """A piece of sender ``q``'s (any bucket's) came whole, with its signature frame."""
-        with self.cond:
-            now = time.monotonic()
-            self.pieces_at[q] = (self.pieces_at.get(q, (now, now))[0], now)
+        """(Under ``cond``.) A piece of sender ``q``'s (any bucket's) came whole, its signature checked."""
+        now = time.monotonic()
+        self.pieces_at[q] = (self.pieces_at.get(q, (now, now))[0], now)
 
     def quiet(self) -> list[int]:
-        """(After the call.) Those of :meth:`gaps` that sent us a piece and then no other whole
-        piece (a frame header alone is no progress: found by review) until the call's end or
-        until their sender closed or reset the link in step 1, for half the call's time and
-        (``ROW_IDLE`` at least), and for a quarter of it after the latest time their step 1
-        can have been paced (:meth:`_pace`: half the call from their own start, which was
-        before their first piece came). Before that, colluders that take turns reading a
-        member's pieces can hold all its links still a while, then have it aborted from outside
-        (it shuts its links at once), and a member that started late is paced late (both found
-        by review); after it, an honest member's links move until its pieces are out. So a quiet
-        member whose own deadline shuts its link a moment before ours is quiet, one aborted
-        early is not. A link that never opened is no quiet one: its member came late."""
+        """(After the call.) Those of :meth:`gaps` that sent us a piece and then no other (a
+        frame header alone, or a piece whose signature does not verify, is no progress: found
+        by review) until the call's end or until their sender closed or reset the link in step
+        1, for half the call's time (``ROW_IDLE`` at least), and for a quarter of it after the
+        latest time their step 1 can have been paced (:meth:`_pace`: half the call from their
+        own start, which came before their link to us opened with their header, and before
+        their first piece). Before that, colluders that take turns reading a member's pieces
+        can hold all its links still a while, then have it aborted from outside (it shuts its
+        links at once), and a member that started late is paced late (both found by review);
+        after it, an honest member's links move until its pieces are out. So a quiet member
+        whose own deadline shuts its link a moment before ours is quiet, one aborted early is
+        not, nor one whose link opened late (a quarter of the call or more): it cannot be told
+        from a late starter (``unheard`` then spares us its audit frames if it brought no piece
+        before we left it out). A link that never opened is no quiet one: its member came late."""
         now, span = time.monotonic(), self.deadline - self.t0
         with self.cond:
             return [q for q in self.gaps() if any(b.got[q] for b in self.buckets) and q in self.pieces_at and
-                    self._still(self.closed.get(q, now), *self.pieces_at[q], span)]
+                    self._still(q, self.closed.get(q, now), span)]
 
-    def _still(self, end: float, first: float, last: float, span: float) -> bool:
-        return end - last >= max(ROW_IDLE, (end - self.t0) / 2) and end - max(last, first + span / 2) >= span / 4
+    def _still(self, q: int, end: float, span: float) -> bool:
+        first, last = self.pieces_at[q]
+        opened = getattr(self.links.inn[(q - self.rank - 1) % self.world], "opened_at", None)
+        paced = min(first, opened if opened is not None else first) + span / 2  # (the latest it went unpaced)
+        return end - last >= max(ROW_IDLE, (end - self.t0) / 2) and end - max(last, paced) >= span / 4
 
     def run(self) -> None:
         """Every thread of the call, until we hold the whole result and every link has ended
