@@ -233,7 +233,7 @@ def test_a_member_whose_link_closes_in_step_1_is_on_probation_only_if_it_stood_s
     its echo. Nor after 3 s of a still link: before step 1 goes unpaced, colluders taking turns
     to read an honest member's pieces can hold its links still that long, then have it aborted
     (found by a review). After 8 s, 3 s after its step 1 went unpaced at the latest (half the
-    call after its first piece), rank 0 does: a seeded schedule found that a quiet member whose
+    call after its link opened), rank 0 does: a seeded schedule found that a quiet member whose
     own deadline came first, so that its link closed a moment before rank 0's deadline, was
     never put on probation and failed every call."""
     honest = butterfly._ButterflyRun._scatter_to
@@ -339,7 +339,7 @@ def test_a_member_that_sends_a_frame_header_alone_after_its_first_piece_is_still
 
 def test_a_member_that_holds_its_first_piece_back_but_not_its_link_is_still_put_on_probation(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ranks 1 and 3 start 1.5 s after rank 0 (so rank 0's row deadline comes after 3 s). Rank
+    """Ranks 1 and 3 start 2 s after rank 0 (so rank 0's row deadline comes after 4 s). Rank
     2's link to rank 0 opens with its own start, on time, but it sends its first piece only 2.8
     s into rank 0's 10-s call, before rank 0 left it out, then keeps the link quiet. Its link
     opened after its call had started, so its step 1 went unpaced by about 5 s, and rank 0 puts
@@ -348,7 +348,7 @@ def test_a_member_that_holds_its_first_piece_back_but_not_its_link_is_still_put_
     honest, call, t0 = butterfly._ButterflyRun._scatter_to, SocketCommunicator.all_reduce_mean, [0.0]
 
     def late(self: Any, tree: Any, **kw: Any) -> Any:
-        time.sleep({0: 0.0, 1: 1.5, 2: 0.0, 3: 1.5}[self.rank])
+        time.sleep({0: 0.0, 1: 2.0, 2: 0.0, 3: 2.0}[self.rank])
         return call(self, tree, **kw)
 
     def scatter(self: Any, k: int) -> None:
@@ -378,12 +378,13 @@ def test_a_member_whose_first_piece_comes_after_it_was_left_out_then_quiet_stall
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 2 starts its call 2.5 s after the others, so every owner leaves its rows out before
     any piece of it came; it then sends rank 0 one piece and keeps that link quiet (the pairing
-    fixed so that ranks 0 and 2 do not audit each other). Rank 0 does without its audit frames
-    as it does for a member that never sent a piece (``MeshCall.unheard``), and every rank
-    completes with ``simulate``'s bits with rank 2's rows left out of every other segment
-    (before, a piece that came after it was left out made rank 0 wait for its echo, and the call
-    failed; found by review: such a member also escapes probation, since it cannot be told from
-    a late starter)."""
+    fixed so that ranks 0 and 2 do not audit each other; the deadline 16 s). Once its step 1
+    has gone unpaced at the latest (half the call after its link opened) rank 0 does without its
+    audit frames, as it does for a member that never sent a piece (``MeshCall.unheard_still``),
+    and every rank completes with ``simulate``'s bits with rank 2's rows left out of every other
+    segment (before, a piece that came after it was left out made rank 0 wait for its echo, and
+    the call failed; found by review: such a member also escapes probation, since it cannot be
+    told from a late starter)."""
     call = SocketCommunicator.all_reduce_mean
 
     def late(self: Any, tree: Any, **kw: Any) -> Any:
@@ -395,7 +396,7 @@ def test_a_member_whose_first_piece_comes_after_it_was_left_out_then_quiet_stall
     quiet = quiet_after_first_piece(monkeypatch, lambda run, o: run.rank == 2 and o == 0)
     monkeypatch.setattr(pairing, "rotation", lambda draw, world: 1)
     xs = _inputs(4, 5000, seed=39)
-    missing, errs, outs = _call(monkeypatch, 790, xs, io_timeout=30, deadline=10)
+    missing, errs, outs = _call(monkeypatch, 790, xs, io_timeout=30, deadline=16)
     assert quiet == [(2, 0)], quiet
     assert errs == [None] * 4, errs
     ref = butterfly.simulate(xs, "int8", 64, 256, "clip", left={c: {2: 0} for c in (0, 1, 3)})

@@ -164,10 +164,10 @@ class AuditFrames:
     def _gone(self, probation: bool = True) -> set[int]:
         """(Under ``cond``.) The ranks whose links to us carry no more audit frames of this
         bucket, or none we wait for: ended (``relay.Relay.mute``), out of step in it
-        (``_ButterflyRun.resync``), or silent: senders we left out before any piece of theirs
-        had come in this call (``mesh.unheard``; before, only those that never brought one: a
-        member that opened its link late, sent one piece, then went quiet, stalled us, found by
-        review), or that are on probation with us (``mesh.probation``: a call failed without all
+        (``_ButterflyRun.resync``), or silent: senders we left out that never brought a piece
+        in this call, or before any piece of theirs had come and still in step 1 once unpaced
+        (``mesh.unheard_still``; a member that opened its link late, sent one piece, then went
+        quiet, stalled us, found by review), or that are on probation with us (``mesh.probation``: a call failed without all
         their pieces while their links stood still), and bring nothing now (``ROW_IDLE``). Our
         audit does without their frames, and we skip our answer to their challenge (sending
         :data:`DECLINED`), or the rows they ask for, if those have not come. Never one whose
@@ -182,7 +182,8 @@ class AuditFrames:
         have no marker in its place) waits for it, since an honest auditor's challenge or
         request may come late, and without them its audit of us could not pass."""
         mesh, now = self.mesh, time.monotonic()  # type: ignore[attr-defined]
-        silent = {q for q in mesh.left_out if (probation and (q in mesh.probation or q in mesh.unheard) or  # type: ignore[attr-defined]
+        silent = {q for q in mesh.left_out if (probation and (q in mesh.probation or  # type: ignore[attr-defined]
+                                                              mesh.unheard_still(q, now)) or  # type: ignore[attr-defined]
                                                all(b.got[q] == 0 for b in mesh.buckets)) and  # type: ignore[attr-defined]
                   mesh.idle(q, now)}  # type: ignore[attr-defined]
         return mesh.mute | self.gone | silent  # type: ignore[attr-defined]

@@ -320,10 +320,28 @@ class MeshCall(Relay, Pipeline):
                     self._still(q, self.closed.get(q, now), span)]
 
     def _still(self, q: int, end: float, span: float) -> bool:
-        first, last = self.pieces_at[q]
+        last, paced = self.pieces_at[q][1], self.unpaced_by(q)
+        return paced is not None and end - last >= max(ROW_IDLE, (end - self.t0) / 2) and \
+            end - max(last, paced) >= span / 4
+
+    def unpaced_by(self, q: int) -> float | None:
+        """(Under ``cond``.) The latest time sender ``q``'s step 1 can have gone unpaced
+        (:meth:`_pace`: half the call from its own start, which came before its link to us
+        opened with its header and before its first piece); None before either."""
         opened = getattr(self.links.inn[(q - self.rank - 1) % self.world], "opened_at", None)
-        paced = min(first, opened if opened is not None else first) + span / 2  # (the latest it went unpaced)
-        return end - last >= max(ROW_IDLE, (end - self.t0) / 2) and end - max(last, paced) >= span / 4
+        seen = [t for t in (opened, self.pieces_at.get(q, (None,))[0]) if t is not None]
+        return min(seen) + (self.deadline - self.t0) / 2 if seen else None
+
+    def unheard_still(self, q: int, now: float) -> bool:
+        """(Under ``cond``.) Whether sender ``q`` was left out before any piece of it had come
+        (:attr:`unheard`), its step 1 on our link is not over, and it has gone unpaced
+        (:meth:`unpaced_by`): then an honest member's pieces move until they are out, and its
+        audit frames come after them. Before that a big first frame in flight, or a late start,
+        can leave an honest member out unheard (found by review), and its echo, which shows an
+        owner splitting it off, must not be done without."""
+        paced = self.unpaced_by(q)
+        return q in self.unheard and not self.over[1][(q - self.rank - 1) % self.world] and \
+            paced is not None and now >= paced
 
     def run(self) -> None:
         """Every thread of the call, until we hold the whole result and every link has ended
