@@ -605,6 +605,53 @@ def unsigned_rows(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, int], boo
     return left
 
 
+def tailless(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, int], bool]) -> list[int]:
+    """Butterfly members drop their last tail to the owner ``o`` where ``bad(run, o)`` holds
+    (``run``: the exchange's ``_ButterflyRun``; the tail then comes by relay); the ranks that
+    did so go into the list returned."""
+    from intellect_jax.net import butterfly
+
+    gather, dropped = butterfly._ButterflyRun._gather_to, []
+
+    def gather_to(self: Any, k: int) -> None:
+        conn = self.links.out[k]
+        if not bad(self, butterfly.peer_of(self.rank, self.world, k)):
+            return gather(self, k)
+        send = conn.send
+
+        def without(t: Any, payload: Any = b"", **kw: Any) -> Any:
+            if getattr(payload, "nbytes", 0) == butterfly.TAIL:
+                dropped.append(self.rank)
+                return None
+            return send(t, payload, **kw)
+        conn.send = without
+        try:
+            return gather(self, k)
+        finally:
+            del conn.send
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather_to)
+    return dropped
+
+
+def first_piece(run: Any, k: int, at: float | None = None) -> Any:
+    """Send the owner at the end of mesh link ``k`` our first piece of its segment, signed
+    (``run``: the exchange's ``_ButterflyRun``), once ``time.monotonic()`` reaches ``at``;
+    returns the link."""
+    import time
+
+    from intellect_jax.net import butterfly
+    from intellect_jax.net.frames import MsgType
+
+    o = butterfly.peer_of(run.rank, run.world, k)
+    conn, (a, b) = run.links.out[k], run.plan.piece(o, 0)
+    wire = run._encode(o, 0)
+    time.sleep(max(0.0, (at or 0.0) - time.monotonic()))
+    conn.send(MsgType.DATA, wire, deadline=run.deadline)
+    conn.send(MsgType.DATA, run.mseal.sign(o, o, 0, b - a, wire), deadline=run.deadline)
+    return conn
+
+
 def quiet_after_first_piece(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any, int], bool]) -> list[tuple[int, int]]:
     """Butterfly members send each owner ``o`` where ``bad(run, o)`` holds (``run``: the
     exchange's ``_ButterflyRun``) their first piece of its segment, signed, then keep the link
@@ -613,7 +660,6 @@ def quiet_after_first_piece(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any,
     import time
 
     from intellect_jax.net import butterfly
-    from intellect_jax.net.frames import MsgType
 
     scatter, quiet = butterfly._ButterflyRun._scatter_to, []
 
@@ -621,10 +667,7 @@ def quiet_after_first_piece(monkeypatch: pytest.MonkeyPatch, bad: Callable[[Any,
         o = butterfly.peer_of(self.rank, self.world, k)
         if not bad(self, o):
             return scatter(self, k)
-        conn, (a, b) = self.links.out[k], self.plan.piece(o, 0)
-        wire = self._encode(o, 0)
-        conn.send(MsgType.DATA, wire, deadline=self.deadline)
-        conn.send(MsgType.DATA, self.mseal.sign(o, o, 0, b - a, wire), deadline=self.deadline)
+        first_piece(self, k)
         self._sent(0, k)
         quiet.append((self.rank, o))
         time.sleep(max(0.0, self.deadline + 1.0 - time.monotonic()))

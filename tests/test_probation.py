@@ -11,36 +11,9 @@ import numpy as np
 import pytest
 
 from intellect_jax.net import butterfly, pairing
-from intellect_jax.net.frames import MsgType
-from tests.helpers import quiet_after_first_piece, withholding_answers
+from tests.helpers import quiet_after_first_piece, tailless, withholding_answers
 from tests.test_liveness import _bucketed, _calls
 from tests.test_net_ring import _same_bits
-
-
-def _tailless(monkeypatch: pytest.MonkeyPatch, bad: Any) -> list[int]:
-    """Butterfly members drop their last tail to the owner ``o`` where ``bad(run, o)`` holds
-    (it then comes by relay); the ranks that did so go into the list returned."""
-    gather, dropped = butterfly._ButterflyRun._gather_to, []
-
-    def gather_to(self: Any, k: int) -> None:
-        conn = self.links.out[k]
-        if not bad(self, butterfly.peer_of(self.rank, self.world, k)):
-            return gather(self, k)
-        send = conn.send
-
-        def tailless(t: MsgType, payload: Any = b"", **kw: Any) -> Any:
-            if getattr(payload, "nbytes", 0) == butterfly.TAIL:
-                dropped.append(self.rank)
-                return None
-            return send(t, payload, **kw)
-        conn.send = tailless
-        try:
-            return gather(self, k)
-        finally:
-            del conn.send
-
-    monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather_to)
-    return dropped
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -85,7 +58,7 @@ def test_seeded_schedules_of_a_member_on_probation_over_two_calls(monkeypatch: p
                                     (call[0] == 0 or quiet_again))
     supplied = withholding_answers(monkeypatch, lambda run: call[0] == 1 and "answers" in what and run.rank == b
                                    and run.index == at["answers"])
-    dropped = _tailless(monkeypatch, lambda run, o: call[0] == 1 and "tail" in what and run.rank == b and o == to
+    dropped = tailless(monkeypatch, lambda run, o: call[0] == 1 and "tail" in what and run.rank == b and o == to
                         and run.index == at["tail"])
     leaves, xs = _bucketed(buckets, 500 + seed)
     t0 = time.monotonic()
