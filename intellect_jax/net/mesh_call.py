@@ -316,8 +316,7 @@ class MeshCall(Relay, Pipeline):
         before we left it out). A link that never opened is no quiet one: its member came late."""
         now, span = time.monotonic(), self.deadline - self.t0
         with self.cond:
-            return [q for q in self.gaps() if any(b.got[q] for b in self.buckets) and q in self.pieces_at and
-                    self._still(q, self.closed.get(q, now), span)]
+            return [q for q in self.gaps() if q in self.pieces_at and self._still(q, self.closed.get(q, now), span)]
 
     def _still(self, q: int, end: float, span: float) -> bool:
         last, paced = self.pieces_at[q][1], self.unpaced_by(q)
