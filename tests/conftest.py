@@ -40,10 +40,25 @@ def cache_dir(tmp_path_factory):
     return d
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`) the slow multi-process tests run one after
-    another on one worker, beside the in-process tests on the other: two of them at once load
-    the two cores enough to shift their timings (a node's start-up outlasting a short run)."""
+    """Under pytest-xdist (`-n 2 --dist loadgroup`) the multi-process tests (marked `processes`,
+    and so `slow`) run one after another on one worker, beside the in-process tests on the
+    other: two of them at once load the two cores enough to shift their timings (a node's
+    start-up outlasting a short run). Marked before `-m` selects; grouped after pytest-xdist's
+    own pass, which in pytest-xdist 3.8 writes the group where pytest 9.2 no longer reads a
+    node's id (`_nodeid`, now `_id`), so that no group took effect."""
     for item in items:
-        if item.get_closest_marker("slow") is not None:
+        if item.get_closest_marker("processes") is not None:
+            item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("processes"))
+    result = yield
+    if getattr(config.option, "loadgroup", False):  # (set on the workers: xdist.remote)
+        from _pytest.nodes import NodeId
+
+        for item in items:
+            names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                            for m in item.iter_markers("xdist_group")})
+            if names and "@" not in item.nodeid:
+                item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+    return result

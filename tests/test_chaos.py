@@ -67,7 +67,7 @@ def _reference_val_loss(tmp_path, cache_dir, nodes: int = 1) -> float:
     return sum(finals) / nodes
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_chaos_real_processes(tmp_path, cache_dir):
     """A seeded schedule of five faults of five kinds (CHAOS_SEEDS), 30 outer steps, each round's
     data leased from the coordinator: no fork, every node ends cleanly, every unit of data

@@ -650,7 +650,7 @@ def test_coordinator_stopped_and_restarted_mid_barrier() -> None:
             c.stop()
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_coordinator_process_sigkilled_and_restarted_mid_barrier() -> None:
     procs: list[subprocess.Popen[str]] = []
 
@@ -690,7 +690,7 @@ time.sleep(600)
 """
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_sigkilled_client_evicted_at_once_survivors_get_new_epoch(coordinator) -> None:
     # heartbeat and boundary timeouts far above the test's duration: only the lost connection can evict
     coord = coordinator(heartbeat_timeout=30.0, boundary_timeout=60.0)

@@ -369,7 +369,6 @@ def test_a_registration_gives_up_past_its_limit_naming_the_coordinator() -> None
     c.close()
 
 
-@pytest.mark.slow
 def _coordinator_process(flags: list[str], **client_kw: Any) -> tuple[subprocess.Popen, list[Any]]:
     """A coordinator process for members a and b (no join window; ``flags`` added) and their
     clients, registered (``client_kw``: the clients' settings). The caller closes the clients
@@ -393,6 +392,7 @@ def _coordinator_process(flags: list[str], **client_kw: Any) -> tuple[subprocess
     return p, clients
 
 
+@pytest.mark.processes
 def test_a_sigstopped_coordinator_process_evicts_nobody() -> None:
     """The coordinator process is SIGSTOPped for 8 s (heartbeat timeout 2 s, client I/O timeout
     1 s) while one member waits at a barrier and another trains: both keep their sessions, the
@@ -422,6 +422,7 @@ def test_a_sigstopped_coordinator_process_evicts_nobody() -> None:
     assert "coordinator stalled for" in err and "no heartbeat" not in err and "missed boundary" not in err, err[-2000:]
 
 
+@pytest.mark.processes
 def test_a_coordinator_process_whose_journal_cannot_be_saved_exits_naming_it(tmp_path) -> None:
     """The journal's directory becomes a file under a running coordinator: at the next change (the
     barrier of outer step 0 records its hash) it cannot save, tells nobody of the step, and

@@ -163,7 +163,7 @@ def test_make_eval_batches(tmp_path, tok):
     assert len(dropped) == n // 4 and all(b["tokens"].shape == (4, WIN) for b in dropped)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_worker_processes_match_in_process(tmp_path, tok):
     srcs = [make_src(tmp_path, "a", 40, "a", 0, 0.6), make_src(tmp_path, "b", 40, "b", 1, 0.4)]
     ref = take(make_train_iter(make_cfg(tmp_path, srcs), tok), 6)

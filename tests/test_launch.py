@@ -64,7 +64,7 @@ def test_a_joiner_named_like_a_founder_is_refused():
         parse([*BASE, "--join", "node1@2"])
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_launched_run_joiner_coordinator_restart_and_refused_nodes(tmp_path):
     """The one launcher run end to end, over the butterfly exchange with CenteredClip: 2 founders,
     node2 joins after outer step 1 by live transfer (its donor trains meanwhile), the coordinator is SIGKILLed after step 3 and restarted from its

@@ -179,7 +179,7 @@ def _rows(tmp_path, name):
     return rows(tmp_path / "runs" / name)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_a_two_process_node_shares_one_history_loses_a_process_and_joins_again_late(tmp_path, cache_dir):
     """One run (`outer` outer steps of H inner steps) of node a, 2 processes x 4 CPU devices (one
     jax.distributed runtime), and node b, 1 process x 8 devices, in two parts:

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import TINY_ARGS, free_port, rows
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 
 def _args(out_dir, cache, name, steps, *extra):

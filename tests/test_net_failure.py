@@ -12,7 +12,7 @@ from intellect_jax.net import RingConfig
 from intellect_jax.net.plan import simulate
 from intellect_jax.testing.faults import Fault, rank_data, run_ring_processes
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.processes
 
 DEADLINE = 10.0
 NUMEL, PIECE = 1 << 21, 1 << 14

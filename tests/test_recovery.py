@@ -109,7 +109,7 @@ def _kill(v) -> None:
 # ------------------------------------------------------------------------------------- (a)
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_every_node_restarted_from_its_checkpoint_while_the_coordinator_is_stopped(tmp_path, cache_dir):
     """2 nodes; after a few outer steps the coordinator is SIGSTOPped, every node SIGKILLed and
     restarted with --ckpt.resume while it is still stopped; SIGCONT after 12 s (over twice the

@@ -161,7 +161,7 @@ def run_nodes(n: int, attack: bool) -> dict:
             "attack_at_start": ctx.at_start if ctx else None}
 
 
-@pytest.mark.slow
+@pytest.mark.processes
 def test_strangers_cannot_lock_members_out():
     """While 127.0.0.2 holds 500 idle connections, 127.0.0.3 floods random bytes and 40
     addresses of 127.0.2.0/24 hold 8 one-byte connections each at the coordinator's and node0's
