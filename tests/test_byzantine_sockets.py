@@ -18,6 +18,8 @@ from intellect_jax.net.comm import SocketCommunicator
 from tests.helpers import (forging_owner, garbling_commitment, quiet_after_first_piece, socket_run, unsigned_rows,
                            withholding_aggregates, withholding_answers)
 
+pytestmark = pytest.mark.slow  # (real runs over sockets: among the long tests, README)
+
 RING = RingConfig(mode="int8", piece_numel=256, deadline=30.0, exchange="butterfly", robust="clip")
 STEPS = 8
 

@@ -75,6 +75,7 @@ def _stable(status: dict[str, Any]) -> dict[str, Any]:
     return {**status, "nodes": [{k: v for k, v in n.items() if k != "heartbeat_age"} for n in status["nodes"]]}
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_of_every_type_get_one_line_errors_and_the_service_works_on() -> None:
     svc = CoordinatorService(CoordinatorConfig(min_nodes=2, join_window=0.0, heartbeat_timeout=60.0,
                                                keepalive_interval=0.01, tick_interval=0.02)).start()

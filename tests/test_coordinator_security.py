@@ -534,6 +534,7 @@ def test_a_revoked_member_is_evicted_and_refused(tmp_path: Any) -> None:
                 c.close()
 
 
+@pytest.mark.slow
 def test_votes_are_signed_and_the_journal_proves_each_recorded_hash(tmp_path: Any) -> None:
     """Over sockets every sync's hash carries the node's signature; the journal keeps them, and
     ``--verify-journal`` checks a quorum of them for every recorded step; an unsigned or

@@ -182,6 +182,7 @@ def test_worker_processes_match_in_process(tmp_path, tok):
     assert not np.array_equal(ref[1], ref[4])  # rewinding is observable
 
 
+@pytest.mark.slow
 def test_default_bundled_run(tmp_path_factory):
     cache = shared_dir(tmp_path_factory, "bundled_cache")
     cfg = DataConfig(cache_dir=str(cache), seq_len=64, batch_size=4)  # default corpus + BPE

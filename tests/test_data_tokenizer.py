@@ -46,6 +46,7 @@ def test_bpe_training_is_deterministic():
 GOLDEN_BUNDLED_4096 = ("0.23.3", "2b0a6497f7475e3c8acc3dfa83035a2c23d7ace771d2c8377b9a2153b639cd1e")
 
 
+@pytest.mark.slow
 def test_bundled_tokenizer_deterministic_and_cached(tmp_path_factory):
     import hashlib
 

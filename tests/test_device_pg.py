@@ -53,7 +53,8 @@ def _train_a_bit(params):
     return jax.tree.unflatten(treedef, [jax.device_put(m, x.sharding) for m, x in zip(moved, leaves)])
 
 
-@pytest.mark.parametrize("fsdp,tp", [(8, 1), (4, 2), (1, 1)])
+@pytest.mark.parametrize("fsdp,tp", [pytest.param(8, 1, marks=pytest.mark.slow), (4, 2),
+                                     pytest.param(1, 1, marks=pytest.mark.slow)])
 def test_pieces_decode_to_the_host_codec_of_each_shard(fsdp, tp):
     mesh = S.make_mesh(fsdp=fsdp, tp=tp, devices=jax.devices()[: fsdp * tp])
     outer = _params(mesh)
@@ -155,6 +156,7 @@ def test_host_stand_in_equals_the_interpreted_kernel():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_diloco_nodes_on_the_device_path_agree_and_learn(tmp_path, cache_dir):
     """Two real trainers in one process, overlapped DiLoCo rounds over the in-process ring with
     top-1 of 4 and error feedback (as GPU nodes run by default): node 1 makes its pseudo-gradient by the device path (anchor, per-shard

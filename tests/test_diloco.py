@@ -109,6 +109,7 @@ def test_state_transfer_over_sockets_and_cancellation(tmp_path, cache_dir):
 # ---------------------------------------------------------------------------- whole runs in process
 
 
+@pytest.mark.slow
 def test_whole_run_stopped_resumed_started_elsewhere_and_complete(tmp_path, cache_dir):
     """Real trainers as threads, orbax checkpoints every outer step, one in-process coordinator
     per launch journaled in the run directory (as the launcher's). Launch 1 stops at outer step

@@ -241,6 +241,7 @@ def test_residual_is_the_nodes_own_and_survives_its_checkpoint():
     assert not np.array_equal(got[0], got[1]) and float(np.abs(got[0]).max()) > 0
 
 
+@pytest.mark.slow
 def test_simulation_with_topk_and_feedback_keeps_one_history():
     """The seeded fault simulation with the gathered exchange (top-k, top-1 of 4, int1 by turns):
     kills, stalls, restarts, rollbacks and joins keep one hash per outer step (the simulation's

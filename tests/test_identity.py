@@ -201,6 +201,7 @@ def test_a_channel_is_handed_out_only_from_its_owner(channel: str) -> None:
             c.close()
 
 
+@pytest.mark.slow
 def test_a_member_hoarding_unclaimed_connections_does_not_stop_an_honest_one() -> None:
     """1,000 connections from one member nobody claims: it keeps ``pending_per_peer`` of them,
     the rest are refused on arrival, and an honest member's connection goes through."""

@@ -307,6 +307,7 @@ def test_a_restarted_coordinator_keeps_the_leases_and_commits_on():
 
 
 # ---- real trainers ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_real_trainers_train_exactly_the_units_they_are_leased(tmp_path, cache_dir, monkeypatch):
     """Two real trainers reading the one stream, each round's data leased: every inner step
     trains the next batch of the node's lease, in order, and the two nodes' units are disjoint

@@ -131,6 +131,7 @@ def test_an_owner_leaves_out_the_rows_of_one_member_unsigned_or_late_to_it(monke
     assert missing == [()] * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offset", [1, 2, 3])
 def test_a_member_quiet_to_one_owner_is_left_out_there_and_stalls_nobody(monkeypatch: pytest.MonkeyPatch,
                                                                          offset: int) -> None:
@@ -172,6 +173,7 @@ def test_a_member_quiet_to_one_owner_is_left_out_there_and_stalls_nobody(monkeyp
     assert max(ends[r] for r in (0, 1, 3)) < 6, ends  # (the deadline is 10 s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offset", [1, 3])
 def test_a_member_quiet_to_one_owner_after_its_first_piece_fails_one_call_not_the_next(
         monkeypatch: pytest.MonkeyPatch, offset: int) -> None:
@@ -225,6 +227,7 @@ def test_a_member_quiet_to_one_owner_after_its_first_piece_fails_one_call_not_th
     assert declined == [(2, [0])], declined  # rank 0's answer to rank 2's challenge, which never came
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("still", [0.3, 3.0, 8.0])
 def test_a_member_whose_link_closes_in_step_1_is_on_probation_only_if_it_stood_still_to_the_end(
         monkeypatch: pytest.MonkeyPatch, still: float) -> None:
@@ -258,6 +261,7 @@ def test_a_member_whose_link_closes_in_step_1_is_on_probation_only_if_it_stood_s
     assert [n.probation for n in seen] == [{seen[2].name} if still > 5 else set(), set(), set(), set()]
 
 
+@pytest.mark.slow
 def test_a_member_that_started_late_and_stood_still_while_paced_is_not_put_on_probation(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks 1 and 3 start their calls 1.5 s after rank 0, rank 2 2.5 s after it (links open
@@ -297,6 +301,7 @@ def test_a_member_that_started_late_and_stood_still_while_paced_is_not_put_on_pr
     assert [n.probation for n in seen] == [set()] * 4
 
 
+@pytest.mark.slow
 def test_a_member_that_sends_a_frame_header_alone_after_its_first_piece_is_still_put_on_probation(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 2 sends rank 0 its first piece, then keeps the link quiet, but 7 s into the 10-s
@@ -331,6 +336,7 @@ def test_a_member_that_sends_a_frame_header_alone_after_its_first_piece_is_still
     assert [n.probation for n in seen] == [{seen[2].name}, set(), set(), set()]
 
 
+@pytest.mark.slow
 def test_a_member_that_holds_its_first_piece_back_but_not_its_link_is_still_put_on_probation(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks 1 and 3 start 2 s after rank 0 (so rank 0's row deadline comes after 4 s). Rank
@@ -364,6 +370,7 @@ def test_a_member_that_holds_its_first_piece_back_but_not_its_link_is_still_put_
     assert [n.probation for n in seen] == [{seen[2].name}, set(), set(), set()]
 
 
+@pytest.mark.slow
 def test_a_member_whose_first_piece_comes_after_it_was_left_out_then_quiet_stalls_nobody(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 2 starts its call 2.5 s after the others, so every owner leaves its rows out before

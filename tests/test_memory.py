@@ -28,6 +28,7 @@ def test_reports_the_compiled_steps_of_the_config():
     assert r["margin_bytes"] == r["usable_bytes"] - max(r["node_peak_bytes"], r["eval_node_peak_bytes"])
 
 
+@pytest.mark.slow
 def test_smaller_micro_batches_need_fewer_temporaries():
     whole = main([*DEBUG, "--run.micro_batch_size", "16"])["train"]["temporaries_bytes"]
     parts = main([*DEBUG, "--run.micro_batch_size", "8"])["train"]["temporaries_bytes"]

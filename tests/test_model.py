@@ -35,8 +35,8 @@ def _tokens(cfg, B=8, L=33, seed=0):
     return jax.random.randint(jax.random.key(seed), (B, L), 0, cfg.vocab_size, jnp.int32)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused-head"])
-@pytest.mark.parametrize("fsdp,tp", [(8, 1), (4, 2)])
+@pytest.mark.parametrize("fsdp,tp,fused", [(8, 1, False), *(pytest.param(*a, marks=pytest.mark.slow) for a in (
+    (8, 1, True), (4, 2, False), (4, 2, True)))], ids=["8-1-logits", "8-1-fused-head", "4-2-logits", "4-2-fused-head"])
 def test_sharded_equals_unsharded(fsdp, tp, fused):
     model = build(CFG, seed=1)
     tokens = _tokens(CFG)
@@ -201,6 +201,7 @@ def test_mesh_errors():
     assert dict(S.make_mesh(fsdp=-1, tp=2).shape) == {"fsdp": 4, "tp": 2}
 
 
+@pytest.mark.slow
 def test_layers_are_scanned_not_unrolled():
     """The program holds one layer's matmuls whatever the depth; unrolling changes nothing but speed."""
     def n_dots(cfg):

@@ -153,6 +153,7 @@ def test_a_shorter_delay_lands_closer_to_synchronous():
     assert gap[1] < 0.5 * gap[H], gap
 
 
+@pytest.mark.slow
 def test_real_trainers_learn_with_overlapped_rounds(tmp_path, cache_dir):
     """Two real trainers, overlapped rounds over the in-process ring (pseudo-gradients on the
     device path): one hash per outer step, the loss falls, the final params are the outer params."""

@@ -15,6 +15,8 @@ from tests.helpers import quiet_after_first_piece, tailless, withholding_answers
 from tests.test_liveness import _bucketed, _calls
 from tests.test_net_ring import _same_bits
 
+pytestmark = pytest.mark.slow  # (schedules of deadline-bound calls: among the long tests, README)
+
 
 @pytest.mark.parametrize("seed", range(6))
 def test_seeded_schedules_of_a_member_on_probation_over_two_calls(monkeypatch: pytest.MonkeyPatch,

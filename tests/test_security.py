@@ -267,6 +267,7 @@ def _finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
+@pytest.mark.slow
 def test_client_commands_fail_in_one_line(tmp_path):
     """Every command at once (they are independent; one after another costs the suite ~30 s):
     no keys, a missing keys directory, a foreign, revoked or expired certificate, an identity

@@ -10,6 +10,7 @@ from intellect_jax.diloco import state as S
 from helpers import TINY_ARGS, flip_bytes, leaves, node_parts, node_trainer, outer_step, tiny_cfg
 
 
+@pytest.mark.slow
 def test_checkpoint_store_round_trip_and_fallback_past_a_damaged_checkpoint(tmp_path, cache_dir):
     from intellect_jax.diloco.store import CheckpointStore
     from intellect_jax.trainer.checkpoint import CheckpointError
@@ -57,6 +58,7 @@ def test_checkpoint_store_round_trip_and_fallback_past_a_damaged_checkpoint(tmp_
     t.close(save=False)
 
 
+@pytest.mark.slow
 def test_a_joiners_checkpoint_of_the_received_state_resumes(tmp_path, cache_dir):
     """A joiner writes the state it received as its own checkpoint before training on it; if
     it dies before its next checkpoint, --ckpt.resume starts from that one: it carries the
@@ -121,6 +123,7 @@ def test_a_joiners_checkpoint_of_the_received_state_resumes(tmp_path, cache_dir)
     t2.close(save=False)
 
 
+@pytest.mark.slow
 def test_trainer_resume_falls_back_past_a_damaged_checkpoint(tmp_path, cache_dir, capsys):
     from intellect_jax.cli import run_main
     from intellect_jax.trainer.loop import Trainer

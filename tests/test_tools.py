@@ -12,8 +12,9 @@ from intellect_jax.cli import run_main
 
 from helpers import tiny_cfg
 
+pytestmark = pytest.mark.xdist_group("tools")  # (on one worker: the module's trained run is made once)
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # (a module's fixture was made twice on one worker: xdist interleaves modules)
 def run_dir(tmp_path_factory):
     from intellect_jax.trainer.loop import Trainer
 
@@ -145,6 +146,7 @@ def test_eval_bad_step_and_data(run_dir, tmp_path, capsys):
     assert "nope.txt" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke_on_cpu():
     """The GPU node's first script runs end to end here (debug preset, XLA attention)."""
     import os

@@ -22,6 +22,7 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in read_rows(run_dir) if "loss" in r}
 
 
+@pytest.mark.slow
 def test_resume_gives_identical_loss(tmp_path, cache_dir):
     from intellect_jax.trainer.loop import Trainer
 
@@ -46,6 +47,7 @@ def test_resume_gives_identical_loss(tmp_path, cache_dir):
     assert ref[12] < ref[1]
 
 
+@pytest.mark.slow
 def test_train_with_stop_keeps_at_most_one_step_queued(tmp_path, cache_dir):
     """`train(stop=...)` (an overlapped DiLoCo round merging when ready) checks stop() before each
     step with at most one step in flight, even when metrics are rarely logged: otherwise the
@@ -68,6 +70,7 @@ def test_train_with_stop_keeps_at_most_one_step_queued(tmp_path, cache_dir):
     t.close(save=False)
 
 
+@pytest.mark.slow
 def test_throughput_excludes_eval_and_checkpoint_time(tmp_path, cache_dir, monkeypatch):
     """Step time and tokens/s cover the training steps only: evaluations and checkpoints (made
     slow here) never inflate a step's time, and no step right after one reads as a spike."""
@@ -188,7 +191,7 @@ def test_z_loss_hand_computed():
     assert float(total) == pytest.approx(ce + 0.5 * z, rel=1e-6)
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 12])
+@pytest.mark.parametrize("chunk", [1, pytest.param(4, marks=pytest.mark.slow), 12])
 def test_fused_head_loss_matches_logits_path(chunk):
     """head_loss == the reference on x @ w: value, aux and gradients, including cotangents on
     the aux outputs (differentiating ce alone or z alone) and a bf16 input."""
@@ -295,6 +298,7 @@ def _cli(*args, cwd=None):
                           text=True, timeout=300, env=env, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_cli_rejects_bad_key_naming_it():
     r = _cli("--optim.lrr", "1e-3")
     assert r.returncode != 0
