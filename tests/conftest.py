@@ -1,10 +1,18 @@
 """Test setup: 8 fake CPU devices, set before jax is imported anywhere."""
 
+import importlib.util
 import os
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
+# XLA's CPU backend without LLVM's optimizations: the suite's programs are tiny, and on a fresh
+# clone (an empty compilation cache) compiling them is most of its time: this cuts about a third
+# of it (docs/results.md, "A fresh-machine CI"). Not where the [aot] extra compiles for GPUs:
+# what those tests check is the code XLA's defaults make.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"] and \
+        importlib.util.find_spec("jax_cuda12_plugin") is None:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if os.environ["JAX_PLATFORMS"] == "cpu":  # Triton kernels run in Triton's CPU interpreter (set before import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
