@@ -371,6 +371,35 @@ def test_a_member_that_holds_its_first_piece_back_but_not_its_link_is_still_put_
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="open (issue 22, docs/net.md limits): a member quiet to one member after "
+                   "step 1 is not left out, so that member's audit waits for its frames; every call fails")
+def test_a_member_quiet_to_one_member_after_step_1_fails_one_call_not_the_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2 sends rank 0 every piece of its own, then keeps the link open and quiet in step 3
+    (no aggregates, no audit frames, no tail), in every call; the draw never makes the two audit
+    each other (rank 0 audits segment 3, rank 2 is audited by rank 3). What an honest rank needs
+    of rank 2 on that link has a second source (its aggregates and tail by relay, its answer from
+    the owner rank 0 audits) but its echo, so rank 0's audit waits for it until the deadline,
+    holds its own tail back, and every call fails, with nobody named (rank 2's pieces all came).
+    What the issue asks: as with a member quiet after its first piece, at most the first call
+    fails; here the second fails too (strict: this test passes once that is fixed)."""
+    gather = butterfly._ButterflyRun._gather_to
+
+    def gather_to(self: Any, k: int) -> None:
+        if self.rank == 2 and butterfly.peer_of(self.rank, self.world, k) == 0:
+            time.sleep(max(0.0, self.deadline + 1.0 - time.monotonic()))
+            return
+        gather(self, k)
+
+    monkeypatch.setattr(butterfly._ButterflyRun, "_gather_to", gather_to)
+    monkeypatch.setattr(pairing, "rotation", lambda draw, world: 1)
+    xs = _inputs(4, 5000, seed=31)
+    _, (_, errs2, outs) = _calls(800, xs, 2, io_timeout=30, deadline=4)
+    assert errs2 == [None] * 4, errs2
+    assert all(_same_bits(o, outs[0]) for o in outs)
+
+
+@pytest.mark.slow
 def test_a_member_whose_first_piece_comes_after_it_was_left_out_then_quiet_stalls_nobody(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 2 starts its call 2.5 s after the others, so every owner leaves its rows out before
