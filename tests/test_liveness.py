@@ -377,12 +377,13 @@ def test_a_member_quiet_to_one_member_after_step_1_fails_one_call_not_the_next(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 2 sends rank 0 every piece of its own, then keeps the link open and quiet in step 3
     (no aggregates, no audit frames, no tail), in every call; the draw never makes the two audit
-    each other (rank 0 audits segment 3, rank 2 is audited by rank 3). What an honest rank needs
-    of rank 2 on that link has a second source (its aggregates and tail by relay, its answer from
-    the owner rank 0 audits) but its echo, so rank 0's audit waits for it until the deadline,
-    holds its own tail back, and every call fails, with nobody named (rank 2's pieces all came).
-    What the issue asks: as with a member quiet after its first piece, at most the first call
-    fails; here the second fails too (strict: this test passes once that is fixed)."""
+    each other (rank 0 audits segment 3, rank 2 segment 1). What rank 0 needs of rank 2 on that
+    link has a second source (its aggregates and tail by relay, its answer from the owner rank 0
+    audits) but its challenge, which rank 0 must answer (it fails with "rank 2's challenge not
+    ready before the deadline"), and its echo, which rank 0's own audit waits for: every call
+    fails, with nobody named (rank 2's pieces all came). What the issue asks: as with a member
+    quiet after its first piece, at most the first call fails; here the second fails too
+    (strict: this test passes once that is fixed)."""
     gather = butterfly._ButterflyRun._gather_to
 
     def gather_to(self: Any, k: int) -> None:
