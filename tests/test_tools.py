@@ -12,9 +12,10 @@ from intellect_jax.cli import run_main
 
 from helpers import tiny_cfg
 
-pytestmark = pytest.mark.xdist_group("tools")  # (on one worker: the module's trained run is made once)
+pytestmark = pytest.mark.xdist_group("tools")  # (on one worker: the trained run below is made once)
 
-@pytest.fixture(scope="session")  # (a module's fixture was made twice on one worker: xdist interleaves modules)
+
+@pytest.fixture(scope="session")  # (once per worker, however the worker orders its tests)
 def run_dir(tmp_path_factory):
     from intellect_jax.trainer.loop import Trainer
 
