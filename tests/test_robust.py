@@ -95,10 +95,11 @@ def test_a_row_not_finite_or_of_another_length_is_dropped(mode):
 
 
 # each aggregate of _rows(6, seed=3), as computed on 2026-11-25 (x86-64, numpy 2.4; clip and
-# cclip again on 2026-11-27: float32 norms): another machine's or a changed
+# cclip again on 2026-11-27: float32 norms; cclip again on 2026-11-29: its steps from the Gram
+# matrix): another machine's or a changed
 # arithmetic or order shows here (the honest nodes must agree bit for bit)
 GOLDEN = {"mean": "3a8aebf69c365c11", "clip": "912ee2500e6982ce", "trim1": "65592d5817f9bab2",
-          "cclip": "e122718cdae4b5e1"}
+          "cclip": "d44dc836f40d5f96"}
 
 
 @pytest.mark.parametrize("mode", ("mean", *MODES))
@@ -131,6 +132,91 @@ def test_a_reused_scratch_gives_the_same_bits_and_the_default_keeps_each_value(m
     for _ in range(2):
         assert aggregate(rows, mode, DIM, scratch=ws.scratch).value.tobytes() == first.tobytes()
         assert aggregate(other, mode, DIM, scratch=ws.scratch).value.tobytes() == second.tobytes()
+
+
+def _cclip_reference(rows: list[np.ndarray], factor: float = 1.0, iters: int = 3) -> tuple[np.ndarray, list[float]]:
+    """CenteredClip as written, in float64: from the coordinate-wise median, ``iters`` times
+    ``v += mean(min(1, tau / |x_i - v|) (x_i - v))``, ``tau`` = ``factor`` x the lower median
+    distance."""
+    x = np.stack(rows).astype(np.float64)
+    v, w = np.median(x, axis=0), []
+    for _ in range(iters):
+        d = x - v
+        dist = np.sqrt(np.einsum("ij,ij->i", d, d))
+        tau = factor * np.sort(dist)[(len(rows) - 1) // 2]
+        w = [1.0 if q <= tau else tau / q for q in dist]
+        v = v + (np.array(w)[:, None] * d).mean(axis=0)
+    return v, w
+
+
+# over three chunks, the last short; 11 and 16 rows take a pass a step, the rest the Gram matrix
+@pytest.mark.parametrize("n", (1, 2, 3, 4, 5, 8, 11, 16))
+def test_cclip_is_centered_clip_from_the_median(n):
+    from intellect_jax.net.robust import CHUNK
+
+    dim = 2 * CHUNK + 123
+    rows = _rows(n, dim, noise=0.5, seed=n)
+    if n > 2:
+        rows[0] = -(n - 1) * rows[0]  # a sign flipper
+    if n > 4:
+        rows[-1] = rows[-1] + 7 * norm(rows[-1]) * np.float32(1 / dim ** 0.5)  # a push along (1, ..., 1)
+    want, w_want = _cclip_reference(rows)
+    got = aggregate(rows, "cclip", dim)
+    assert norm(got.value - want.astype(np.float32)) <= 1e-5 * norm(want.astype(np.float32))
+    np.testing.assert_allclose(got.weights, w_want, rtol=1e-5, atol=1e-6)
+    if n > 2:
+        assert got.weights[0] < 0.5  # (so a reference that got the clipping wrong would fail above)
+
+
+def test_cclip_takes_the_same_steps_with_the_gram_matrix_or_a_pass_a_step(monkeypatch):
+    import intellect_jax.net.robust as robust
+
+    rows = _rows(6, 3 * 1000 + 7, noise=0.5, seed=2)
+    rows[2] = -5 * rows[2]
+    monkeypatch.setattr(robust, "CHUNK", 1000)
+    gram = aggregate(rows, "cclip", 3007)
+    monkeypatch.setattr(robust, "GRAM_ROWS", 5)
+    passes = aggregate(rows, "cclip", 3007)
+    assert norm(gram.value - passes.value) <= 1e-6 * norm(gram.value)
+    np.testing.assert_allclose(gram.weights, passes.weights, rtol=1e-6)
+    assert gram.weights[2] < 0.5
+
+
+@pytest.mark.parametrize("n", range(1, 21))
+def test_the_median_program_gives_the_middle_of_the_sorted_rows(n):
+    """The sorting network cut down to its middle wire(s) (robust._median_program), on values
+    with many ties, both zeros and infinities: the same values as a sort's middle rows."""
+    from intellect_jax.net.robust import _median_program, _network
+
+    rng = np.random.default_rng(n)
+    choice = np.array([-np.inf, -2.0, -0.0, 0.0, 1.0, 1.5, 3.0, np.inf], np.float32)
+    rows = [choice[rng.integers(0, 8, 4096)] for _ in range(n)]
+    ops, mid, top = _median_program(n)
+    slot = list(rows) + [np.empty(4096, np.float32) for _ in range(top - n)]
+    for ufunc, a, b, out in ops:
+        assert out >= n  # (never an input row)
+        getattr(np, ufunc)(slot[a], slot[b], out=slot[out])
+    s = np.sort(np.stack(rows), axis=0)
+    assert len(mid) == 1 + (n % 2 == 0)
+    for got, want in zip(mid, sorted({(n - 1) // 2, n // 2})):
+        np.testing.assert_array_equal(slot[got], s[want])
+    if n >= 4:
+        assert len(ops) < 2 * len(_network(n))  # (something was cut)
+
+
+# cclip over chunks: 6 rows (the Gram matrix) and 12 (a pass a step), each of 2 CHUNK + 77
+# values, _rows(n, ..., seed=3), on 2026-11-29 (x86-64, numpy 2.4)
+GOLDEN_CHUNKS = {6: "4541a49fb0d8eeb5", 12: "e5154961fee3adb9"}
+
+
+@pytest.mark.parametrize("n", sorted(GOLDEN_CHUNKS))
+def test_cclip_over_chunks_gives_the_same_bits(n):
+    from intellect_jax.net.robust import CHUNK
+
+    rows = _rows(n, 2 * CHUNK + 77, seed=3)
+    rows[1] = -3 * rows[1]
+    got = aggregate(rows, "cclip", 2 * CHUNK + 77).value
+    assert hashlib.sha256(got.tobytes()).hexdigest()[:16] == GOLDEN_CHUNKS[n]
 
 
 def test_a_clean_round_loses_little_direction():

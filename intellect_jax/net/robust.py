@@ -13,19 +13,20 @@ clip       each row scaled down to at most ``factor`` x the (lower) median row n
 trim<k>    coordinate-wise trimmed mean: the ``k`` largest and ``k`` smallest values of each
            coordinate dropped (the median when fewer than ``2k + 1`` rows are left)
 cclip      a variant of CenteredClip (Karimireddy, He & Jaggi 2021; the aggregator of hivemind's
-           BTARD): ``iters`` steps (three: one step, 2.6x cheaper and within 0.01 of three on
-           every cosine of ``benchmarks/robust_aggregation.py``, let two sign flippers of 8
-           cost the real debug model 2.3% where three steps cost 1.7%) of ``v +=
-           mean(clip(x_i - v, tau))`` from the coordinate-wise median (not from the previous round's aggregate, as
-           the paper's momentum does: it sees one round), ``tau`` = ``factor`` x the (lower)
-           median distance to ``v``
+           BTARD): ``iters`` steps (three: one step let two sign flippers of 8 cost the real
+           debug model 2.3% where three cost 1.7%; with up to ``GRAM_ROWS`` rows a step reads
+           no row, see :func:`centered_clip`) of ``v += mean(clip(x_i - v, tau))`` from the
+           coordinate-wise median (not from the previous round's aggregate, as the paper's
+           momentum does: it sees one round), ``tau`` = ``factor`` x the (lower) median
+           distance to ``v``
 =========  ==================================================================================
 
 A row that is not the segment's length, or has a value that is not finite (as float32), is
 dropped by every aggregator (its sender's signed piece is the evidence against it). Each
 aggregator is deterministic given the rows in rank order: float32 elementwise arithmetic in a
 fixed order, row norms as float32 pairwise sums of squares (numpy's order, fixed whatever the
-CPU; a row whose squares overflow has an infinite norm and weight 0), medians of
+CPU; ``cclip``'s per chunk, added up in float64; a row whose squares overflow has an infinite
+norm and weight 0), medians of
 sorted values whose zeros are made +0 (a sort may place -0 and +0 either way), so a verifier
 that recomputes an owner's aggregate from the same rows gets the same bits. The medians are
 lower medians: with an even number of rows, half of them large cannot lift a bound.
@@ -40,7 +41,7 @@ import functools
 import math
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -187,21 +188,135 @@ def trimmed_mean(rows: Sequence[np.ndarray], k: int, scratch: Scratch) -> np.nda
     return np.divide(acc, np.float32(n - 2 * k), out=acc)
 
 
+@functools.lru_cache(maxsize=64)
+def _median_program(n: int) -> tuple[tuple[tuple[str, int, int, int], ...], tuple[int, ...], int]:
+    """:func:`_network` cut down to the coordinate-wise median of ``n`` rows: comparators whose
+    outputs never reach the middle wire(s) dropped, and one of a comparator's two outputs (min
+    or max) where only one does. Returns the ops ``(ufunc, a, b, out)`` over slots (``0 .. n -
+    1``: the input rows, read only; from ``n``: scratch), the slot(s) of the middle wire(s),
+    lower first, and the number of slots. No op writes over a slot that a later op of the same
+    comparator reads."""
+    mids = sorted({(n - 1) // 2, n // 2})
+    keep, need = [], set(mids)
+    for i, j in reversed(_network(n)):  # (i < j: wire i gets the min, wire j the max)
+        if i in need or j in need:
+            keep.append((i, j, i in need, j in need))
+            need |= {i, j}
+    ops: list[tuple[str, int, int, int]] = []
+    wire, free, top = list(range(n)), [], n
+    for i, j, lo, hi in reversed(keep):
+        a, b, outs = wire[i], wire[j], []
+        for ufunc, want, w in (("minimum", lo, i), ("maximum", hi, j)):
+            if not want:
+                continue
+            if ufunc == "maximum" and b >= n:  # (nothing reads b after the last op of this comparator)
+                out = b
+            elif reuse := [k for k in free if k not in (a, b)]:
+                out = reuse[0]
+                free.remove(out)
+            else:
+                out, top = top, top + 1
+            wire[w] = out
+            outs.append(out)
+            ops.append((ufunc, a, b, out))
+        free.extend(k for k in (a, b) if k >= n and k not in outs)
+    return tuple(ops), tuple(wire[m] for m in mids), top
+
+
+CHUNK = 65536  # cclip's values per chunk of a pass: what it works on stays in the core's cache
+GRAM_ROWS = 10  # cclip takes the Gram matrix of up to this many rows (k(k+1) passes in all), else 5k + 3 a step
+
+
+def _add_scaled(v: np.ndarray, rows: Sequence[np.ndarray], coefs: Sequence[float], tmp: np.ndarray) -> np.ndarray:
+    """``v += c_j x_j`` for each nonzero ``c_j`` in turn (float32, in place)."""
+    for x, c in zip(rows, coefs):
+        if c != 0.0:
+            v += np.multiply(x, np.float32(c), out=tmp)
+    return v
+
+
+def _dot(x: np.ndarray, y: np.ndarray, tmp: np.ndarray) -> float:
+    """A float32 pairwise sum of products (as :func:`_norm32`; inf or nan if it overflows)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.add.reduce(np.multiply(x, y, out=tmp)))
+
+
 def centered_clip(rows: Sequence[np.ndarray], factor: float, scratch: Scratch,
                   iters: int = CCLIP_ITERS) -> tuple[np.ndarray, list[float]]:
-    s = _sorted(rows, scratch)
-    v = _middle(s, scratch)
-    diffs = s  # (the sorted rows' scratch, free once v is)
-    w = [1.0] * len(rows)
-    for _ in range(iters):
-        for x, d in zip(rows, diffs):
-            np.subtract(x, v, out=d)
-        dists = [_norm32(d, scratch) for d in diffs]
+    """``iters`` steps of CenteredClip from the coordinate-wise median ``v0``. Every step's
+    centre is ``v0 + u`` with ``u = sum_j a_j d_j`` (``d_j = x_j - v0``), so a step needs only
+    the dot products ``p_i = d_i . u`` and ``q = u . u`` (the squared distances are ``|d_i|^2 -
+    2 p_i + q``): with up to ``GRAM_ROWS`` rows they follow from the Gram matrix ``G_ij = d_i .
+    d_j``, taken in the median's pass, so the steps are arithmetic on the coefficients ``a_j``;
+    with more, each step takes them in a pass of its own. Every pass goes chunk by chunk
+    (``CHUNK`` values, the ``d_j`` made again from the rows each time); dot products are float32
+    pairwise sums per chunk added up in float64 in chunk order, the rest Python floats in a fixed
+    order (no BLAS: the same bits on any CPU). A row whose squared distance to ``v0`` overflows
+    float32 in a chunk has weight 0 in every step."""
+    k, n = len(rows), rows[0].shape[0]
+    ops, mid, top = _median_program(k)
+    c = min(n, CHUNK)
+    # the median's scratch, then (once the median is out) the d_j; u; tmp
+    work = [_row(scratch, f"cc{i}", c) for i in range(max(top - k, k) + 2)]
+    v0 = _row(scratch, "middle", n)
+    gram = k <= GRAM_ROWS
+    g = [[0.0] * k for _ in range(k)]  # (used: j >= i)
+
+    def chunks() -> Iterator[tuple[int, int, list[np.ndarray], np.ndarray, np.ndarray]]:
+        for c0 in range(0, n, c):
+            c1 = min(n, c0 + c)
+            b = [x[:c1 - c0] for x in work]
+            yield c0, c1, b[:k], b[-2], b[-1]
+
+    for c0, c1, d, _, t in chunks():
+        slot = [x[c0:c1] for x in rows] + [b[:c1 - c0] for b in work[:top - k]]
+        for ufunc, a, b, out in ops:
+            getattr(np, ufunc)(slot[a], slot[b], out=slot[out])
+        v = v0[c0:c1]
+        if len(mid) == 1:
+            np.copyto(v, slot[mid[0]])
+        else:  # (each middle value times a half, added)
+            np.multiply(slot[mid[0]], np.float32(0.5), out=v)
+            v += np.multiply(slot[mid[1]], np.float32(0.5), out=t)
+        v += np.float32(0)  # -0 becomes +0: which of -0 and +0 a comparator keeps is not defined
+        for x, y in zip(rows, d):
+            np.subtract(x[c0:c1], v, out=y)
+        for i in range(k):
+            for j in range(i, k if gram else i + 1):
+                g[i][j] += _dot(d[i], d[j], t)
+
+    def sweep(a: list[float], dots: bool) -> tuple[list[float], float]:
+        """A pass that forms ``u`` chunk by chunk: its dot products, or ``v0 += u``."""
+        p, q = [0.0] * k, 0.0
+        for c0, c1, d, u, t in chunks():
+            v = v0[c0:c1]
+            for x, y in zip(rows, d):
+                np.subtract(x[c0:c1], v, out=y)
+            u.fill(0)
+            _add_scaled(u, d, a, t)
+            if dots:
+                q += _dot(u, u, t)
+                p = [pi + _dot(y, u, t) if ok else 0.0 for pi, y, ok in zip(p, d, good)]
+            else:
+                v += u
+        return p, q
+
+    good = [math.isfinite(g[i][i]) for i in range(k)]
+    a, w = [0.0] * k, [1.0] * k
+    for step in range(iters):
+        on = [j for j in range(k) if a[j] != 0.0]  # (so that a row of weight 0 adds no inf or nan)
+        if gram or not step:
+            p = [sum(a[j] * g[min(i, j)][max(i, j)] for j in on) for i in range(k)]
+            q = sum(a[j] * p[j] for j in on)
+        else:
+            p, q = sweep(a, True)
+        dists = [math.sqrt(max(0.0, g[i][i] - 2 * p[i] + q)) if good[i] else math.inf for i in range(k)]
         tau = factor * _median(dists)
-        w = [_scale(d, tau) for d in dists]
-        step = _ordered_sum(diffs, w, scratch)
-        v += np.divide(step, np.float32(len(rows)), out=step)
-    return v, w
+        w = [_scale(dist, tau) if ok else 0.0 for dist, ok in zip(dists, good)]
+        keep = 1.0 - sum(w) / k
+        a = [a[j] * keep + w[j] / k for j in range(k)]
+    sweep(a, False)
+    return v0, w
 
 
 MODES = ("mean", "clip", "trim<k>", "cclip")
