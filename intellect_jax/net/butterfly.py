@@ -472,13 +472,13 @@ class _ButterflyRun(AuditFrames):
                 now = time.monotonic()
                 if now >= self.deadline:
                     raise PeerTimeout(f"butterfly: the rows of piece {j} not in before the deadline")
-                missing = [i for i, r in enumerate(self.rows[j]) if r is None and self.left[i] > j]
+                missing = self._missing(j)
                 if not missing:
                     return True
                 for i in missing:  # (each look at its link's bytes: it has been idle since the first that saw none)
                     self.mesh.heard_from(i, now)
-                until = self.deadline
-                if self._within_cap(missing):
+                until, capped = self.deadline, self._within_cap(missing)
+                if capped:
                     since = now if since is None else since
                     until = since + self.mesh.row_grace(since, missing)
                     if now >= until:  # (no frame from it for the whole grace: a slow link's big piece is no silence)
@@ -490,7 +490,12 @@ class _ButterflyRun(AuditFrames):
                         until = now + ROW_LOOK
                 else:
                     since = None
-                self.cond.wait(max(0.001, min(until - now, self.deadline - now, ROW_LOOK)))
+                self.cond.wait(max(0.001, min(until - now, self.deadline - now, ROW_LOOK)), until=lambda: (
+                    self.error is not None or self._missing(j) != missing or self._within_cap(missing) != capped))
+
+    def _missing(self, j: int) -> list[int]:
+        """(Under ``cond``.) The senders whose row of piece ``j`` we lack and still wait for."""
+        return [i for i, r in enumerate(self.rows[j]) if r is None and self.left[i] > j]
 
     def _within_cap(self, more: Sequence[int]) -> bool:
         """(Under ``cond``.) Whether the senders ``more`` may be left out too: with those left

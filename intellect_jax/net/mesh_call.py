@@ -217,7 +217,8 @@ class MeshCall(Relay, Pipeline):
                 going = [t for i, t in enumerate(self.moved) if not self.over[0][i] and now - t < PACE_HOLD]
                 if not going:
                     return True
-                self.cond.wait(max(0.001, min(going) + PACE_HOLD - now))
+                self.cond.wait(max(0.001, min(going) + PACE_HOLD - now), until=lambda: self.error is not None or all(
+                    self.over[0][i] or time.monotonic() - t >= PACE_HOLD for i, t in enumerate(self.moved)))
 
     def _pace(self, phase: int, k: int, j: int) -> bool:
         """Hold link ``k`` before piece ``j`` of ``phase`` while it is ``WINDOW`` pieces ahead of
@@ -244,7 +245,8 @@ class MeshCall(Relay, Pipeline):
                                               key=sent.__getitem__))
                     until = time.monotonic() + PACE_HOLD
                     continue
-                self.cond.wait(min(left, 1.0, self.unpaced - now if phase == 0 else 1.0))
+                self.cond.wait(min(left, 1.0, self.unpaced - now if phase == 0 else 1.0),
+                               until=lambda: self.error is not None or j - self._base(phase, j) < WINDOW)
             return self.error is None
 
     def _base(self, phase: int, j: int) -> int:

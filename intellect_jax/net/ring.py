@@ -30,6 +30,7 @@ from intellect_jax.net import quant
 from intellect_jax.net.errors import FrameError, NetError, PeerTimeout
 from intellect_jax.net.evidence import SIG_BYTES
 from intellect_jax.net.frames import MsgType
+from intellect_jax.net.wakeup import Cond
 from intellect_jax.net.plan import RingPlan, finish, make_plan, piece_rng, rs_hop
 from intellect_jax.net.transport import Connection
 
@@ -129,7 +130,7 @@ class Pipeline:
     def __init__(self, links: Links, deadline: float) -> None:
         self.links, self.deadline = links, deadline
         self.slots: dict[int, tuple] = {}
-        self.cond = threading.Condition()
+        self.cond = Cond()  # (waiters name what they wait for: net/wakeup.py)
         self.error: BaseException | None = None
         self.streams = len(links.out)
 
@@ -157,7 +158,7 @@ class Pipeline:
                 left = self.deadline - time.monotonic()
                 if left <= 0:
                     raise PeerTimeout(f"{self.name}: {what} not ready before the deadline")
-                self.cond.wait(min(left, 1.0))
+                self.cond.wait(min(left, 1.0), until=lambda: self.error is not None or ready())
             return True
 
     def take(self, m: int) -> tuple | None:

@@ -1,0 +1,78 @@
+"""A condition variable whose waiters say what they wait for.
+
+Every thread of a call (a link's sender and receiver, the encoder, the audits) waits on the
+call's one condition, and most changes of state concern one of them: a row that came concerns
+the owner's aggregation, a piece sent the links paced against it. ``threading.Condition``'s
+``notify_all`` wakes every waiter, each of which takes the GIL, finds nothing for it and waits
+again: about 430 wake-ups per butterfly call at a rank of 4 (docs/results.md). Here a waiter may
+pass ``until``, a predicate the notifier checks under the lock, as the waiter would on waking:
+``notify_all`` wakes it only once that holds. A waiter without one is woken every time, and a
+timeout wakes any waiter, so a predicate that misses a change delays its waiter by at most its
+timeout and never loses it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from types import TracebackType
+
+
+class Cond:
+    """``with cond:``, ``cond.wait(timeout, until=...)`` (under the lock) and ``cond.notify_all()``
+    (under the lock), as ``threading.Condition``'s."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[threading.Lock, Callable[[], bool] | None]] = []
+        self._notifying = self._again = False  # (a predicate that notifies: see notify_all)
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._lock.release()
+
+    def wait(self, timeout: float, until: Callable[[], bool] | None = None) -> bool:
+        """Release the lock until notified (with ``until``: once it holds at a notify) or
+        ``timeout`` seconds passed, then take it again. True: notified."""
+        waiter = threading.Lock()
+        waiter.acquire()
+        entry = (waiter, until)
+        self._waiters.append(entry)
+        self._lock.release()
+        try:
+            return waiter.acquire(True, max(0.0, timeout))
+        finally:
+            self._lock.acquire()
+            if entry in self._waiters:  # (timed out: nobody released it)
+                self._waiters.remove(entry)
+
+    def notify_all(self) -> None:
+        """Wake every waiter without a predicate and every one whose predicate holds now (one
+        that raises is woken: its own thread meets the error). A predicate may change state and
+        notify in turn (under the lock, as its waiter would): the waiters left are then looked
+        at again once this pass is over."""
+        if self._notifying:
+            self._again = True
+            return
+        self._notifying = True
+        try:
+            while True:
+                self._again, keep = False, []
+                for entry in self._waiters:
+                    waiter, until = entry
+                    if until is not None:
+                        try:
+                            wake = bool(until())
+                        except Exception:
+                            wake = True
+                        if not wake:
+                            keep.append(entry)
+                            continue
+                    waiter.release()
+                self._waiters = keep
+                if not self._again:
+                    return
+        finally:
+            self._notifying = False
