@@ -125,3 +125,22 @@ def test_a_notify_with_nobody_waiting_or_nothing_ready_wakes_nobody(waiters):
     for t, wakes, done in threads:
         assert done.wait(5.0) and wakes[0] == 1  # (its timeout, once)
         t.join(5.0)
+
+
+def test_the_lock_is_re_entrant_and_a_wait_releases_every_level():
+    """As threading.Condition's default lock: a thread holding the condition may take it again,
+    and a wait lets another thread in however deeply the waiter holds it."""
+    cond, came = Cond(), []
+
+    def other() -> None:
+        with cond:
+            came.append(1)
+            cond.notify_all()
+
+    with cond:
+        with cond:
+            t = threading.Thread(target=other, daemon=True)
+            t.start()
+            assert cond.wait(5.0, until=lambda: bool(came)) and came == [1]
+        assert cond._lock._is_owned()  # (still held at the outer level)
+    t.join(5.0)

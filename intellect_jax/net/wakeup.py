@@ -23,7 +23,7 @@ class Cond:
     (under the lock), as ``threading.Condition``'s."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (re-entrant, as threading.Condition's default)
         self._waiters: list[tuple[threading.Lock, Callable[[], bool] | None]] = []
         self._notifying = self._again = False  # (a predicate that notifies: see notify_all)
 
@@ -40,11 +40,11 @@ class Cond:
         waiter.acquire()
         entry = (waiter, until)
         self._waiters.append(entry)
-        self._lock.release()
+        saved = self._lock._release_save()  # type: ignore[attr-defined]  # (every level, as threading.Condition does)
         try:
             return waiter.acquire(True, max(0.0, timeout))
         finally:
-            self._lock.acquire()
+            self._lock._acquire_restore(saved)  # type: ignore[attr-defined]
             if entry in self._waiters:  # (timed out: nobody released it)
                 self._waiters.remove(entry)
 
