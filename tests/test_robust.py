@@ -168,6 +168,21 @@ def test_cclip_is_centered_clip_from_the_median(n):
         assert got.weights[0] < 0.5  # (so a reference that got the clipping wrong would fail above)
 
 
+def test_cclip_weighs_a_row_whose_squares_overflow_only_over_chunks_as_clip_does():
+    """Each chunk's squares fit float32 and their sum does not: no weight, as clip's float32
+    norm gives it (a review found the per-chunk sums in float64 had let it keep 5e-18), and an
+    empty segment aggregates to nothing (a plan may cut one)."""
+    from intellect_jax.net.robust import CHUNK
+
+    n = 2 * CHUNK
+    rows = _rows(4, n) + [np.full(n, 5.5e16, np.float32)]  # 2e38 a chunk, 4e38 in all
+    for mode in ("clip", "cclip"):
+        got = aggregate(rows, mode, n)
+        assert got.weights[4] == 0.0 and np.isfinite(got.value).all(), mode
+    empty = aggregate([np.zeros(0, np.float32)] * 3, "cclip", 0)
+    assert empty.value.shape == (0,) and empty.weights == (1.0, 1.0, 1.0)
+
+
 def test_cclip_takes_the_same_steps_with_the_gram_matrix_or_a_pass_a_step(monkeypatch):
     import intellect_jax.net.robust as robust
 

@@ -51,6 +51,7 @@ from intellect_jax.net import quant
 Scratch = Callable[..., np.ndarray]  # (name, n, dtype=float32) -> a reused array of >= n elements (Workspace.scratch)
 DEFAULT_FACTOR = 1.0  # clip / cclip: the bound in units of this round's median (row norm or distance)
 CCLIP_ITERS = 3
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ def _median_program(n: int) -> tuple[tuple[tuple[str, int, int, int], ...], tupl
     return tuple(ops), tuple(wire[m] for m in mids), top
 
 
-CHUNK = 65536  # cclip's values per chunk of a pass: what it works on stays in the core's cache
+CHUNK = 65536  # cclip's values per chunk of a pass (its work stays in the core's cache); it decides the bits: owner and auditor must agree on it
 GRAM_ROWS = 10  # cclip takes the Gram matrix of up to this many rows (k(k+1) passes in all), else 5k + 3 a step
 
 
@@ -250,12 +251,13 @@ def centered_clip(rows: Sequence[np.ndarray], factor: float, scratch: Scratch,
     d_j``, taken in the median's pass, so the steps are arithmetic on the coefficients ``a_j``;
     with more, each step takes them in a pass of its own. Every pass goes chunk by chunk
     (``CHUNK`` values, the ``d_j`` made again from the rows each time); dot products are float32
-    pairwise sums per chunk added up in float64 in chunk order, the rest Python floats in a fixed
-    order (no BLAS: the same bits on any CPU). A row whose squared distance to ``v0`` overflows
-    float32 in a chunk has weight 0 in every step."""
+    pairwise sums per chunk added up in float64 in chunk order, the rest Python floats, sums
+    taken with ``math.fsum`` (correctly rounded: no BLAS, and the same bits on any CPU and
+    Python, whose built-in ``sum`` of floats changed in 3.12). A row whose squared distance to
+    ``v0`` is beyond float32's range (as :func:`_norm32`'s norms) has weight 0 in every step."""
     k, n = len(rows), rows[0].shape[0]
     ops, mid, top = _median_program(k)
-    c = min(n, CHUNK)
+    c = max(1, min(n, CHUNK))
     # the median's scratch, then (once the median is out) the d_j; u; tmp
     work = [_row(scratch, f"cc{i}", c) for i in range(max(top - k, k) + 2)]
     v0 = _row(scratch, "middle", n)
@@ -301,19 +303,19 @@ def centered_clip(rows: Sequence[np.ndarray], factor: float, scratch: Scratch,
                 v += u
         return p, q
 
-    good = [math.isfinite(g[i][i]) for i in range(k)]
+    good = [g[i][i] <= _F32_MAX for i in range(k)]  # (as _norm32: a sum of squares past float32's is inf)
     a, w = [0.0] * k, [1.0] * k
     for step in range(iters):
         on = [j for j in range(k) if a[j] != 0.0]  # (so that a row of weight 0 adds no inf or nan)
         if gram or not step:
-            p = [sum(a[j] * g[min(i, j)][max(i, j)] for j in on) for i in range(k)]
-            q = sum(a[j] * p[j] for j in on)
+            p = [math.fsum(a[j] * g[min(i, j)][max(i, j)] for j in on) for i in range(k)]
+            q = math.fsum(a[j] * p[j] for j in on)
         else:
             p, q = sweep(a, True)
         dists = [math.sqrt(max(0.0, g[i][i] - 2 * p[i] + q)) if good[i] else math.inf for i in range(k)]
         tau = factor * _median(dists)
         w = [_scale(dist, tau) if ok else 0.0 for dist, ok in zip(dists, good)]
-        keep = 1.0 - sum(w) / k
+        keep = 1.0 - math.fsum(w) / k
         a = [a[j] * keep + w[j] / k for j in range(k)]
     sweep(a, False)
     return v0, w
