@@ -144,3 +144,59 @@ def test_the_lock_is_re_entrant_and_a_wait_releases_every_level():
             assert cond.wait(5.0, until=lambda: bool(came)) and came == [1]
         assert cond._lock._is_owned()  # (still held at the outer level)
     t.join(5.0)
+
+
+def test_a_predicate_that_notifies_on_every_look_cannot_hold_the_notifier():
+    cond, looks = Cond(), [0]
+
+    def restless() -> bool:
+        looks[0] += 1
+        cond.notify_all()
+        return False
+
+    t, wakes, done = _waiter(cond, lambda: looks[0] > 0, 10.0, until=restless)
+    _settle()
+    with cond:
+        cond.notify_all()  # (returns: after as many looks again as there were waiters, all are woken)
+    assert done.wait(5.0) and wakes[0] == 1 and looks[0] == 1
+    t.join(5.0)
+
+
+def test_an_interrupt_in_a_predicate_leaves_every_waiter_not_yet_woken_waiting():
+    """A KeyboardInterrupt (not an Exception) in one waiter's predicate reaches the notifier; the
+    waiters it had not woken stay registered, and a later notify wakes them, releasing no
+    waiter's lock twice (a review's case)."""
+    cond, state = Cond(), {"go": False, "boom": True}
+
+    def boom() -> bool:
+        if state["boom"]:
+            state["boom"] = False
+            raise KeyboardInterrupt
+        return state["go"]
+
+    t1, w1, d1 = _waiter(cond, lambda: state["go"], 10.0)  # (no predicate: woken by the first notify)
+    _settle()
+    t2, w2, d2 = _waiter(cond, lambda: state["go"], 10.0, until=boom)
+    _settle()
+    t3, w3, d3 = _waiter(cond, lambda: state["go"], 10.0, until=lambda: state["go"])
+    _settle()
+    with pytest.raises(KeyboardInterrupt):
+        with cond:
+            cond.notify_all()
+    with cond:
+        assert len(cond._waiters) >= 2 and not cond._notifying
+        state["go"] = True
+        cond.notify_all()
+    for t, done in ((t1, d1), (t2, d2), (t3, d3)):
+        assert done.wait(5.0)
+        t.join(5.0)
+    assert cond._waiters == []
+
+
+def test_waiting_or_notifying_without_the_lock_is_an_error():
+    cond = Cond()
+    with pytest.raises(RuntimeError, match="does not hold"):
+        cond.wait(0.01)
+    with pytest.raises(RuntimeError, match="does not hold"):
+        cond.notify_all()
+    assert cond._waiters == []

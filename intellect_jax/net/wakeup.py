@@ -33,16 +33,19 @@ class Cond:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._lock.release()
 
-    def wait(self, timeout: float, until: Callable[[], bool] | None = None) -> bool:
-        """Release the lock until notified (with ``until``: once it holds at a notify) or
-        ``timeout`` seconds passed, then take it again. True: notified."""
+    def wait(self, timeout: float | None, until: Callable[[], bool] | None = None) -> bool:
+        """Release the lock (every level held) until notified (with ``until``: once it holds at
+        a notify) or ``timeout`` seconds passed (None: no limit), then take it again. True:
+        notified."""
+        if not self._lock._is_owned():  # type: ignore[attr-defined]
+            raise RuntimeError("wait on a Cond whose lock this thread does not hold")
         waiter = threading.Lock()
         waiter.acquire()
         entry = (waiter, until)
         self._waiters.append(entry)
-        saved = self._lock._release_save()  # type: ignore[attr-defined]  # (every level, as threading.Condition does)
+        saved = self._lock._release_save()  # type: ignore[attr-defined]  # (as threading.Condition does)
         try:
-            return waiter.acquire(True, max(0.0, timeout))
+            return waiter.acquire(True, -1 if timeout is None else max(0.0, timeout))
         finally:
             self._lock._acquire_restore(saved)  # type: ignore[attr-defined]
             if entry in self._waiters:  # (timed out: nobody released it)
@@ -50,28 +53,35 @@ class Cond:
 
     def notify_all(self) -> None:
         """Wake every waiter without a predicate and every one whose predicate holds now (one
-        that raises is woken: its own thread meets the error). A predicate may change state and
-        notify in turn (under the lock, as its waiter would): the waiters left are then looked
-        at again once this pass is over."""
+        whose predicate raises is woken: its own thread meets the error). A predicate may
+        change state and notify in turn (under the lock, as its waiter would): the waiters left
+        are then looked at again once this pass is over, as many times as there were waiters,
+        and after that all of them are woken (a predicate that notifies on every look cannot
+        keep this thread here). An exception of any kind leaves every waiter not yet woken in
+        the list."""
+        if not self._lock._is_owned():  # type: ignore[attr-defined]
+            raise RuntimeError("notify on a Cond whose lock this thread does not hold")
         if self._notifying:
             self._again = True
             return
         self._notifying = True
         try:
-            while True:
-                self._again, keep = False, []
-                for entry in self._waiters:
+            looks = len(self._waiters) + 1
+            for look in range(looks):
+                self._again, todo, self._waiters = False, self._waiters, []
+                for n, entry in enumerate(todo):
                     waiter, until = entry
-                    if until is not None:
-                        try:
-                            wake = bool(until())
-                        except Exception:
-                            wake = True
-                        if not wake:
-                            keep.append(entry)
-                            continue
-                    waiter.release()
-                self._waiters = keep
+                    try:
+                        wake = until is None or look == looks - 1 or bool(until())
+                    except Exception:
+                        wake = True
+                    except BaseException:
+                        self._waiters += todo[n:]
+                        raise
+                    if wake:
+                        waiter.release()
+                    else:
+                        self._waiters.append(entry)
                 if not self._again:
                     return
         finally:
