@@ -129,21 +129,28 @@ def test_a_notify_with_nobody_waiting_or_nothing_ready_wakes_nobody(waiters):
 
 def test_the_lock_is_re_entrant_and_a_wait_releases_every_level():
     """As threading.Condition's default lock: a thread holding the condition may take it again,
-    and a wait lets another thread in however deeply the waiter holds it."""
-    cond, came = Cond(), []
+    and a wait lets another thread in however deeply the waiter holds it (in a thread of its
+    own, so that a lock that is not re-entrant fails this test instead of hanging it)."""
+    cond, came, seen = Cond(), [], []
 
     def other() -> None:
         with cond:
             came.append(1)
             cond.notify_all()
 
-    with cond:
+    def nested() -> None:
         with cond:
-            t = threading.Thread(target=other, daemon=True)
-            t.start()
-            assert cond.wait(5.0, until=lambda: bool(came)) and came == [1]
-        assert cond._lock._is_owned()  # (still held at the outer level)
-    t.join(5.0)
+            with cond:
+                t = threading.Thread(target=other, daemon=True)
+                t.start()
+                seen.append(cond.wait(5.0, until=lambda: bool(came)) and came == [1])
+            seen.append(cond._lock._is_owned())  # (still held at the outer level)
+        t.join(5.0)
+
+    n = threading.Thread(target=nested, daemon=True)
+    n.start()
+    n.join(10.0)
+    assert not n.is_alive() and seen == [True, True]
 
 
 def test_a_predicate_that_notifies_on_every_look_cannot_hold_the_notifier():
