@@ -30,9 +30,9 @@ from intellect_jax.net import quant
 from intellect_jax.net.errors import FrameError, NetError, PeerTimeout
 from intellect_jax.net.evidence import SIG_BYTES
 from intellect_jax.net.frames import MsgType
-from intellect_jax.net.wakeup import Cond
 from intellect_jax.net.plan import RingPlan, finish, make_plan, piece_rng, rs_hop
 from intellect_jax.net.transport import Connection
+from intellect_jax.net.wakeup import Cond
 
 
 @dataclass(frozen=True)
