@@ -262,7 +262,7 @@ def centered_clip(rows: Sequence[np.ndarray], factor: float, scratch: Scratch,
     work = [_row(scratch, f"cc{i}", c) for i in range(max(top - k, k) + 2)]
     v0 = _row(scratch, "middle", n)
     gram = k <= GRAM_ROWS
-    g = [[0.0] * k for _ in range(k)]  # (used: j >= i)
+    g = [[0.0] * k for _ in range(k)]  # (summed into j >= i, then mirrored)
 
     def chunks() -> Iterator[tuple[int, int, list[np.ndarray], np.ndarray, np.ndarray]]:
         for c0 in range(0, n, c):
@@ -303,12 +303,15 @@ def centered_clip(rows: Sequence[np.ndarray], factor: float, scratch: Scratch,
                 v += u
         return p, q
 
+    for i in range(k):
+        for j in range(i):
+            g[i][j] = g[j][i]
     good = [g[i][i] <= _F32_MAX for i in range(k)]  # (as _norm32: a sum of squares past float32's is inf)
     a, w = [0.0] * k, [1.0] * k
     for step in range(iters):
         on = [j for j in range(k) if a[j] != 0.0]  # (so that a row of weight 0 adds no inf or nan)
         if gram or not step:
-            p = [math.fsum(a[j] * g[min(i, j)][max(i, j)] for j in on) for i in range(k)]
+            p = [math.fsum(a[j] * g[i][j] for j in on) for i in range(k)]
             q = math.fsum(a[j] * p[j] for j in on)
         else:
             p, q = sweep(a, True)
